@@ -1,0 +1,164 @@
+"""The rule registry: per-op placement rules keyed by ATen overload.
+
+A *rule* is a pure function ``rule(op, inputs) -> list[Candidate]``:
+
+* ``op`` is an :class:`OpCall` — the ATen overload, its arguments with every tensor replaced by a
+  :class:`TensorSpec` (global shape and dtype), the output spec(s), and the world size;
+* ``inputs`` holds the placement of each tensor input, in the order of ``op.tensor_inputs``
+  (pytree order over ``(args, kwargs)``, so tensors inside lists such as ``cat``'s count too).
+
+It returns the output placements the op can produce *from exactly those input placements*, best
+first. An empty list means "infeasible"; return :func:`reject` to say why (the reason goes into the
+solver trace). Rules never redistribute: the solver inserts collectives between Dynamo nodes and
+asks the rule again with other input placements. Rules never touch the graph and never import
+``torch.distributed``.
+
+A candidate may name a *local rewrite* (``Candidate.local``): the per-rank program must then run a
+different local computation than the plain op on local shards (``"shape"``: constant sizes on the
+sharded dim are divided by the world size; ``"vocab_parallel"``: embedding rows are looked up with a
+per-rank offset and masked). Local implementations used by the ground-truth tests are registered
+with :func:`register_local`; the runtime equivalents live in ``autotp/passes/rewrite.py`` and
+``autotp/layers.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from autotp.placement import Placement
+
+PlacementOut = Placement | tuple[Placement | None, ...] | None
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Global (logical) shape and dtype of a tensor argument or result."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * (torch.finfo(self.dtype).bits // 8 if self.dtype.is_floating_point
+                             else torch.iinfo(self.dtype).bits // 8 if self.dtype != torch.bool else 1)
+
+
+@dataclass
+class OpCall:
+    """What a rule sees of one ATen call."""
+
+    target: Any
+    args: tuple
+    kwargs: dict
+    out: TensorSpec | tuple | None
+    world_size: int
+    tensor_inputs: list[TensorSpec] = field(init=False)
+
+    def __post_init__(self) -> None:
+        flat, _ = pytree.tree_flatten((self.args, self.kwargs))
+        self.tensor_inputs = [a for a in flat if isinstance(a, TensorSpec)]
+
+    def arg(self, index: int, name: str, default: Any = None) -> Any:
+        """Positional-or-keyword argument lookup (ATen schemas allow both)."""
+        if index < len(self.args):
+            return self.args[index]
+        return self.kwargs.get(name, default)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One output placement a rule can produce, and the local rewrite it needs (if any)."""
+
+    output: PlacementOut
+    local: str | None = None
+
+
+class Rejected(list):
+    """An empty candidate list that carries the reason the op is infeasible."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__()
+        self.reason = reason
+
+
+def reject(reason: str) -> Rejected:
+    return Rejected(reason)
+
+
+Rule = Callable[[OpCall, Sequence[Placement | None]], list[Candidate]]
+LocalImpl = Callable[..., Any]
+
+_RULES: dict[Any, Rule] = {}
+_LOCALS: dict[str, LocalImpl] = {}
+
+
+def register(*targets: Any) -> Callable[[Rule], Rule]:
+    """Register ``rule`` for each ATen overload in ``targets``; a second registration raises."""
+
+    def deco(fn: Rule) -> Rule:
+        for t in targets:
+            if t in _RULES:
+                raise ValueError(f"duplicate placement rule for {t}: {_RULES[t].__name__} and {fn.__name__}")
+            _RULES[t] = fn
+        return fn
+
+    return deco
+
+
+def register_local(name: str) -> Callable[[LocalImpl], LocalImpl]:
+    """Register the ATen-level local implementation of a local rewrite (used by ground-truth tests).
+
+    Signature: ``impl(target, args, kwargs, in_placements, out_placement, rank, world_size)`` where
+    ``args``/``kwargs`` hold this rank's local tensors.
+    """
+
+    def deco(fn: LocalImpl) -> LocalImpl:
+        if name in _LOCALS:
+            raise ValueError(f"duplicate local implementation {name!r}")
+        _LOCALS[name] = fn
+        return fn
+
+    return deco
+
+
+def lookup(target: Any) -> Rule | None:
+    """The rule for an ATen overload, or None (the solver then replicates the op and says so)."""
+    _ensure_loaded()
+    return _RULES.get(target)
+
+
+def local_impl(name: str) -> LocalImpl:
+    _ensure_loaded()
+    return _LOCALS[name]
+
+
+def registered_targets() -> list[Any]:
+    _ensure_loaded()
+    return list(_RULES)
+
+
+_loaded = False
+
+
+def _ensure_loaded() -> None:
+    """Import every rule module once (they register themselves on import)."""
+    global _loaded
+    if not _loaded:
+        _loaded = True
+        import autotp.ops  # noqa: F401

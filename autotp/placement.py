@@ -1,0 +1,89 @@
+"""Placements: how one logical tensor is laid out over the ranks of the tensor-parallel group.
+
+* ``Replicate()`` — every rank holds the whole tensor.
+* ``Shard(dim)`` — rank ``r`` holds chunk ``r`` of ``torch.chunk(t, N, dim)``; ``dim`` is a *tensor*
+  dimension (never called an axis: "axis" is reserved for the device mesh).
+* ``Partial()`` — every rank holds a summand; the logical tensor is the sum over ranks.
+
+Placements are small frozen values: they hash, compare, and print as ``R``, ``S(1)``, ``P``.
+A multi-output op has a tuple of placements; a non-tensor value has ``None``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Union
+
+
+@dataclass(frozen=True)
+class Replicate:
+    def __str__(self) -> str:
+        return "R"
+
+    __repr__ = __str__
+
+
+@dataclass(frozen=True)
+class Shard:
+    dim: int
+
+    def __post_init__(self) -> None:
+        if self.dim < 0:
+            raise ValueError(f"Shard dim must be normalized to >= 0, got {self.dim}")
+
+    def __str__(self) -> str:
+        return f"S({self.dim})"
+
+    __repr__ = __str__
+
+
+@dataclass(frozen=True)
+class Partial:
+    def __str__(self) -> str:
+        return "P"
+
+    __repr__ = __str__
+
+
+Placement = Union[Replicate, Shard, Partial]
+
+R = Replicate()
+P = Partial()
+
+
+def is_shard(p: object, dim: int | None = None) -> bool:
+    """True if ``p`` is a Shard (on ``dim`` when given)."""
+    return isinstance(p, Shard) and (dim is None or p.dim == dim)
+
+
+def normalize_dim(dim: int, ndim: int) -> int:
+    """Map a possibly negative tensor dim into ``[0, ndim)``."""
+    if ndim == 0:
+        return 0
+    return dim % ndim
+
+
+def parse(text: str) -> Placement:
+    """Inverse of ``str``: ``"R"``, ``"P"`` or ``"S(2)"``."""
+    text = text.strip()
+    if text == "R":
+        return R
+    if text == "P":
+        return P
+    if text.startswith("S(") and text.endswith(")"):
+        return Shard(int(text[2:-1]))
+    raise ValueError(f"not a placement: {text!r}")
+
+
+def shard_candidates(shape: tuple[int, ...], world_size: int) -> list[Shard]:
+    """The Shard placements a tensor of ``shape`` can take: dims whose size divides evenly."""
+    return [Shard(d) for d, size in enumerate(shape) if size >= world_size and size % world_size == 0]
+
+
+def local_shape(shape: tuple[int, ...], placement: Placement | None, world_size: int) -> tuple[int, ...]:
+    """The shape one rank holds of a tensor with global ``shape`` under ``placement``."""
+    if isinstance(placement, Shard):
+        out = list(shape)
+        out[placement.dim] = shape[placement.dim] // world_size
+        return tuple(out)
+    return tuple(shape)
