@@ -1,0 +1,543 @@
+"""The one home of communication: every ``torch.distributed`` call in autotp lives in this module.
+
+Redistribution turns a tensor of one :mod:`placement <autotp.placement>` into another. Each kind is
+an ``autograd.Function`` whose backward is the *conjugate* collective of its forward (the Megatron
+pairs: identity / all-reduce, split / all-gather, reduce-scatter / all-gather, all-to-all / the
+reverse all-to-all). All of them short-circuit at world size 1.
+
+============================  ==============================  ================================================
+``src -> dst``                forward                         backward
+============================  ==============================  ================================================
+``R -> R``                    identity                        identity, or all-reduce if ``grad_partial``
+``P -> R``                    all-reduce (sum)                identity, or all-reduce if ``grad_partial``
+``R -> S(d)``                 narrow to own chunk             all-gather along ``d``
+``S(d) -> R``                 all-gather along ``d``          own chunk, or reduce-scatter if ``grad_partial``
+``P -> S(d)``                 reduce-scatter along ``d``      all-gather along ``d``
+``S(a) -> S(b)``              all-to-all (gather a, split b)  all-to-all (gather b, split a)
+``S(d) -> S(d)``, ``P -> P``  identity                        identity
+``R -> P``, ``S -> P``        unsupported (``AutoTPError``)
+============================  ==============================  ================================================
+
+Why the backward is what it is: the gradient of a ``Replicate`` or ``Partial`` tensor is the full
+logical gradient on every rank (``Replicate``); the gradient of a ``Shard(d)`` tensor is the same
+shard of the logical gradient. ``grad_partial=True`` says that the gradient *arriving* at a
+``Replicate`` output is itself a partial sum (its consumer produced a sharded or partial output,
+e.g. the input of a column-parallel matmul), so it must be summed over the ranks on the way back.
+
+Shards follow ``torch.chunk`` semantics and must be even: the sharded dim's size must be divisible
+by the world size (the solver only proposes such shards, see
+:func:`autotp.placement.shard_candidates`); an uneven split raises :class:`ShardingError`.
+
+Backend support. NCCL runs every collective natively. On the torch 2.13 CPU build, gloo also
+supports ``all_gather_single``, ``reduce_scatter_single`` and ``all_to_all_single`` natively
+(checked at 2 and 4 ranks), with one quirk: gloo accepts only the *concatenated* layout
+``(N*d0, ...)`` for the gathered output / scattered input, not the stacked ``(N, d0, ...)`` one, so
+that is the layout used for every backend. gloo's list ``all_gather`` also takes non-contiguous
+inputs on this build, but everything handed to a collective here is made contiguous anyway. Older or other gloo builds lack some of them; when a native call raises
+"not supported" the :class:`Comm` remembers it and switches to an emulation: reduce-scatter as
+all-reduce + narrow, all-to-all as all-gather + narrow, all-gather-into-tensor as the list
+all-gather + cat. The backend rejects an unsupported op on every rank before any data moves, so
+the fallback is symmetric. ``Comm(emulate=...)`` forces the emulations (used by the tests).
+
+Accounting. ``Comm.counts`` counts collectives issued in *forward*, one per redistribution by
+logical kind however it is implemented; ``Comm.bytes`` adds the payload bytes this rank handed to
+each (the local input's ``nbytes``). ``Comm.backward_counts`` counts the backward collectives.
+
+The pure helpers :func:`kind_of`, :func:`backward_kind_of`, :func:`cost_bytes` and
+:func:`is_supported` need no process group: the solver imports them.
+"""
+
+from __future__ import annotations
+
+import collections
+import datetime
+import os
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from autotp.errors import AutoTPError, ShardingError
+from autotp.placement import Partial, Placement, Replicate, Shard
+
+__all__ = [
+    "KINDS",
+    "Comm",
+    "backward_kind_of",
+    "barrier",
+    "broadcast_object",
+    "cost_bytes",
+    "ensure_process_group",
+    "is_supported",
+    "kind_of",
+    "redistribute",
+]
+
+#: The logical collective kinds that :class:`Comm` counts.
+KINDS: tuple[str, ...] = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+
+
+# --------------------------------------------------------------------------------------------------
+# Process group
+# --------------------------------------------------------------------------------------------------
+
+
+class Comm:
+    """A tensor-parallel group: a process group, this rank's index in it, and collective counters.
+
+    ``group=None`` with ``world_size == 1`` is the single-process communicator (no process group);
+    build it with :meth:`single`. With a real group, use :meth:`from_group` or
+    :meth:`from_default_group`. Counters live on the instance; nothing here is global.
+    """
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None,
+        rank: int,
+        world_size: int,
+        *,
+        emulate: Iterable[str] = (),
+    ) -> None:
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise AutoTPError(f"invalid rank {rank} for world size {world_size}")
+        if group is None and world_size > 1:
+            raise AutoTPError(
+                f"world size {world_size} needs a process group; use Comm.from_default_group() after "
+                "ensure_process_group(), or Comm.single() for one process"
+            )
+        unknown = set(emulate) - {"all_gather", "reduce_scatter", "all_to_all"}
+        if unknown:
+            raise AutoTPError(f"cannot emulate {sorted(unknown)}; emulations exist for all_gather, "
+                              "reduce_scatter and all_to_all")
+        self.group = group
+        self.rank = rank
+        self.world_size = world_size
+        #: kinds this communicator implements with other collectives (see module docstring)
+        self.emulate: set[str] = set(emulate)
+        #: forward collectives issued, by logical kind
+        self.counts: collections.Counter[str] = collections.Counter()
+        #: payload bytes this rank handed to forward collectives, by logical kind
+        self.bytes: collections.Counter[str] = collections.Counter()
+        #: backward collectives issued, by logical kind
+        self.backward_counts: collections.Counter[str] = collections.Counter()
+
+    @classmethod
+    def single(cls) -> Comm:
+        """The world-size-1 communicator: every redistribution is local, no process group needed."""
+        return cls(None, 0, 1)
+
+    @classmethod
+    def from_group(cls, group: dist.ProcessGroup, *, emulate: Iterable[str] = ()) -> Comm:
+        """Wrap an existing process group."""
+        return cls(group, dist.get_rank(group), dist.get_world_size(group), emulate=emulate)
+
+    @classmethod
+    def from_default_group(cls, *, emulate: Iterable[str] = ()) -> Comm:
+        """Wrap the default (world) process group, which must already be initialized."""
+        if not dist.is_available() or not dist.is_initialized():
+            raise AutoTPError(
+                "torch.distributed is not initialized; call autotp.collectives.ensure_process_group() "
+                "under torchrun, or use Comm.single() for one process"
+            )
+        group = dist.group.WORLD
+        assert group is not None  # guaranteed once initialized
+        return cls.from_group(group, emulate=emulate)
+
+    @property
+    def backend(self) -> str | None:
+        """The process group's backend name (``"gloo"``, ``"nccl"``), or None for a single process."""
+        return None if self.group is None else str(dist.get_backend(self.group))
+
+    def reset_counts(self) -> None:
+        """Zero all counters."""
+        self.counts.clear()
+        self.bytes.clear()
+        self.backward_counts.clear()
+
+    def _record(self, kind: str, x: Tensor, backward: bool) -> None:
+        if backward:
+            self.backward_counts[kind] += 1
+        else:
+            self.counts[kind] += 1
+            self.bytes[kind] += x.numel() * x.element_size()
+
+    def __copy__(self) -> Comm:
+        return self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Comm:
+        # A communicator is a handle on a process group, shared by every module that holds it:
+        # copying a GraphModule that contains Redistribute modules must not try to copy the group.
+        return self
+
+    def __repr__(self) -> str:
+        return f"Comm(rank={self.rank}, world_size={self.world_size}, backend={self.backend})"
+
+
+def ensure_process_group(
+    backend: str | None = None,
+    timeout: datetime.timedelta = datetime.timedelta(minutes=10),
+    device: torch.device | str | None = None,
+) -> None:
+    """Initialize the default process group from the launcher's environment, unless one exists.
+
+    The launcher (``torchrun``) sets ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT``;
+    ``init_method="env://"`` reads them. ``backend=None`` picks NCCL when CUDA is available and
+    ``device`` is a CUDA device (or not given), gloo otherwise. With NCCL, this rank's GPU is
+    ``LOCAL_RANK`` (or the given CUDA device).
+    """
+    if not dist.is_available():
+        raise AutoTPError("this torch build has no torch.distributed; install a build with it")
+    if dist.is_initialized():
+        return
+    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if missing:
+        raise AutoTPError(
+            f"no process group and no launcher environment (missing {', '.join(missing)}); start the "
+            "program with `torchrun --nproc-per-node N ...`, or use Comm.single() for one process"
+        )
+    dev = torch.device(device) if device is not None else None
+    if backend is None:
+        use_cuda = torch.cuda.is_available() and (dev is None or dev.type == "cuda")
+        backend = "nccl" if use_cuda else "gloo"
+    kwargs: dict[str, Any] = {}
+    if backend == "nccl":
+        if dev is None or dev.index is None:
+            dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(dev)
+        kwargs["device_id"] = dev
+    dist.init_process_group(backend=backend, init_method="env://", timeout=timeout, **kwargs)
+
+
+def broadcast_object(obj: Any, comm: Comm) -> Any:
+    """Return the group's rank-0 value of ``obj`` on every rank (must be picklable)."""
+    if comm.world_size == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, group=comm.group, group_src=0)
+    return box[0]
+
+
+def barrier(comm: Comm) -> None:
+    """Wait until every rank of the group gets here."""
+    if comm.world_size > 1:
+        dist.barrier(group=comm.group)
+
+
+# --------------------------------------------------------------------------------------------------
+# Raw collectives along a tensor dim (no autograd). Each counts once under its logical kind.
+# --------------------------------------------------------------------------------------------------
+
+
+def _is_unsupported(err: RuntimeError) -> bool:
+    msg = str(err).lower()
+    return "not supported" in msg or "unsupported" in msg or "does not support" in msg
+
+
+def _check_even(x: Tensor, dim: int, n: int, what: str) -> int:
+    if dim >= x.dim():
+        raise AutoTPError(f"{what}: Shard({dim}) of a {x.dim()}-d tensor of shape {tuple(x.shape)}")
+    size = x.shape[dim]
+    if size % n:
+        raise ShardingError(
+            f"{what}: dim {dim} of shape {tuple(x.shape)} has size {size}, not divisible by the "
+            f"world size {n}; shard another dim or pick a world size that divides {size}"
+        )
+    return size // n
+
+
+def _all_reduce(x: Tensor, comm: Comm, backward: bool) -> Tensor:
+    """Sum over ranks (out of place)."""
+    comm._record("all_reduce", x, backward)
+    out = x.clone(memory_format=torch.contiguous_format)
+    dist.all_reduce(out, group=comm.group)
+    return out
+
+
+def _gather_raw(x: Tensor, comm: Comm) -> Tensor:
+    """All-gather ``x`` (contiguous) into a new ``(N, *x.shape)`` tensor."""
+    n = comm.world_size
+    out = x.new_empty((n, *x.shape))  # (N, *local)
+    if "all_gather" not in comm.emulate:
+        try:
+            # gloo accepts only the concatenated output form (N*d0, ...), a view of ``out``
+            dist.all_gather_single(out.flatten(0, 1) if x.dim() else out, x, group=comm.group)
+            return out
+        except RuntimeError as err:
+            if not _is_unsupported(err):
+                raise
+            comm.emulate.add("all_gather")
+    dist.all_gather(list(out.unbind(0)), x, group=comm.group)
+    return out
+
+
+def _all_gather(x: Tensor, dim: int, comm: Comm, backward: bool) -> Tensor:
+    """Concatenate every rank's ``x`` along ``dim``, in rank order."""
+    if dim >= x.dim():
+        raise AutoTPError(f"all_gather along dim {dim} of a {x.dim()}-d tensor")
+    comm._record("all_gather", x, backward)
+    stacked = _gather_raw(x.contiguous(), comm)  # (N, *local)
+    # (N, ..., s_d, ...) -> (..., N, s_d, ...) -> (..., N*s_d, ...): rank r's rows land at r*s_d.
+    moved = stacked.movedim(0, dim)
+    return moved.reshape(*x.shape[:dim], -1, *x.shape[dim + 1 :]).contiguous()
+
+
+def _own_chunk(x: Tensor, dim: int, comm: Comm, what: str) -> Tensor:
+    """This rank's chunk of ``x`` along ``dim`` (``torch.chunk`` semantics, even), contiguous."""
+    s = _check_even(x, dim, comm.world_size, what)
+    return x.narrow(dim, comm.rank * s, s).contiguous()
+
+
+def _reduce_scatter(x: Tensor, dim: int, comm: Comm, backward: bool) -> Tensor:
+    """Sum over ranks, keep this rank's chunk along ``dim``."""
+    n = comm.world_size
+    s = _check_even(x, dim, n, "reduce_scatter")
+    comm._record("reduce_scatter", x, backward)
+    if "reduce_scatter" not in comm.emulate:
+        # (..., D, ...) -> (..., N, D/N, ...) -> (N, ..., D/N, ...): chunk r is block r.
+        inp = x.unflatten(dim, (n, s)).movedim(dim, 0).contiguous()
+        out = x.new_empty(inp.shape[1:])  # (..., D/N, ...)
+        try:
+            # concatenated input form (N*d0, ...), which every backend accepts
+            dist.reduce_scatter_single(out, inp.flatten(0, 1), group=comm.group)
+            return out
+        except RuntimeError as err:
+            if not _is_unsupported(err):
+                raise
+            comm.emulate.add("reduce_scatter")
+    full = x.clone(memory_format=torch.contiguous_format)
+    dist.all_reduce(full, group=comm.group)
+    return full.narrow(dim, comm.rank * s, s).contiguous()
+
+
+def _all_to_all(x: Tensor, gather_dim: int, scatter_dim: int, comm: Comm, backward: bool) -> Tensor:
+    """``S(gather_dim) -> S(scatter_dim)``: split ``x`` along ``scatter_dim``, send chunk j to rank j,
+    concatenate what arrives along ``gather_dim`` in rank order."""
+    n = comm.world_size
+    s = _check_even(x, scatter_dim, n, "all_to_all")
+    if gather_dim >= x.dim():
+        raise AutoTPError(f"all_to_all gathering dim {gather_dim} of a {x.dim()}-d tensor")
+    comm._record("all_to_all", x, backward)
+    if "all_to_all" not in comm.emulate:
+        # (..., B, ...) -> (..., N, B/N, ...) -> (N, ..., B/N, ...): block j goes to rank j.
+        inp = x.unflatten(scatter_dim, (n, s)).movedim(scatter_dim, 0).contiguous()
+        out = torch.empty_like(inp)  # (N, ..., B/N, ...): block i came from rank i
+        try:
+            dist.all_to_all_single(out, inp, group=comm.group)
+            # (N, ..., A/N, ...) -> (..., N, A/N, ...) -> (..., A, ...)
+            moved = out.movedim(0, gather_dim)
+            shape = inp.shape[1:]
+            return moved.reshape(*shape[:gather_dim], -1, *shape[gather_dim + 1 :]).contiguous()
+        except RuntimeError as err:
+            if not _is_unsupported(err):
+                raise
+            comm.emulate.add("all_to_all")
+    # Emulation: gather everything along gather_dim (N times the bytes), keep own chunk.
+    stacked = _gather_raw(x.contiguous(), comm)  # (N, *local)
+    full = stacked.movedim(0, gather_dim).reshape(*x.shape[:gather_dim], -1, *x.shape[gather_dim + 1 :])
+    return full.narrow(scatter_dim, comm.rank * s, s).contiguous()
+
+
+# --------------------------------------------------------------------------------------------------
+# Differentiable redistributions: forward/backward conjugate pairs.
+# --------------------------------------------------------------------------------------------------
+
+
+class CopyToParallelRegion(torch.autograd.Function):
+    """``R -> R`` feeding a sharded/partial consumer: forward identity, backward all-reduce."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, comm: Comm) -> Tensor:
+        ctx.comm = comm
+        return x
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        return _all_reduce(grad, ctx.comm, backward=True), None
+
+
+class ReduceFromParallelRegion(torch.autograd.Function):
+    """``P -> R``: forward all-reduce (sum); backward identity, or all-reduce if the grad is partial."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, comm: Comm, grad_partial: bool) -> Tensor:
+        ctx.comm, ctx.grad_partial = comm, grad_partial
+        return _all_reduce(x, comm, backward=False)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+        if ctx.grad_partial:
+            return _all_reduce(grad, ctx.comm, backward=True), None, None
+        return grad, None, None
+
+
+class ScatterToParallelRegion(torch.autograd.Function):
+    """``R -> S(d)``: forward keep own chunk along ``d``; backward all-gather along ``d``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, dim: int, comm: Comm) -> Tensor:
+        ctx.comm, ctx.dim = comm, dim
+        return _own_chunk(x, dim, comm, "R -> S")
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+        return _all_gather(grad, ctx.dim, ctx.comm, backward=True), None, None
+
+
+class GatherFromParallelRegion(torch.autograd.Function):
+    """``S(d) -> R``: forward all-gather along ``d``; backward own chunk, or reduce-scatter along
+    ``d`` if the grad is partial."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, dim: int, comm: Comm, grad_partial: bool) -> Tensor:
+        ctx.comm, ctx.dim, ctx.grad_partial = comm, dim, grad_partial
+        return _all_gather(x, dim, comm, backward=False)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
+        if ctx.grad_partial:
+            return _reduce_scatter(grad, ctx.dim, ctx.comm, backward=True), None, None, None
+        return _own_chunk(grad, ctx.dim, ctx.comm, "S -> R backward"), None, None, None
+
+
+class ReduceScatterToParallelRegion(torch.autograd.Function):
+    """``P -> S(d)``: forward reduce-scatter along ``d``; backward all-gather along ``d``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, dim: int, comm: Comm) -> Tensor:
+        ctx.comm, ctx.dim = comm, dim
+        return _reduce_scatter(x, dim, comm, backward=False)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+        return _all_gather(grad, ctx.dim, ctx.comm, backward=True), None, None
+
+
+class AllToAllParallelRegion(torch.autograd.Function):
+    """``S(a) -> S(b)``: forward all-to-all (gather ``a``, scatter ``b``); backward the reverse."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, src_dim: int, dst_dim: int, comm: Comm) -> Tensor:
+        ctx.comm, ctx.src_dim, ctx.dst_dim = comm, src_dim, dst_dim
+        return _all_to_all(x, src_dim, dst_dim, comm, backward=False)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
+        return _all_to_all(grad, ctx.dst_dim, ctx.src_dim, ctx.comm, backward=True), None, None, None
+
+
+def _unsupported(src: Placement, dst: Placement) -> AutoTPError:
+    return AutoTPError(
+        f"redistribution {src} -> {dst} is not supported: a Partial value cannot be produced by "
+        "communication (it is the output of a local op such as a row-parallel matmul); plan the "
+        "producer to emit P, or choose R or S(d) as the destination"
+    )
+
+
+def is_supported(src: Placement, dst: Placement) -> bool:
+    """Whether :func:`redistribute` can turn ``src`` into ``dst`` (everything except ``R/S -> P``)."""
+    return not (isinstance(dst, Partial) and not isinstance(src, Partial))
+
+
+def kind_of(src: Placement, dst: Placement) -> str | None:
+    """The forward collective of ``src -> dst`` (one of :data:`KINDS`), or None when it is local
+    (identity or ``R -> S``). Raises :class:`AutoTPError` for unsupported pairs."""
+    if not is_supported(src, dst):
+        raise _unsupported(src, dst)
+    if isinstance(src, Partial):
+        if isinstance(dst, Replicate):
+            return "all_reduce"
+        if isinstance(dst, Shard):
+            return "reduce_scatter"
+        return None
+    if isinstance(src, Shard):
+        if isinstance(dst, Replicate):
+            return "all_gather"
+        if isinstance(dst, Shard) and dst.dim != src.dim:
+            return "all_to_all"
+    return None
+
+
+def backward_kind_of(src: Placement, dst: Placement, grad_partial: bool = False) -> str | None:
+    """The backward collective of ``src -> dst`` (see the module table), or None when local."""
+    if not is_supported(src, dst):
+        raise _unsupported(src, dst)
+    if grad_partial and not isinstance(dst, Replicate):
+        raise AutoTPError(f"grad_partial applies to a Replicate destination only, got {src} -> {dst}")
+    if isinstance(dst, Replicate):
+        if not grad_partial:
+            return None
+        return "reduce_scatter" if isinstance(src, Shard) else "all_reduce"
+    if isinstance(dst, Shard):
+        if isinstance(src, (Replicate, Partial)):
+            return "all_gather"
+        if isinstance(src, Shard) and src.dim != dst.dim:
+            return "all_to_all"
+    return None
+
+
+def cost_bytes(src: Placement, dst: Placement, nbytes: float, world_size: int) -> float:
+    """Bytes each rank sends in the forward of ``src -> dst`` under the ring model.
+
+    ``nbytes`` is the size of the *full logical* tensor (global shape). With ``N = world_size``:
+
+    * all-reduce: ``2 (N-1)/N * nbytes`` (reduce-scatter then all-gather, each ``(N-1)/N``);
+    * all-gather: ``(N-1)/N * nbytes`` (each rank forwards ``N-1`` chunks of ``nbytes/N``);
+    * reduce-scatter: ``(N-1)/N * nbytes`` (the mirror image of all-gather);
+    * all-to-all: ``(N-1)/N**2 * nbytes`` (each rank holds ``nbytes/N`` and keeps ``1/N`` of it);
+    * ``R -> S``, identities and world size 1: ``0``;
+    * unsupported pairs (``R -> P``, ``S -> P``): ``inf``, so a solver never picks them.
+    """
+    if not is_supported(src, dst):
+        return float("inf")
+    n = world_size
+    if n <= 1:
+        return 0.0
+    kind = kind_of(src, dst)
+    if kind == "all_reduce":
+        return 2.0 * (n - 1) / n * nbytes
+    if kind in ("all_gather", "reduce_scatter"):
+        return (n - 1) / n * nbytes
+    if kind == "all_to_all":
+        return (n - 1) / (n * n) * nbytes
+    return 0.0
+
+
+def redistribute(
+    x: Tensor, src: Placement, dst: Placement, comm: Comm, grad_partial: bool = False
+) -> Tensor:
+    """Turn this rank's piece ``x`` of a logical tensor placed as ``src`` into its piece under ``dst``.
+
+    Differentiable; see the module docstring for the forward/backward pairs. ``grad_partial=True``
+    (``dst`` must be ``R``) says the gradient arriving at the output is a partial sum, so backward
+    all-reduces it (``R -> R``, ``P -> R``) or reduce-scatters it (``S -> R``). At world size 1
+    every supported pair returns ``x`` itself and nothing is counted.
+    """
+    if not is_supported(src, dst):
+        raise _unsupported(src, dst)
+    if grad_partial and not isinstance(dst, Replicate):
+        raise AutoTPError(
+            f"grad_partial=True needs a Replicate destination, got {src} -> {dst}: only a replicated "
+            "value can feed a consumer whose gradient comes back partial"
+        )
+    for p in (src, dst):
+        if isinstance(p, Shard) and p.dim >= x.dim():
+            raise AutoTPError(f"{src} -> {dst} on a {x.dim()}-d tensor of shape {tuple(x.shape)}")
+    if comm.world_size == 1 or (src == dst and not grad_partial):
+        return x
+    if isinstance(src, Replicate):
+        if isinstance(dst, Replicate):
+            return CopyToParallelRegion.apply(x, comm)
+        assert isinstance(dst, Shard)
+        return ScatterToParallelRegion.apply(x, dst.dim, comm)
+    if isinstance(src, Partial):
+        if isinstance(dst, Replicate):
+            return ReduceFromParallelRegion.apply(x, comm, grad_partial)
+        assert isinstance(dst, Shard)
+        return ReduceScatterToParallelRegion.apply(x, dst.dim, comm)
+    assert isinstance(src, Shard)
+    if isinstance(dst, Replicate):
+        return GatherFromParallelRegion.apply(x, src.dim, comm, grad_partial)
+    assert isinstance(dst, Shard)
+    return AllToAllParallelRegion.apply(x, src.dim, dst.dim, comm)

@@ -1,0 +1,200 @@
+"""Tiny, seeded transformers models for tests: configs, saved checkpoints, offline Hub caches.
+
+Every test in the project builds its models here, never from the Hub. The models are real
+transformers architectures (nobody here wrote their modeling code), just small:
+
+* ``tiny_config("llama" | "mistral" | "qwen2", **overrides)`` - hidden 64, 8 heads, 4 kv heads
+  (head_dim 8), 2 layers, vocab 128, intermediate 128, untied embeddings. qwen2 carries q/k/v biases.
+* ``tiny_model(arch, seed=0, dtype=..., **overrides)`` - that model, initialized under ``seed``.
+* ``save_tiny(arch, folder, seed=0, shards=1, dtype=..., **overrides)`` - ``save_pretrained`` output
+  (config.json, generation_config.json, model.safetensors), or ``shards`` files
+  ``model-0000i-of-0000N.safetensors`` plus ``model.safetensors.index.json``.
+* ``make_hf_cache(cache_dir, repo_id, source_folder, revision="main")`` - a Hugging Face cache entry
+  (``models--org--name/{blobs,snapshots/<commit>,refs/<revision>}``) that
+  ``snapshot_download(repo_id, cache_dir=..., local_files_only=True)`` resolves offline.
+
+Note for offline tests: ``huggingface_hub.constants.HF_HUB_OFFLINE`` is read at import time, so a
+test must patch that constant as well as the ``HF_HUB_OFFLINE`` environment variable
+(:func:`offline_hub` does both).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+__all__ = ["ARCHS", "make_hf_cache", "offline_hub", "save_tiny", "tiny_config", "tiny_model"]
+
+#: Common sizes: small, but with kv heads != heads and head_dim > 1 so GQA and rotary are exercised.
+_COMMON: dict[str, Any] = dict(
+    hidden_size=64,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    num_hidden_layers=2,
+    vocab_size=128,
+    intermediate_size=128,
+    max_position_embeddings=256,
+    tie_word_embeddings=False,
+)
+
+#: arch -> (config class, model class, arch-specific overrides) in the ``transformers`` namespace.
+ARCHS: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),  # q/k/v projections carry biases in Qwen2
+}
+
+
+def _classes(arch: str) -> tuple[Any, Any, dict[str, Any]]:
+    import transformers
+
+    if arch not in ARCHS:
+        raise ValueError(f"unknown tiny arch {arch!r}; choose one of {sorted(ARCHS)}")
+    cfg_name, model_name, extra = ARCHS[arch]
+    return getattr(transformers, cfg_name), getattr(transformers, model_name), extra
+
+
+def tiny_config(arch: str, **overrides: Any) -> Any:
+    """A tiny transformers config for ``arch``; ``overrides`` win (e.g. ``tie_word_embeddings=True``,
+    ``pad_token_id=100``). ``architectures`` is set, as in a saved config.json."""
+    cfg_cls, model_cls, extra = _classes(arch)
+    kwargs = {**_COMMON, **extra, **overrides}
+    config = cfg_cls(**kwargs)
+    if not getattr(config, "architectures", None):
+        config.architectures = [model_cls.__name__]
+    return config
+
+
+def tiny_model(arch: str, *, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides: Any) -> Any:
+    """The tiny model, initialized by transformers' own init under ``torch.manual_seed(seed)``, in
+    eval mode and ``dtype``."""
+    _, model_cls, _ = _classes(arch)
+    config = tiny_config(arch, **overrides)
+    torch.manual_seed(seed)
+    model = model_cls(config)
+    return model.to(dtype).eval()
+
+
+def save_tiny(
+    arch: str,
+    folder: str | os.PathLike[str],
+    *,
+    seed: int = 0,
+    shards: int = 1,
+    dtype: torch.dtype = torch.float32,
+    **overrides: Any,
+) -> Path:
+    """Save the tiny model to ``folder`` with ``save_pretrained`` and return the folder.
+
+    ``shards > 1`` splits the weights into exactly that many files (contiguous runs of keys, balanced
+    by bytes) and writes ``model.safetensors.index.json`` as save_pretrained would.
+    """
+    folder = Path(folder)
+    model = tiny_model(arch, seed=seed, dtype=dtype, **overrides)
+    model.save_pretrained(folder)
+    if shards > 1:
+        _reshard(folder, shards)
+    return folder
+
+
+def _reshard(folder: Path, shards: int) -> None:
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    single = folder / "model.safetensors"
+    with safe_open(os.fspath(single), framework="pt") as f:
+        tensors = {k: f.get_tensor(k).clone() for k in f.keys()}
+    keys = list(tensors)
+    if shards > len(keys):
+        raise ValueError(f"cannot split {len(keys)} tensors into {shards} non-empty shards")
+    sizes = [tensors[k].numel() * tensors[k].element_size() for k in keys]
+    total = sum(sizes)
+    # Cut points balanced by bytes; every shard keeps at least one tensor.
+    cumulative = [sum(sizes[: i + 1]) for i in range(len(keys))]
+    cuts = [0]
+    for j in range(1, shards):
+        ideal = next(i + 1 for i, c in enumerate(cumulative) if c * shards >= j * total)
+        cuts.append(min(max(ideal, cuts[-1] + 1), len(keys) - (shards - j)))
+    cuts.append(len(keys))
+    groups = [keys[a:b] for a, b in zip(cuts[:-1], cuts[1:], strict=True)]
+    weight_map: dict[str, str] = {}
+    for j, group in enumerate(groups):
+        name = f"model-{j + 1:05d}-of-{shards:05d}.safetensors"
+        save_file({k: tensors[k] for k in group}, os.fspath(folder / name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(group, name))
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    single.unlink()
+
+
+_COMMIT_RE = re.compile(r"^[0-9a-f]{40}$")
+
+
+def make_hf_cache(
+    cache_dir: str | os.PathLike[str],
+    repo_id: str,
+    source_folder: str | os.PathLike[str],
+    revision: str = "main",
+) -> Path:
+    """Lay out ``source_folder`` as Hub repo ``repo_id`` in the Hugging Face cache ``cache_dir``.
+
+    The layout is huggingface_hub's (folder name from ``huggingface_hub.file_download.
+    repo_folder_name``)::
+
+        models--org--name/blobs/<sha256 of the file>
+        models--org--name/snapshots/<commit>/<path>  -> ../../blobs/<sha256>  (relative symlink)
+        models--org--name/refs/<revision>            (the commit, no newline)
+
+    ``revision`` is a branch/tag name (a ``refs`` file is written; the commit is a hash of the
+    content) or a 40-hex commit (no ``refs`` file). Where symlinks are unavailable files are
+    copied, as huggingface_hub does. Returns the snapshot folder.
+    """
+    from huggingface_hub.file_download import repo_folder_name
+
+    source = Path(source_folder)
+    storage = Path(cache_dir) / repo_folder_name(repo_id=repo_id, repo_type="model")
+    files = sorted(p for p in source.rglob("*") if p.is_file())
+    digests = {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
+    if _COMMIT_RE.match(revision):
+        commit = revision
+    else:
+        h = hashlib.sha1(repo_id.encode())
+        for p in files:
+            h.update(f"{p.relative_to(source).as_posix()}\0{digests[p]}\n".encode())
+        commit = h.hexdigest()
+    snapshot = storage / "snapshots" / commit
+    (storage / "blobs").mkdir(parents=True, exist_ok=True)
+    for p in files:
+        rel = p.relative_to(source)
+        blob = storage / "blobs" / digests[p]
+        if not blob.exists():
+            shutil.copyfile(p, blob)
+        link = snapshot / rel
+        link.parent.mkdir(parents=True, exist_ok=True)
+        if link.exists() or link.is_symlink():
+            link.unlink()
+        try:
+            link.symlink_to(os.path.relpath(blob, link.parent))
+        except OSError:
+            shutil.copyfile(blob, link)
+    if not _COMMIT_RE.match(revision):
+        ref = storage / "refs" / revision
+        ref.parent.mkdir(parents=True, exist_ok=True)
+        ref.write_text(commit)
+    return snapshot
+
+
+def offline_hub(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Turn huggingface_hub's offline mode on for one test (env var and the import-time constant)."""
+    from huggingface_hub import constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
