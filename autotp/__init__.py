@@ -1,0 +1,25 @@
+"""autotp: tensor parallelism for any PyTorch / Hugging Face model, with no per-model code.
+
+    torch.compile(model, backend="autotp")      # any nn.Module, on every rank
+    parallelize_model("org/name" or "/dir")     # Hub id or folder -> compiled, sharded model
+"""
+
+from autotp.api import AutoTPHandle, parallelize_model
+from autotp.backend import autotp_backend
+from autotp.config import AutoTPConfig
+from autotp.errors import AutoTPError, CheckpointError, ShardingError, SolverError
+from autotp.placement import Partial, Replicate, Shard
+
+__all__ = [
+    "AutoTPConfig",
+    "AutoTPError",
+    "AutoTPHandle",
+    "CheckpointError",
+    "Partial",
+    "Replicate",
+    "Shard",
+    "ShardingError",
+    "SolverError",
+    "autotp_backend",
+    "parallelize_model",
+]

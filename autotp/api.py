@@ -1,0 +1,226 @@
+"""``parallelize_model``: a Hub id or a folder in, a tensor-parallel transformers model out.
+
+Steps: join (or start) the process group -> resolve the files (config, safetensors, index) ->
+check the config divides by ``tp_size`` (before any weight is read) -> build the architecture on
+the meta device -> give every parameter a ``ParameterMeta`` and a zero-memory global-shaped
+stand-in -> compile ``forward`` with the autotp backend -> one warm-up call solves the plan and
+loads only this rank's slices.
+
+Sharded parameters across graphs: outside ``forward`` the module holds this rank's local shards
+(so ``model.parameters()``, optimizers and ``state_dict`` see real local tensors); for the duration
+of a call the stand-ins are swapped in, so Dynamo always traces and guards the logical,
+global-shaped model, and every compiled graph binds the same local shard objects.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from autotp.backend import make_backend
+from autotp.collectives import Comm, ensure_process_group
+from autotp.config import AutoTPConfig, parse_dtype
+from autotp.context import TPContext, attach_meta, meta_of, standin
+from autotp.errors import AutoTPError, CheckpointError, divisors_up_to
+from autotp.placement import R
+from autotp.weights import Checkpoint, ParameterMeta, build_meta_model, checkpoint_key, resolve_checkpoint, tied_groups
+
+DIVISIBLE_FIELDS = (
+    ("num_attention_heads", "attention heads are split across ranks"),
+    ("num_key_value_heads", "key/value heads are split across ranks (KV-head replication is not supported yet)"),
+    ("hidden_size", "the hidden dimension of row-parallel weights is split across ranks"),
+    ("intermediate_size", "the MLP's intermediate dimension is split across ranks"),
+)
+
+
+@dataclass
+class AutoTPHandle:
+    """What ``parallelize_model`` attaches to the model as ``model.autotp``."""
+
+    context: TPContext
+    folder: Path | None
+    plans: list[dict] = field(default_factory=list)
+
+    @property
+    def plan(self) -> dict | None:
+        """The plan of the first compiled graph (parameters are pinned by it)."""
+        return self.plans[0] if self.plans else None
+
+    @property
+    def rank(self) -> int:
+        return self.context.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.context.world_size
+
+
+def check_divisible(config: Any, tp_size: int) -> None:
+    """Refuse, before any weight is read, a tp size that does not divide the config's split dims."""
+    problems, sizes = [], []
+    for name, why in DIVISIBLE_FIELDS:
+        value = getattr(config, name, None)
+        if not isinstance(value, int) or value <= 0:
+            continue
+        sizes.append(value)
+        if value % tp_size:
+            problems.append(f"{name}={value} ({why})")
+    if problems:
+        valid = [d for d in divisors_up_to(min(sizes)) if all(s % d == 0 for s in sizes)]
+        raise AutoTPError(
+            f"tp_size={tp_size} does not divide {', '.join(problems)}. "
+            f"Valid tp sizes for this model: {valid}."
+        )
+
+
+class _SwappingForward:
+    """``model.forward`` replacement: stand-ins in for the compiled call, local shards out."""
+
+    def __init__(self, compiled: Callable[..., Any], slots: list[tuple[torch.nn.Module, str, torch.nn.Parameter]]):
+        self.compiled = compiled
+        self.slots = slots
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        for module, name, stand in self.slots:
+            module._parameters[name] = stand
+        try:
+            return self.compiled(*args, **kwargs)
+        finally:
+            self.swap_out()
+
+    def swap_out(self) -> None:
+        for module, name, stand in self.slots:
+            local = meta_of(stand).local
+            module._parameters[name] = local if local is not None else stand
+
+
+def _resolve_module(model: torch.nn.Module, fqn: str) -> tuple[torch.nn.Module, str]:
+    owner, _, name = fqn.rpartition(".")
+    return (model.get_submodule(owner) if owner else model), name
+
+
+def parallelize_model(
+    model: str | os.PathLike,
+    *,
+    tp_size: int | None = None,
+    dtype: str | torch.dtype | None = None,
+    revision: str | None = None,
+    cache_dir: str | os.PathLike | None = None,
+    local_files_only: bool = False,
+    token: str | bool | None = None,
+    trace_dir: str | os.PathLike | None = None,
+    device: str | torch.device | None = None,
+    warmup: bool = True,
+    **overrides: Any,
+) -> torch.nn.Module:
+    """Load ``model`` (Hub id or local folder) tensor-parallel over the current process group.
+
+    Run it on every rank (e.g. under ``torchrun --nproc-per-node N``); without a launcher it runs
+    as a single process. Returns the transformers model: ``model(...)`` gives full outputs on every
+    rank, ``model.generate(...)`` works, ``model.parameters()`` yields this rank's shards, and
+    ``model.autotp.plan`` is the plan.
+    """
+    dtype = parse_dtype(dtype)
+    config = AutoTPConfig(tp_size=tp_size, dtype=dtype, trace_dir=Path(trace_dir) if trace_dir else None,
+                          overrides=dict(overrides.pop("overrides", {}) or {}))
+    if overrides:
+        raise AutoTPError(f"unknown arguments to parallelize_model: {sorted(overrides)}")
+    if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:
+        ensure_process_group()
+    comm = Comm.from_default_group() if dist.is_available() and dist.is_initialized() else Comm.single()
+    if config.tp_size is not None and config.tp_size != comm.world_size:
+        raise AutoTPError(
+            f"tp_size={config.tp_size} but the process group has {comm.world_size} ranks; launch with "
+            f"`torchrun --nproc-per-node {config.tp_size}` (autotp uses the whole group for tensor parallelism)"
+        )
+    world = comm.world_size
+    if device is None:
+        device = torch.device(f"cuda:{torch.cuda.current_device()}") if comm.backend == "nccl" else torch.device("cpu")
+    device = torch.device(device)
+
+    folder = resolve_checkpoint(model, revision=revision, cache_dir=cache_dir, token=token,
+                                local_files_only=local_files_only)
+    from transformers import AutoConfig
+
+    hf_config = AutoConfig.from_pretrained(folder)
+    check_divisible(hf_config, world)
+    module = build_meta_model(hf_config, dtype=dtype)
+    checkpoint = Checkpoint(folder)
+    _install_standins(module, checkpoint, dtype, device)
+    module.to(device) if device.type != "cpu" else None
+
+    ctx = TPContext(comm=comm, config=config)
+    compiled = torch.compile(type(module).forward.__get__(module), backend=make_backend(ctx), dynamic=None)
+    slots = [(m, n, p) for fqn, p in module.named_parameters(remove_duplicate=False)
+             for m, n in [_resolve_module(module, fqn)]]
+    forward = _SwappingForward(compiled, slots)
+    module.forward = forward
+    module.autotp = AutoTPHandle(context=ctx, folder=Path(folder))
+    ctx.on_plan = module.autotp.plans.append
+    if warmup:
+        with torch.no_grad():
+            module(**{k: v.to(device) for k, v in _warmup_inputs(module).items()})
+        _load_untouched(slots, ctx)
+        forward.swap_out()
+    return module
+
+
+def _install_standins(module: torch.nn.Module, checkpoint: Checkpoint, dtype: torch.dtype | None,
+                      device: torch.device) -> None:
+    """Replace each (meta) parameter by a zero-memory global-shaped stand-in carrying its meta."""
+    groups = {fqn: tuple(g) for g in tied_groups(module) for fqn in g}
+    keys = list(checkpoint.keys())
+    prefix = getattr(module, "base_model_prefix", "") or ""
+    seen: dict[int, torch.nn.Parameter] = {}
+    missing = []
+    for fqn, param in list(module.named_parameters(remove_duplicate=False)):
+        owner, name = _resolve_module(module, fqn)
+        if id(param) in seen:
+            owner._parameters[name] = seen[id(param)]
+            continue
+        group = groups.get(fqn, (fqn,))
+        key = next((k for k in (checkpoint_key(f, keys, prefix) for f in group) if k), None)
+        if key is None:
+            missing.append(fqn)
+            continue
+        shape = tuple(checkpoint.shape(key))
+        if shape != tuple(param.shape):
+            raise CheckpointError(
+                f"checkpoint tensor {key} has shape {shape} but the model built from config.json expects "
+                f"{tuple(param.shape)} for {fqn}: the config does not match the weights"
+            )
+        target_dtype = dtype or checkpoint.dtype(key)
+        stand = standin(shape, target_dtype, device, param.requires_grad)
+        attach_meta(stand, ParameterMeta(fqn=fqn, global_shape=shape, dtype=target_dtype, checkpoint_key=key,
+                                         checkpoint=checkpoint, placement=None, tied=group))
+        owner._parameters[name] = stand
+        seen[id(param)] = stand
+    if missing:
+        raise CheckpointError(
+            f"{len(missing)} parameters have no tensor in the checkpoint at {checkpoint.folder}: "
+            f"{missing[:5]}{' ...' if len(missing) > 5 else ''}. Check that the checkpoint matches config.json."
+        )
+
+
+def _warmup_inputs(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    dummy = getattr(module, "dummy_inputs", None)
+    if isinstance(dummy, dict) and dummy:
+        return dict(dummy)
+    return {"input_ids": torch.tensor([[1, 2, 3, 4]])}
+
+
+def _load_untouched(slots: list[tuple[torch.nn.Module, str, torch.nn.Parameter]], ctx: TPContext) -> None:
+    """Parameters no graph used (e.g. a pooler the warm-up did not reach) load replicated."""
+    for _, _, stand in slots:
+        meta = meta_of(stand)
+        if meta.local is None:
+            meta.placement = R
+            meta.local = torch.nn.Parameter(
+                meta.load_local(ctx.rank, ctx.world_size, dtype=meta.dtype, device=stand.device),
+                requires_grad=stand.requires_grad)

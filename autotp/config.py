@@ -1,0 +1,58 @@
+"""Frozen user intent: what the user asked for, checked once at the entry point."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from autotp.errors import AutoTPError
+
+
+@dataclass(frozen=True)
+class AutoTPConfig:
+    """Everything the compiler needs to know about the user's wishes.
+
+    ``tp_size``: ranks in the tensor-parallel group (None: the world size).
+    ``dtype``: parameter dtype after loading (None: the checkpoint's).
+    ``trace_dir``: where each rank writes one folder per compiled graph (None: no trace).
+    ``memory_weight``: solver cost of one replicated parameter byte relative to one communicated
+    byte per token (see ``autotp/passes/solve.py``).
+    ``beam_width``: the solver's bound on partial plans kept per node.
+    ``compile_inner``: "eager" runs the rewritten graph as FX Python code.
+    """
+
+    tp_size: int | None = None
+    dtype: torch.dtype | None = None
+    trace_dir: Path | None = None
+    memory_weight: float = 1.0
+    beam_width: int = 128
+    compile_inner: str = "eager"
+    overrides: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.tp_size is not None and (not isinstance(self.tp_size, int) or self.tp_size < 1):
+            raise AutoTPError(f"tp_size must be a positive integer, got {self.tp_size!r}")
+        if self.compile_inner not in ("eager",):
+            raise AutoTPError(f"compile_inner={self.compile_inner!r} is not supported; use 'eager'")
+        if self.beam_width < 1:
+            raise AutoTPError(f"beam_width must be >= 1, got {self.beam_width}")
+        if self.trace_dir is not None and not isinstance(self.trace_dir, Path):
+            object.__setattr__(self, "trace_dir", Path(self.trace_dir))
+
+
+DTYPES = {
+    "fp32": torch.float32, "float32": torch.float32,
+    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+    "fp16": torch.float16, "float16": torch.float16,
+}
+
+
+def parse_dtype(value: str | torch.dtype | None) -> torch.dtype | None:
+    if value is None or isinstance(value, torch.dtype):
+        return value
+    if value not in DTYPES:
+        raise AutoTPError(f"unknown dtype {value!r}; use one of {sorted(DTYPES)}")
+    return DTYPES[value]

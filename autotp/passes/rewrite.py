@@ -1,0 +1,203 @@
+"""Rewrite: turn the annotated Dynamo graph into this rank's program.
+
+* Parameters: each parameter placeholder is replaced by a ``get_attr`` of this rank's local shard
+  (the placeholder stays in the signature so Dynamo's calling convention is unchanged; the
+  global-shaped value Dynamo passes in is ignored). A linear whose weight is ``Shard(0)`` *is* a
+  column-parallel linear and one with ``Shard(1)`` a row-parallel one: the local op on local shards
+  plus the collectives on its edges; no module swap is needed for matmuls, whatever form they take.
+* Edges: where a value arrives with a placement other than the one its consumer needs, a
+  :class:`~autotp.layers.Redistribute` module is inserted (the collective and its backward
+  conjugate). A replicated value that feeds a node with a sharded or partial output gets an
+  identity-forward / all-reduce-backward ``Redistribute(R, R)`` when it requires grad, because its
+  gradient from that consumer is a partial sum.
+* Local rewrites named by the solver: ``shape`` divides the constant size on the sharded dim of
+  view / reshape / expand calls; ``vocab_parallel`` swaps ``F.embedding`` for
+  :class:`~autotp.layers.VocabParallelEmbedding`. A local rewrite autotp cannot apply to a node is
+  an error, never silently skipped.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx
+import torch.nn.functional as F
+
+from autotp.collectives import Comm, kind_of
+from autotp.errors import PassError
+from autotp.layers import Redistribute, VocabParallelEmbedding
+from autotp.ops.shape import localize_sizes
+from autotp.passes.annotate import Annotation
+from autotp.placement import Replicate, Shard
+
+SHAPE_METHODS = {"view", "reshape", "expand", "new_empty", "new_zeros", "new_ones"}
+SHAPE_FUNCTIONS = {torch.reshape, torch.Tensor.view, torch.Tensor.reshape, torch.Tensor.expand}
+
+
+@dataclass
+class LocalParam:
+    """A parameter placeholder's replacement: the attribute name and this rank's shard."""
+
+    attr: str
+    tensor: torch.nn.Parameter
+    global_shape: tuple[int, ...]
+    vocab_start: int = 0
+
+
+@dataclass
+class RewriteReport:
+    collectives: Counter = field(default_factory=Counter)
+    grad_only_collectives: int = 0
+    local_rewrites: Counter = field(default_factory=Counter)
+
+
+def _leaf_nodes(n: torch.fx.Node) -> list[torch.fx.Node]:
+    out: list[torch.fx.Node] = []
+    torch.fx.node.map_arg((n.args, n.kwargs), out.append)
+    return out
+
+
+def _requires_grad(node: torch.fx.Node, params: dict[torch.fx.Node, LocalParam]) -> bool:
+    value = node.meta.get("example_value")
+    if isinstance(value, torch.Tensor):
+        return bool(value.requires_grad)
+    return False
+
+
+def rewrite(gm: torch.fx.GraphModule, annotation: Annotation, params: dict[torch.fx.Node, LocalParam],
+            comm: Comm) -> RewriteReport:
+    report = RewriteReport()
+    graph = gm.graph
+    counter = itertools.count()
+    original = list(graph.nodes)
+    requires_grad = {n: _requires_grad(n, params) for n in original}
+    for ph, lp in params.items():
+        requires_grad[ph] = lp.tensor.requires_grad
+
+    # 1. parameters -> get_attr of the local shard
+    first_real = next(n for n in graph.nodes if n.op != "placeholder")
+    attr_nodes: dict[torch.fx.Node, torch.fx.Node] = {}
+    for ph, lp in params.items():
+        if not hasattr(gm, lp.attr):
+            gm.register_parameter(lp.attr, lp.tensor)
+        with graph.inserting_before(first_real):
+            attr_nodes[ph] = graph.get_attr(lp.attr)
+
+    # 2. edges -> Redistribute where the placement changes (or a partial gradient must be reduced)
+    for n in original:
+        if n.op == "placeholder":
+            continue
+        plan = annotation.plans[n]
+        leaves = _leaf_nodes(n)
+        replacement: dict[int, Any] = {}
+        for k, leaf in enumerate(leaves):
+            subs = sorted(s for (lk, s) in plan.edges if lk == k)
+            if not subs:
+                continue
+            converted = []
+            changed = False
+            for s in subs:
+                e = plan.edges[(k, s)]
+                grad_partial = (isinstance(e.dst, Replicate) and plan.produces_non_replicated()
+                                and requires_grad.get(leaf, False))
+                source = attr_nodes.get(leaf, leaf)
+                if len(subs) > 1 or _is_sequence_value(leaf):
+                    with graph.inserting_before(n):
+                        source = graph.call_function(_getitem, (source, s))
+                if e.src != e.dst or grad_partial:
+                    name = f"autotp_redistribute_{next(counter)}"
+                    gm.add_submodule(name, Redistribute(e.src, e.dst, comm, grad_partial))
+                    with graph.inserting_before(n):
+                        source = graph.call_module(name, (source,))
+                    kind = kind_of(e.src, e.dst)
+                    if kind:
+                        report.collectives[kind] += 1
+                    elif grad_partial:
+                        report.grad_only_collectives += 1
+                    changed = True
+                converted.append(source)
+            if changed:
+                replacement[k] = converted[0] if len(converted) == 1 and not _is_sequence_value(leaf) \
+                    else tuple(converted)
+        _replace_leaves(n, replacement, attr_nodes)
+
+        # 3. local rewrites
+        for tag in sorted(plan.local):
+            _apply_local(gm, n, tag, plan.output(), params, attr_nodes, comm, report)
+
+    for ph in params:
+        if ph.users:
+            raise PassError(f"parameter placeholder {ph.name} still has users after rewrite: {list(ph.users)}")
+    graph.eliminate_dead_code()
+    gm.recompile()
+    return report
+
+
+def _getitem(value: Any, index: int) -> Any:
+    return value[index]
+
+
+def _is_sequence_value(node: torch.fx.Node) -> bool:
+    return isinstance(node.meta.get("example_value"), (tuple, list))
+
+
+def _replace_leaves(n: torch.fx.Node, replacement: dict[int, Any], attr_nodes: dict) -> None:
+    counter = itertools.count()
+
+    def swap(m: torch.fx.Node) -> Any:
+        k = next(counter)
+        if k in replacement:
+            return replacement[k]
+        return attr_nodes.get(m, m)
+
+    n.args = torch.fx.node.map_arg(n.args, swap)
+    n.kwargs = torch.fx.node.map_arg(n.kwargs, swap)
+
+
+def _apply_local(gm: torch.fx.GraphModule, n: torch.fx.Node, tag: str, out: Any,
+                 params: dict[torch.fx.Node, LocalParam], attr_nodes: dict, comm: Comm,
+                 report: RewriteReport) -> None:
+    if tag == "shape":
+        if not isinstance(out, Shard):
+            return
+        if n.op == "call_method" and n.target in SHAPE_METHODS or n.op == "call_function" and n.target in SHAPE_FUNCTIONS:
+            _localize_shape_args(n, out, comm.world_size)
+            report.local_rewrites["shape"] += 1
+            return
+        # composite ops (attention, norms) derive their sizes from their (local) inputs
+        report.local_rewrites["shape(derived)"] += 1
+        return
+    if tag == "vocab_parallel":
+        if n.op != "call_function" or n.target is not F.embedding:
+            raise PassError(f"node {n.name} ({n.target}) needs a vocab-parallel rewrite, "
+                            "but autotp only knows how to apply it to torch.nn.functional.embedding")
+        ids, weight = n.args[0], n.args[1]
+        lp = next((lp for ph, lp in params.items() if attr_nodes.get(ph) is weight), None)
+        if lp is None:
+            raise PassError(f"vocab-parallel embedding {n.name}: its weight is not a parameter")
+        padding_idx = n.args[2] if len(n.args) > 2 else n.kwargs.get("padding_idx")
+        name = f"autotp_vocab_embedding_{n.name}"
+        gm.add_submodule(name, VocabParallelEmbedding(lp.tensor, lp.global_shape[0], lp.vocab_start, padding_idx))
+        with gm.graph.inserting_before(n):
+            new = gm.graph.call_module(name, (ids,))
+        new.meta = dict(n.meta)
+        n.replace_all_uses_with(new)
+        gm.graph.erase_node(n)
+        report.local_rewrites["vocab_parallel"] += 1
+        return
+    raise PassError(f"unknown local rewrite {tag!r} requested for node {n.name}")
+
+
+def _localize_shape_args(n: torch.fx.Node, out: Shard, world_size: int) -> None:
+    args = list(n.args)
+    if n.target in ("new_empty", "new_zeros", "new_ones"):
+        args[1] = tuple(localize_sizes(list(args[1]), out, world_size))
+    elif len(args) == 2 and isinstance(args[1], (tuple, list, torch.Size)):
+        args[1] = tuple(localize_sizes(list(args[1]), out, world_size))
+    else:
+        args[1:] = localize_sizes(list(args[1:]), out, world_size)
+    n.args = tuple(args)

@@ -1,0 +1,488 @@
+"""Solve: choose a placement for every tensor of the shadow graph, with the least communication.
+
+Formulation
+-----------
+Variables: the output placement of every ATen node, and the storage placement of every free
+parameter (``Replicate`` or ``Shard(d)`` for each dim that divides by the world size).
+Constraints: each op node's placement is one of the candidates its rule returns for its inputs'
+placements (no rule: every input must be ``R`` and the output is ``R`` — the op is replicated, and
+the trace says so); marks copy their input; edges (tensors crossing a Dynamo-node boundary) may
+change placement by a collective, except that a parameter is never redistributed (an edge from a
+parameter keeps its storage placement) and graph outputs must be ``R``.
+Objective: ``sum(comm_bytes(edge) + latency) / tokens + memory_weight * sum(replicated parameter
+bytes * (N-1)/N)``. Communication is normalised per token (``tokens`` = elements of the first
+integer input, or leading elements of the first input) so that the plan does not flip with batch
+or sequence length; a replicated parameter costs the memory it fails to save.
+
+Search
+------
+Frontier dynamic programming in topological order, i.e. a breadth-first branch-and-bound: a
+*state* is the placement of every *live* tensor (produced, still to be consumed) plus the
+accumulated cost and a back-pointer to the choices that led to it. Processing a node expands every
+state by every candidate of the node; states whose candidates are all infeasible are abandoned
+(a *backtrack*: the search continues from the other partial plans, and the trace records why);
+states with identical live placements are merged keeping the cheapest, which makes the search
+exact — costs that are deferred (a ``Partial`` that must be reduced later) are carried by the
+state until they are paid. A beam of ``beam_width`` cheapest states bounds the work on graphs whose
+frontier explodes; pruning is reported in the trace.
+
+Repeated blocks: the graph is cut where the frontier is the same set of live values modulo the
+block shift; a segment whose structural signature and incoming states equal an earlier segment's
+reuses that segment's transitions instead of re-running the rules (``reused_nodes`` in the trace).
+
+Complexity: ``O(V * S * C * I)`` for ``V`` ATen nodes, ``S <= beam_width`` states, ``C`` candidates
+per node (at most ndim+2) and ``I`` inputs per node; memory ``O(V * S)`` back-pointers. It is
+iterative (no recursion in the graph size); repeated blocks cost one block each after the first.
+"""
+
+from __future__ import annotations
+
+import itertools
+import operator
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx
+
+from autotp.collectives import cost_bytes, kind_of
+from autotp.errors import SolverError
+from autotp.ops.registry import Candidate, OpCall, TensorSpec, lookup
+from autotp.passes.decompose import EDGE, MARK, ShadowGraph
+from autotp.placement import Partial, Placement, R, Replicate, Shard, shard_candidates
+
+LATENCY_BYTES = 4096.0  # one collective's fixed cost, in byte-equivalents
+NARROW_EPSILON = 1e-6  # a collective-free R->S edge is preferred only when it is needed
+
+
+@dataclass
+class SolverOptions:
+    world_size: int
+    tokens: int = 1
+    memory_weight: float = 1.0
+    beam_width: int = 128
+
+
+@dataclass
+class ParamChoice:
+    """Storage placements a parameter may take, with the memory cost of each."""
+
+    options: list[tuple[Placement, float]]
+
+
+@dataclass
+class Decision:
+    node: str
+    target: str
+    owner: str
+    inputs: tuple
+    chosen: Any
+    local: str | None
+    candidates: list[str]
+    note: str = ""
+
+
+@dataclass
+class SolveTrace:
+    decisions: list[Decision] = field(default_factory=list)
+    backtracks: list[dict] = field(default_factory=list)
+    backtrack_count: int = 0
+    pruned_states: int = 0
+    max_states: int = 0
+    reused_nodes: int = 0
+    unknown_ops: dict[str, int] = field(default_factory=dict)
+    seconds: float = 0.0
+
+
+@dataclass
+class Solution:
+    placements: dict[torch.fx.Node, Any]
+    local: dict[torch.fx.Node, str]
+    params: dict[torch.fx.Node, Placement]
+    cost: float
+    comm_cost: float
+    memory_cost: float
+    trace: SolveTrace
+
+
+class _Hist:
+    """Persistent back-pointer list: one (node index, placement, local tag) per step."""
+
+    __slots__ = ("parent", "index", "placement", "local", "param")
+
+    def __init__(self, parent: _Hist | None, index: int, placement: Any, local: str | None,
+                 param: tuple[int, Placement] | None) -> None:
+        self.parent, self.index, self.placement, self.local, self.param = parent, index, placement, local, param
+
+
+def _spec(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return TensorSpec(tuple(int(s) for s in value.shape), value.dtype)
+    if isinstance(value, (tuple, list)):
+        return tuple(_spec(v) for v in value)
+    return None
+
+
+def _arg_specs(arg: Any) -> Any:
+    def conv(a: Any) -> Any:
+        if isinstance(a, torch.fx.Node):
+            return _spec(a.meta.get("val"))
+        return a
+
+    return torch.fx.node.map_aggregate(arg, conv)
+
+
+def _tensor_input_nodes(n: torch.fx.Node) -> list[torch.fx.Node]:
+    """The Node arguments that are tensors, in pytree order over (args, kwargs)."""
+    out: list[torch.fx.Node] = []
+
+    def visit(a: Any) -> Any:
+        if isinstance(a, torch.fx.Node) and isinstance(a.meta.get("val"), torch.Tensor):
+            out.append(a)
+        return a
+
+    torch.fx.node.map_aggregate((n.args, n.kwargs), visit)
+    return out
+
+
+def edge_targets(p: Placement, spec: TensorSpec, world_size: int) -> list[Placement]:
+    """Placements an edge may move a tensor to from ``p`` (identity first)."""
+    out: list[Placement] = [p]
+    floating = spec.dtype.is_floating_point or spec.dtype.is_complex
+    if isinstance(p, Partial):
+        out.append(R)
+        out.extend(s for s in shard_candidates(spec.shape, world_size) if floating)
+    elif isinstance(p, Replicate):
+        out.extend(shard_candidates(spec.shape, world_size))
+    elif isinstance(p, Shard):
+        out.append(R)
+        out.extend(s for s in shard_candidates(spec.shape, world_size) if s != p)
+    return out
+
+
+def edge_cost(src: Placement, dst: Placement, spec: TensorSpec, opts: SolverOptions) -> float:
+    if src == dst:
+        return 0.0
+    kind = kind_of(src, dst)
+    if kind is None:
+        return NARROW_EPSILON
+    return (cost_bytes(src, dst, spec.nbytes, opts.world_size) + LATENCY_BYTES) / max(opts.tokens, 1)
+
+
+class _Step:
+    """Static facts about one ATen node, computed once."""
+
+    __slots__ = ("index", "node", "kind", "inputs", "opcall", "rule", "spec", "is_output_edge", "owner")
+
+    def __init__(self, index: int, node: torch.fx.Node, kind: str, inputs: list[int], opcall: OpCall | None,
+                 rule: Any, spec: Any, is_output_edge: bool, owner: str) -> None:
+        self.index, self.node, self.kind, self.inputs = index, node, kind, inputs
+        self.opcall, self.rule, self.spec, self.is_output_edge, self.owner = opcall, rule, spec, is_output_edge, owner
+
+
+def solve(shadow: ShadowGraph, opts: SolverOptions, fixed: dict[torch.fx.Node, Placement],
+          free_params: dict[torch.fx.Node, ParamChoice], param_nodes: set[torch.fx.Node]) -> Solution:
+    """Find the cheapest placement of every tensor in ``shadow.aten`` (see the module docstring).
+
+    ``fixed`` pins ATen placeholders (user inputs, buffers, parameters a previous graph placed);
+    ``free_params`` lists the parameters whose storage placement this solve decides;
+    ``param_nodes`` are all parameter placeholders (free or pinned): they are never redistributed.
+    """
+    t0 = time.perf_counter()
+    trace = SolveTrace()
+    nodes = list(shadow.aten.graph.nodes)
+    index = {n: i for i, n in enumerate(nodes)}
+    output_dyn = len(shadow.dynamo_nodes) - 1
+    dyn_names = [n.name for n in shadow.dynamo_nodes]
+
+    steps: list[_Step] = []
+    last_use: dict[int, int] = {}
+    for n in nodes:
+        if n.op != "call_function":
+            continue
+        i = index[n]
+        ins = [index[a] for a in _tensor_input_nodes(n)]
+        if n.target is operator.getitem:
+            ins = [index[n.args[0]]]
+        spec = _spec(n.meta.get("val"))
+        owner = dyn_names[shadow.owner[n]] if n in shadow.owner else "?"
+        if n.target is EDGE:
+            kind, opcall, rule = "edge", None, None
+        elif n.target is MARK:
+            kind, opcall, rule = "mark", None, None
+        elif n.target is operator.getitem:
+            kind, opcall, rule = "getitem", None, None
+        else:
+            kind = "op"
+            opcall = OpCall(n.target, _arg_specs(n.args), _arg_specs(n.kwargs), spec, opts.world_size)
+            rule = lookup(n.target)
+            if rule is None:
+                trace.unknown_ops[str(n.target)] = trace.unknown_ops.get(str(n.target), 0) + 1
+        is_out = kind == "edge" and n.args[1] == output_dyn
+        steps.append(_Step(i, n, kind, ins, opcall, rule, spec, is_out, owner))
+
+    steps = _schedule(steps)
+    position = {s.index: k for k, s in enumerate(steps)}
+    for k, s in enumerate(steps):
+        for j in s.inputs:
+            last_use[j] = max(last_use.get(j, -1), k)
+
+    fixed_idx = {index[n]: p for n, p in fixed.items()}
+    free_idx = {index[n]: c for n, c in free_params.items()}
+    param_idx = {index[n] for n in param_nodes} | set(free_idx)
+    for n in nodes:
+        if n.op in ("placeholder", "get_attr") and index[n] not in fixed_idx and index[n] not in free_idx:
+            fixed_idx[index[n]] = R
+
+    search = _Search(steps, position, last_use, fixed_idx, free_idx, param_idx, opts, trace)
+    states = search.run()
+
+    best_cost, best_comm, best_mem, hist = min(states.values(), key=lambda v: v[0])
+    placements: dict[torch.fx.Node, Any] = {}
+    local: dict[torch.fx.Node, str] = {}
+    params: dict[torch.fx.Node, Placement] = {}
+    while hist is not None:
+        n = nodes[hist.index]
+        placements.setdefault(n, hist.placement)
+        if hist.local:
+            local[n] = hist.local
+        if hist.param is not None:
+            params[nodes[hist.param[0]]] = hist.param[1]
+        hist = hist.parent
+    for j, p in fixed_idx.items():
+        placements[nodes[j]] = p
+    for n, p in params.items():
+        placements[n] = p
+    _record_decisions(steps, placements, local, trace, fixed_idx)
+    trace.seconds = time.perf_counter() - t0
+    return Solution(placements, local, params, best_cost, best_comm, best_mem, trace)
+
+
+@dataclass(frozen=True)
+class Pending:
+    """An edge whose placement its first consumer decides (lazy redistribution)."""
+
+    src: Any
+
+
+@dataclass
+class _Option:
+    out: Any
+    cost: float = 0.0
+    mem: float = 0.0
+    local: str | None = None
+    param: tuple[int, Placement] | None = None
+    resolved: tuple[tuple[int, Placement], ...] = ()
+
+
+class _Search:
+    """The frontier DP of :func:`solve` (see the module docstring)."""
+
+    def __init__(self, steps: list[_Step], position: dict[int, int], last_use: dict[int, int],
+                 fixed: dict[int, Placement], free: dict[int, ParamChoice], params: set[int],
+                 opts: SolverOptions, trace: SolveTrace) -> None:
+        self.steps, self.position, self.last_use = steps, position, last_use
+        self.fixed, self.free, self.params, self.opts, self.trace = fixed, free, params, opts, trace
+        self.spec_of = {s.index: s.spec for s in steps}
+        self.rule_cache: dict[tuple[int, tuple], list[Candidate]] = {}
+
+    def run(self) -> dict[tuple, tuple[float, float, float, _Hist | None]]:
+        states: dict[tuple, tuple[float, float, float, _Hist | None]] = {(): (0.0, 0.0, 0.0, None)}
+        for step in self.steps:
+            states = self.advance(step, states)
+        return states
+
+    def advance(self, step: _Step, states: dict) -> dict:
+        here = self.position[step.index]
+        new_states: dict[tuple, tuple[float, float, float, _Hist | None]] = {}
+        for key, (cost, comm, mem, hist) in states.items():
+            live = dict(key)
+            options, reason = self.options(step, live, here)
+            if not options:
+                self.trace.backtrack_count += 1
+                if len(self.trace.backtracks) < 200:
+                    self.trace.backtracks.append({
+                        "node": step.node.name, "target": str(step.node.target), "owner": step.owner,
+                        "inputs": [str(self.placement(live, j)) for j in step.inputs], "reason": reason,
+                    })
+                continue
+            for o in options:
+                nlive = dict(live)
+                h = hist
+                for j, p in o.resolved:
+                    if j in nlive and self.last_use.get(j, -1) > here:
+                        nlive[j] = p
+                    h = _Hist(h, j, p, None, None)
+                if o.param is not None and self.last_use.get(o.param[0], -1) > here:
+                    nlive[o.param[0]] = o.param[1]
+                if self.last_use.get(step.index, -1) > here:
+                    nlive[step.index] = o.out
+                for j in step.inputs:
+                    if j in nlive and self.last_use.get(j, -1) <= here:
+                        del nlive[j]
+                nkey = tuple(sorted(nlive.items(), key=lambda kv: kv[0]))
+                total = cost + o.cost + o.mem
+                prev = new_states.get(nkey)
+                if prev is None or total < prev[0]:
+                    if not isinstance(o.out, Pending):
+                        h = _Hist(h, step.index, o.out, o.local, o.param)
+                    new_states[nkey] = (total, comm + o.cost, mem + o.mem, h)
+        if not new_states:
+            raise _no_plan(step, self.trace)
+        if len(new_states) > self.opts.beam_width:
+            ranked = sorted(new_states.items(), key=lambda kv: kv[1][0] + self.deferred(kv[0]))
+            self.trace.pruned_states += len(ranked) - self.opts.beam_width
+            new_states = dict(ranked[: self.opts.beam_width])
+        self.trace.max_states = max(self.trace.max_states, len(new_states))
+        return new_states
+
+    def deferred(self, key: tuple) -> float:
+        """Ranking heuristic for the beam (never part of the cost): a live Partial value must be
+        reduced some day, at least by a reduce-scatter of its size; without this, states that
+        postpone a reduction look cheaper than they are and crowd the others out."""
+        total = 0.0
+        for j, p in key:
+            if isinstance(p, Pending):
+                p = p.src
+            if isinstance(p, Partial) and isinstance(self.spec_of.get(j), TensorSpec):
+                total += edge_cost(p, Shard(0), self.spec_of[j], self.opts)
+        return total
+
+    def placement(self, live: dict, j: int) -> Any:
+        return live[j] if j in live else self.fixed.get(j)
+
+    def options(self, step: _Step, live: dict, here: int) -> tuple[list[_Option], str | None]:
+        if step.kind == "edge":
+            return self.edge_options(step, live, here), None
+        if step.kind in ("mark", "getitem"):
+            src = self.placement(live, step.inputs[0])
+            resolved: tuple = ()
+            if isinstance(src, Pending):
+                resolved, src = ((step.inputs[0], src.src),), src.src
+            if step.kind == "getitem" and isinstance(src, tuple):
+                src = src[step.node.args[1]]
+            return [_Option(src, resolved=resolved)], None
+        return self.op_options(step, live)
+
+    def edge_options(self, step: _Step, live: dict, here: int) -> list[_Option]:
+        src_idx = step.inputs[0] if step.inputs else None
+        src = self.placement(live, src_idx) if src_idx is not None else R
+        if src_idx in self.params:
+            if src is not None:
+                return [_Option(src)]
+            return [_Option(p, mem=m, param=(src_idx, p)) for p, m in self.free[src_idx].options
+                    if not (step.is_output_edge and p != R)]
+        if step.is_output_edge:
+            return [_Option(R, cost=edge_cost(src, R, step.spec, self.opts))] if step.spec is not None \
+                else [_Option(src)]
+        if step.spec is None or self.last_use.get(step.index, -1) <= here:
+            return [_Option(src)]
+        return [_Option(Pending(src))]
+
+    def op_options(self, step: _Step, live: dict) -> tuple[list[_Option], str | None]:
+        """Candidates of an op node. Inputs arriving through a pending edge are tried as they are
+        and, when they are sharded or partial, also replicated (an early reduction can save a
+        later, larger one); only when none of that is feasible are all redistributions tried."""
+        ins = [self.placement(live, j) for j in step.inputs]
+        pending = sorted({j for j, p in zip(step.inputs, ins) if isinstance(p, Pending)})
+        if not pending:
+            cands = self.rule(step, tuple(ins))
+            return [_Option(c.output, local=c.local) for c in cands], getattr(cands, "reason", None)
+        first = [[(live[j].src, 0.0)] + ([] if isinstance(live[j].src, Replicate)
+                                         else [(R, edge_cost(live[j].src, R, self.spec_of[j], self.opts))])
+                 for j in pending]
+        out, reason = self.combos(step, ins, pending, first, skip=None)
+        if out:
+            return out, reason
+        full = [[(q, edge_cost(live[j].src, q, self.spec_of[j], self.opts))
+                 for q in edge_targets(live[j].src, self.spec_of[j], self.opts.world_size)] for j in pending]
+        more, _ = self.combos(step, ins, pending, full, skip=first)
+        return more, reason
+
+    def combos(self, step: _Step, ins: list, pending: list[int], choices: list[list[tuple[Placement, float]]],
+               skip: list[list[tuple[Placement, float]]] | None) -> tuple[list[_Option], str | None]:
+        out: list[_Option] = []
+        reason = None
+        tried = set(itertools.product(*[[q for q, _ in c] for c in skip])) if skip else set()
+        for combo in itertools.product(*choices):
+            if tuple(q for q, _ in combo) in tried:
+                continue
+            chosen = dict(zip(pending, combo))
+            trial = tuple(chosen[j][0] if j in chosen else p for j, p in zip(step.inputs, ins))
+            cands = self.rule(step, trial)
+            if not cands:
+                reason = reason or getattr(cands, "reason", None)
+                continue
+            extra = sum(c for _, c in combo)
+            resolved = tuple((j, chosen[j][0]) for j in pending)
+            out.extend(_Option(c.output, cost=extra, local=c.local, resolved=resolved) for c in cands)
+        return out, reason
+
+    def rule(self, step: _Step, ins: tuple) -> list[Candidate]:
+        key = (step.index, ins)
+        cands = self.rule_cache.get(key)
+        if cands is None:
+            cands = _candidates(step, ins)
+            self.rule_cache[key] = cands
+        return cands
+
+
+def _schedule(steps: list[_Step]) -> list[_Step]:
+    """Processing order: topological, but each graph-output edge right after its producer, so a
+    value that is only returned (a KV-cache tensor, say) leaves the frontier at once instead of
+    staying live, and multiplying states, until the end of the graph."""
+    late = [s for s in steps if s.is_output_edge]
+    by_input: dict[int, list[_Step]] = {}
+    for s in late:
+        by_input.setdefault(s.inputs[0] if s.inputs else -1, []).append(s)
+    order = list(by_input.pop(-1, []))
+    for s in steps:
+        if s.is_output_edge:
+            continue
+        order.append(s)
+        order.extend(by_input.pop(s.index, []))
+    for rest in by_input.values():  # outputs that are placeholders
+        order[:0] = rest
+    return order
+
+
+def _candidates(step: _Step, ins: tuple) -> list[Candidate]:
+    if step.rule is None:
+        if all(p is None or isinstance(p, Replicate) for p in ins):
+            out = tuple(R if s is not None else None for s in step.spec) if isinstance(step.spec, tuple) else R
+            return [Candidate(out)]
+        from autotp.ops.registry import reject
+
+        return reject(f"no rule for {step.node.target}: replicated, so every input must be R")
+    return step.rule(step.opcall, ins)
+
+
+def _record_decisions(steps: list[_Step], placements: dict, local: dict, trace: SolveTrace,
+                      fixed_idx: dict[int, Placement]) -> None:
+    node_of = {s.index: s.node for s in steps}
+    for step in steps:
+        if step.kind != "op":
+            continue
+        ins = tuple(placements.get(node_of.get(j)) if j in node_of else fixed_idx.get(j) for j in step.inputs)
+        cands = _candidates(step, ins)
+        trace.decisions.append(Decision(
+            node=step.node.name, target=str(step.node.target), owner=step.owner,
+            inputs=tuple(str(p) for p in ins), chosen=str(placements.get(step.node)),
+            local=local.get(step.node), candidates=[str(c.output) for c in cands],
+            note="no rule: replicated" if step.rule is None else getattr(cands, "reason", ""),
+        ))
+
+
+def _no_plan(step: _Step, trace: SolveTrace) -> SolverError:
+    origin = step.node.meta.get("stack_trace") or ""
+    line = origin.strip().splitlines()[-2:] if origin else []
+    tried = trace.backtracks[-5:]
+    return SolverError(
+        f"no valid placement plan: every partial plan died at ATen node {step.node.name} "
+        f"({step.node.target}) from Dynamo node {step.owner}.\n"
+        f"  source: {' | '.join(x.strip() for x in line) or 'unknown'}\n"
+        f"  last attempts: {tried}\n"
+        "This is an autotp bug or an op whose rule is too strict; please report it with the trace "
+        "(pass trace_dir=...)."
+    )

@@ -1,0 +1,66 @@
+"""The plan: the per-parameter outcome of a solve, in words users know (colwise, rowwise, vocab).
+
+A style is read off the placement and the op that consumes the parameter, never off its name:
+a matmul weight stored ``(out, in)`` (``linear``) sharded on ``out`` is column-parallel, on ``in``
+row-parallel; stored ``(in, out)`` (``addmm`` / ``matmul`` with the weight second, e.g. GPT-2's
+Conv1D) the other way round; an embedding table sharded on rows is vocab-parallel.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import torch
+import torch.fx
+import torch.nn.functional as F
+
+from autotp.placement import Placement, Replicate, Shard, local_shape
+
+LINEAR_LIKE = {F.linear, torch._C._nn.linear}
+MATMUL_LIKE = {torch.matmul, torch.mm, torch.bmm, torch.addmm, torch.Tensor.matmul, torch.einsum}
+
+
+def style_of(placement: Placement | None, consumer: torch.fx.Node | None, ndim: int) -> str:
+    if placement is None or isinstance(placement, Replicate):
+        return "replicate"
+    if not isinstance(placement, Shard):
+        return str(placement)
+    target = consumer.target if consumer is not None else None
+    d = placement.dim
+    if target is F.embedding:
+        return "vocab" if d == 0 else "colwise"
+    if target in LINEAR_LIKE:
+        if ndim == 1:
+            return "colwise"
+        return "colwise" if d == 0 else "rowwise"
+    if target in MATMUL_LIKE or target in ("matmul", "mm", "addmm", "__matmul__"):
+        if ndim == 1:
+            return "colwise"
+        return "colwise" if d == ndim - 1 else "rowwise"
+    if ndim == 1:
+        return "colwise"
+    return f"shard({d})"
+
+
+def first_consumer(ph: torch.fx.Node) -> torch.fx.Node | None:
+    return next(iter(ph.users), None)
+
+
+def build_plan(world_size: int, params: dict[str, dict[str, Any]], collectives: Counter) -> dict[str, Any]:
+    return {
+        "world_size": world_size,
+        "parameters": dict(sorted(params.items())),
+        "collectives": dict(sorted(collectives.items())),
+    }
+
+
+def parameter_entry(placement: Placement | None, consumer: torch.fx.Node | None,
+                    global_shape: tuple[int, ...], world_size: int) -> dict[str, Any]:
+    return {
+        "style": style_of(placement, consumer, len(global_shape)),
+        "placement": str(placement),
+        "shard_dim": placement.dim if isinstance(placement, Shard) else None,
+        "global_shape": list(global_shape),
+        "local_shape": list(local_shape(global_shape, placement, world_size)),
+    }
