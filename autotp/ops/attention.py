@@ -1,0 +1,110 @@
+"""Scaled dot-product attention, every ATen overload: one rule over the heads / batch dims.
+
+q ``(B, Hq, L, E)``, k ``(B, Hk, S, E)``, v ``(B, Hk, S, Ev)``, optional mask broadcastable to
+``(B, Hq, L, S)``:
+
+* all Replicate -> Replicate;
+* q, k, v all ``S(1)`` (heads) -> output ``S(1)``. With GQA (``Hk < Hq``) contiguous chunks still
+  pair up — rank r's query heads ``[r*Hq/N, (r+1)*Hq/N)`` use kv heads ``[r*Hk/N, (r+1)*Hk/N)`` —
+  because both head counts divide by N (they are sharded);
+* q, k, v all ``S(0)`` (batch) -> ``S(0)``;
+* the mask (and the math kernel's dropout mask) must be sharded like q where it has that dim at
+  full size, and Replicate where it broadcasts (size 1 or missing);
+* a Shard on the sequence or head_dim dims is infeasible (``is_causal`` and the softmax would see
+  a slice), and so is any Partial.
+
+Dropout is allowed with sharded heads / batch: each rank drops its own heads' probabilities.
+Extra results get their natural placement (logsumexp ``(B, H, L)`` shards like the output, the
+math kernel's attention weights ``(B, H, L, S)`` too); seeds, offsets, cumulative lengths and debug
+masks get None.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from autotp.ops._common import R, aten_ops, missing, out_spec, tensor_index
+from autotp.ops.registry import Candidate, OpCall, TensorSpec, register, reject
+from autotp.placement import Partial, Placement, Replicate, Shard
+
+OUT, LSE, ATTN = "out", "lse", "attn"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where an overload keeps its optional tensors and what each of its results is."""
+
+    mask: tuple[int, str] | None
+    results: tuple[str | None, ...] | None  # None: a single tensor result
+    dropout_mask: tuple[int, str] | None = None
+
+
+_NINE = (OUT, LSE, None, None, None, None, None, None, None)
+LAYOUTS: dict[str, Layout] = {
+    "scaled_dot_product_attention.default": Layout((3, "attn_mask"), None),
+    "_scaled_dot_product_flash_attention_for_cpu.default": Layout((99, "attn_mask"), (OUT, LSE)),
+    "_scaled_dot_product_efficient_attention.default": Layout((3, "attn_bias"), (OUT, LSE, None, None)),
+    "_scaled_dot_product_flash_attention.default": Layout(None, _NINE),
+    "_scaled_dot_product_cudnn_attention.default": Layout((3, "attn_bias"), _NINE),
+    "_scaled_dot_product_fused_attention_overrideable.default": Layout((3, "attn_bias"), _NINE),
+    "_scaled_dot_product_attention_math.default": Layout((3, "attn_mask"), (OUT, ATTN),
+                                                         dropout_mask=(6, "dropout_mask")),
+}
+_BY_TARGET = {op: LAYOUTS[name] for name in LAYOUTS for op in aten_ops(name)}
+
+
+def _mask_need(mask: TensorSpec, shard_dim: int) -> Placement:
+    """Placement a mask broadcast to (B, H, L, S) needs when q is sharded on ``shard_dim``."""
+    d = shard_dim - (4 - mask.ndim)
+    return Shard(d) if d >= 0 and mask.shape[d] != 1 else R
+
+
+def _result(op: OpCall, kind: str | None, index: int, q: TensorSpec, p: Placement) -> Placement | None:
+    if kind in (OUT, ATTN):
+        return p
+    if kind == LSE:
+        spec = out_spec(op, index)
+        if spec is None or spec.ndim < 3:
+            return None
+        if isinstance(p, Shard) and spec.shape[p.dim] != q.shape[p.dim]:
+            return None
+        return p
+    return None
+
+
+@register(*_BY_TARGET)
+def sdpa_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate]:
+    """Attention over heads or batch shards (see the module docstring)."""
+    bad = missing(inputs)
+    if bad is not None:
+        return bad
+    layout = _BY_TARGET[op.target]
+    if any(isinstance(p, Partial) for p in inputs):
+        return reject("attention is nonlinear: no input may be Partial")
+    q, k, v = op.tensor_inputs[:3]
+    pq, pk, pv = inputs[:3]
+    extras: list[tuple[str, int]] = []
+    for where, name in ((layout.mask, "mask"), (layout.dropout_mask, "dropout mask")):
+        if where is not None:
+            i = tensor_index(op, *where)
+            if i is not None:
+                extras.append((name, i))
+    if isinstance(pq, Replicate):
+        if all(isinstance(p, Replicate) for p in inputs):
+            shard: Placement = R
+        else:
+            return reject("q is Replicate while k, v or the mask are sharded")
+    else:
+        if q.ndim != 4 or pq.dim not in (0, 1):
+            return reject(f"q sharded on dim {pq.dim}: only batch (0) or heads (1) shards are exact")
+        if pk != pq or pv != pq:
+            return reject(f"q, k, v must be sharded alike, got {pq}, {pk}, {pv}")
+        for name, i in extras:
+            need = _mask_need(op.tensor_inputs[i], pq.dim)
+            if inputs[i] != need:
+                return reject(f"the {name} is {inputs[i]}, needs {need} with q {pq}")
+        shard = pq
+    if layout.results is None:
+        return [Candidate(shard)]
+    return [Candidate(tuple(_result(op, kind, j, q, shard) for j, kind in enumerate(layout.results)))]

@@ -1,0 +1,93 @@
+"""Creation and random ops: arange, full, zeros, empty, scalar_tensor, *_like, new_*, rand, dropout.
+
+* Factories with no tensor input (``arange``, ``full``, ``zeros``, ``empty*``, ``scalar_tensor``,
+  ``rand``...) produce Replicate: every rank builds the whole tensor (random ones assume the ranks'
+  generators are in sync, which the runtime must guarantee).
+* ``new_*`` ops read only dtype/device from ``self``: any input placement -> Replicate.
+* ``*_like`` / ``fill`` with a constant read only the shape: a Shard input gives the same Shard
+  (each rank fills its own chunk), Replicate or Partial inputs (full local shape) give Replicate.
+* Random ops give Replicate only: ``rand_like``/``bernoulli(x, p)`` read only ``x``'s shape, so
+  ``x`` may be Replicate or Partial; ``bernoulli(x)`` and ``native_dropout(x)`` read ``x``'s values,
+  so it must be Replicate. (``native_dropout`` with ``train=False`` is the identity and keeps any
+  placement.) A sharded random op would draw the same numbers on every rank for different chunks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from autotp.ops._common import R, aten_ops, missing, same
+from autotp.ops.registry import Candidate, OpCall, register, reject
+from autotp.placement import Placement, Replicate, Shard
+
+
+@register(*aten_ops(
+    "arange.default", "arange.start", "arange.start_step", "full.default", "zeros.default",
+    "ones.default", "empty.memory_format", "empty_strided.default", "empty_permuted.default",
+    "scalar_tensor.default", "rand.default", "randn.default", "randint.default", "randint.low",
+    "randperm.default", "eye.default", "linspace.default",
+))
+def factory_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate]:
+    """A factory with no tensor inputs builds the whole tensor on every rank."""
+    if any(not isinstance(p, Replicate) for p in inputs):
+        return reject("factory ops take only Replicate tensor inputs")
+    return same(R)
+
+
+@register(*aten_ops("new_zeros.default", "new_ones.default", "new_full.default", "new_empty.default",
+                    "new_empty_strided.default"))
+def new_factory_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate]:
+    """new_*(self, size): self gives only dtype and device."""
+    bad = missing(inputs)
+    if bad is not None:
+        return bad
+    return same(R)
+
+
+@register(*aten_ops("full_like.default", "zeros_like.default", "ones_like.default", "empty_like.default",
+                    "fill.Scalar"))
+def like_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate]:
+    """A constant of ``x``'s shape: Shard stays Shard, R or P (full local shape) give R."""
+    bad = missing(inputs)
+    if bad is not None:
+        return bad
+    p = inputs[0]
+    return same(p if isinstance(p, Shard) else R)
+
+
+@register(*aten_ops("rand_like.default", "randn_like.default", "randint_like.default",
+                    "randint_like.low_dtype", "bernoulli.p", "bernoulli_.float"))
+def random_like_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate]:
+    """Random numbers of ``x``'s shape: Replicate only (x itself may be R or P, not sharded)."""
+    bad = missing(inputs)
+    if bad is not None:
+        return bad
+    if isinstance(inputs[0], Shard):
+        return reject("random op on a sharded shape: ranks would draw identical numbers")
+    return same(R)
+
+
+@register(*aten_ops("bernoulli.default"))
+def bernoulli_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate]:
+    """bernoulli(probabilities): Replicate only."""
+    bad = missing(inputs)
+    if bad is not None:
+        return bad
+    if not isinstance(inputs[0], Replicate):
+        return reject("random op: its input must be Replicate")
+    return same(R)
+
+
+@register(*aten_ops("native_dropout.default"))
+def native_dropout_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate]:
+    """native_dropout(x, p, train) -> (out, mask): Replicate only when training."""
+    bad = missing(inputs)
+    if bad is not None:
+        return bad
+    p = inputs[0]
+    if op.arg(2, "train") is False:
+        # identity: out = x, mask = ones (a constant of x's shape)
+        return same((p, p if isinstance(p, Shard) else R))
+    if not isinstance(p, Replicate):
+        return reject("dropout draws random numbers: its input must be Replicate")
+    return same((R, R))

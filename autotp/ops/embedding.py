@@ -1,0 +1,78 @@
+"""Embedding lookup, including the vocab-parallel form.
+
+``embedding(weight (V, H), indices (...)) -> (..., H)``:
+
+* weight R, indices R -> R; weight R, indices S(d) -> S(d) (each rank looks up its own tokens);
+* weight S(1) (hidden split), indices R -> S(last): each rank's columns of every row;
+* weight S(0) (vocab split), indices R -> Partial with ``local="vocab_parallel"``: each rank looks
+  up the rows it holds and returns zeros for tokens outside its range, so the rank results add up;
+* weight P, indices R -> P (the lookup is linear in the weight).
+
+Indices are integers and are never Partial.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from autotp.ops._common import P, R, aten_ops, missing, out_is_float, out_spec, same
+from autotp.ops.registry import Candidate, OpCall, register, register_local, reject
+from autotp.placement import Partial, Placement, Replicate, Shard
+
+
+def vocab_parallel_embedding(indices: torch.Tensor, weight_local: torch.Tensor, vocab_start: int,
+                             padding_idx: int | None = None) -> torch.Tensor:
+    """Look up ``indices`` in the rows ``[vocab_start, vocab_start + len(weight_local))`` only.
+
+    Tokens outside this rank's range give zero rows, so summing the results of all ranks (an
+    all-reduce) gives the full embedding. ``padding_idx`` is a global, non-negative row index (or
+    None); it is passed on as the local row when it falls in this shard, else dropped (it only
+    affects the gradient).
+    """
+    rows = weight_local.shape[0]
+    outside = (indices < vocab_start) | (indices >= vocab_start + rows)
+    local = (indices - vocab_start).masked_fill(outside, 0)
+    local_pad = None
+    if padding_idx is not None and vocab_start <= padding_idx < vocab_start + rows:
+        local_pad = padding_idx - vocab_start
+    out = F.embedding(local, weight_local, padding_idx=local_pad)  # (..., H)
+    return out.masked_fill(outside.unsqueeze(-1), 0)
+
+
+@register_local("vocab_parallel")
+def vocab_parallel_local(target: Any, args: tuple, kwargs: dict, in_placements: Sequence[Any],
+                         out_placement: Any, rank: int, world_size: int) -> torch.Tensor:
+    """``aten.embedding(weight_local, indices, padding_idx=-1, ...)`` on a vocab-sharded weight."""
+    weight, indices = args[0], args[1]
+    padding_idx = args[2] if len(args) > 2 else kwargs.get("padding_idx", -1)
+    return vocab_parallel_embedding(indices, weight, rank * weight.shape[0],
+                                    padding_idx if padding_idx is not None and padding_idx >= 0 else None)
+
+
+@register(*aten_ops("embedding.default"))
+def embedding_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate]:
+    """embedding(weight, indices, padding_idx, ...): see the module docstring."""
+    bad = missing(inputs)
+    if bad is not None:
+        return bad
+    pw, pi = inputs[0], inputs[1]
+    if isinstance(pi, Partial):
+        return reject("embedding indices cannot be Partial")
+    if isinstance(pi, Shard):
+        if isinstance(pw, Replicate):
+            return same(pi)
+        return reject(f"sharded indices need a Replicate weight, got {pw}")
+    if isinstance(pw, Replicate):
+        return same(R)
+    if isinstance(pw, Partial):
+        return same(P)
+    if pw.dim == 1:
+        spec = out_spec(op)
+        return same(Shard(spec.ndim - 1 if spec is not None else op.tensor_inputs[1].ndim))
+    if not out_is_float(op):
+        return reject("a vocab-parallel lookup must be floating to be Partial")
+    return [Candidate(P, local="vocab_parallel")]

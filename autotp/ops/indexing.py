@@ -1,0 +1,325 @@
+"""Selecting, slicing, gathering, joining and splitting: placement follows the dim.
+
+* A Shard on a dim the op does not touch survives (its index shifts where dims appear or vanish).
+* Selecting, slicing (other than the full range), indexing, padding or flipping *along* a sharded
+  dim is infeasible: rank ``r`` would need rows it does not hold.
+* ``cat``/``stack`` need every input in the same placement and reject concatenation along the
+  sharded dim. ``split``/``unbind`` return one placement per piece.
+* All of them only move data, so Partial stays Partial (padding only with zeros). Index tensors are
+  integers and never Partial; an index tensor sharded along its own dims shards the result
+  (``index_select``/``gather`` with a Replicate source).
+* ``operator.getitem`` picks one element of a multi-output op's tuple placement.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+
+import torch
+
+from autotp.ops._common import P, R, aten_ops, missing, out_len, out_spec, same, shift_after_removal
+from autotp.ops.registry import Candidate, OpCall, TensorSpec, register, reject
+from autotp.placement import Partial, Placement, Replicate, Shard, normalize_dim
+
+
+@register(*aten_ops("select.int", "select_copy.int"))
+def select_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate]:
+    """select(x, dim, index) drops ``dim``."""
+    bad = missing(inputs)
+    if bad is not None:
+        return bad
+    p = inputs[0]
+    if not isinstance(p, Shard):
+        return same(p)
+    dim = normalize_dim(op.arg(1, "dim"), op.tensor_inputs[0].ndim)
+    if p.dim == dim:
+        return reject(f"select along sharded dim {dim}")
+    return same(Shard(shift_after_removal(p.dim, [dim])))
+
+
+def _full_range(size: int, start: int | None, end: int | None, step: int = 1) -> bool:
+    start = 0 if start is None else start
+    end = size if end is None else end
+    start = start + size if start < 0 else start
+    end = end + size if end < 0 else end
+    return step == 1 and start <= 0 and end >= size
+
+
+@register(*aten_ops("slice.Tensor", "slice_copy.Tensor", "narrow.default", "narrow_copy.default"))
+def slice_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate]:
+    """slice/narrow along ``dim``: a Shard there survives only if the slice is the whole dim."""
+    bad = missing(inputs)
+    if bad is not None:
+        return bad
+    p = inputs[0]
+    if not isinstance(p, Shard):
+        return same(p)
+    x = op.tensor_inputs[0]
+    dim = normalize_dim(op.arg(1, "dim", 0), x.ndim)
+    if p.dim != dim:
+        return same(p)
+    if "narrow" in str(op.target):
+        # even a full-length narrow would ask each rank for the global length
+        return reject(f"narrow along sharded dim {dim}")
+    # a full-range slice is the identity; the local bounds clamp to the local size
+    if _full_range(x.shape[dim], op.arg(2, "start"), op.arg(3, "end"), op.arg(4, "step", 1)):
+        return same(p)
+    return reject(f"slice along sharded dim {dim}")
+
+
+@register(*aten_ops("index_select.default"))
+def index_select_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate]:
+    """index_select(x, dim, index): x's Shard elsewhere survives; a sharded index shards ``dim``."""
+    bad = missing(inputs)
+    if bad is not None:
+        return bad
+    px, pi = inputs
+    x = op.tensor_inputs[0]
+    dim = normalize_dim(op.arg(1, "dim"), x.ndim)
+    if isinstance(pi, Shard):
+        if isinstance(px, Replicate):
+            return same(Shard(dim))
+        return reject("a sharded index needs a Replicate source")
+    if isinstance(pi, Partial):
+        return reject("an index cannot be Partial")
+    if isinstance(px, Shard) and px.dim == dim:
+        return reject(f"index_select along sharded dim {dim}")
+    return same(px)
+
+
+@register(*aten_ops("gather.default"))
+def gather_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate]:
+    """gather(x, dim, index): output has index's shape; out[..i..] = x[..index[..i..]..] on ``dim``."""
+    bad = missing(inputs)
+    if bad is not None:
+        return bad
+    px, pi = inputs
+    x, index = op.tensor_inputs
+    dim = normalize_dim(op.arg(1, "dim"), x.ndim)
+    if isinstance(pi, Partial):
+        return reject("an index cannot be Partial")
+    if isinstance(px, Partial):
+        return same(P) if isinstance(pi, Replicate) else reject("Partial source needs a Replicate index")
+    if isinstance(px, Replicate):
+        # out[.., i, ..] reads x[.., index[.., i, ..], ..] at the same position on every other dim:
+        # only a shard along ``dim`` itself leaves the rank's reads inside the (whole) source
+        if isinstance(pi, Shard) and pi.dim != dim:
+            return reject(f"index sharded on dim {pi.dim} needs the source sharded there too")
+        return same(pi)
+    if px.dim == dim:
+        return reject(f"gather along sharded dim {dim}")
+    if pi == px and index.shape[px.dim] == x.shape[px.dim]:
+        return same(px)
+    return reject(f"gather with source {px} needs the index sharded the same way at full size")
+
+
+@register(*aten_ops("index.Tensor"))
+def index_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate]:
+    """x[indices] (advanced indexing with a list of optional integer index tensors).
+
+    A Shard of x on a non-indexed dim survives; the broadcast index dims replace the indexed dims
+    in place when those are adjacent, else they go first. Index tensors must be Replicate.
+    """
+    bad = missing(inputs)
+    if bad is not None:
+        return bad
+    px, pis = inputs[0], inputs[1:]
+    if any(not isinstance(q, Replicate) for q in pis):
+        return reject("index tensors must be Replicate")
+    if not isinstance(px, Shard):
+        return same(px)
+    x = op.tensor_inputs[0]
+    indices = list(op.arg(1, "indices"))
+    if any(isinstance(t, TensorSpec) and t.dtype in (torch.bool, torch.uint8) for t in indices):
+        return reject("boolean mask indexing of a sharded tensor")
+    indexed = [i for i, t in enumerate(indices) if t is not None]
+    if px.dim in indexed:
+        return reject(f"indexing along sharded dim {px.dim}")
+    b = max((t.ndim for t in indices if t is not None), default=0)
+    if indexed == list(range(indexed[0], indexed[-1] + 1)):
+        d = px.dim if px.dim < indexed[0] else px.dim - len(indexed) + b
+    else:
+        d = b + sum(1 for i in range(px.dim) if i not in indexed)
+    spec = out_spec(op)
+    if spec is not None and (d >= spec.ndim or spec.shape[d] != x.shape[px.dim]):
+        return reject("could not locate the sharded dim in the indexing result")
+    return same(Shard(d))
+
+
+def _same_placement(inputs: Sequence[Placement | None]) -> Placement | None:
+    first = inputs[0]
+    return first if all(q == first for q in inputs) else None
+
+
+@register(*aten_ops("cat.default"))
+def cat_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate]:
+    """cat(tensors, dim): all inputs alike (legacy empty ``(0,)`` inputs aside); never along the shard dim."""
+    bad = missing(inputs)
+    if bad is not None:
+        return bad
+    # cat skips legacy empty 1-D inputs of shape (0,): DynamicCache prefill is cat([tensor([]), k], -2)
+    kept = [(s, q) for s, q in zip(op.tensor_inputs, inputs, strict=True) if s.shape != (0,)]
+    if not kept:
+        return same(R)
+    specs = [s for s, _ in kept]
+    p = _same_placement([q for _, q in kept])
+    if p is None:
+        return reject(f"cat needs all inputs in the same placement, got {list(inputs)}")
+    if not isinstance(p, Shard):
+        return same(p)
+    ndim = specs[0].ndim
+    dim = normalize_dim(op.arg(1, "dim", 0), ndim)
+    if p.dim == dim:
+        return reject(f"cat along sharded dim {dim}")
+    return same(p)
+
+
+@register(*aten_ops("stack.default"))
+def stack_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate]:
+    """stack(tensors, dim): all inputs alike; the new dim shifts shard dims at or after it."""
+    bad = missing(inputs)
+    if bad is not None:
+        return bad
+    p = _same_placement(inputs)
+    if p is None:
+        return reject(f"stack needs all inputs in the same placement, got {list(inputs)}")
+    if not isinstance(p, Shard):
+        return same(p)
+    dim = normalize_dim(op.arg(1, "dim", 0), op.tensor_inputs[0].ndim + 1)
+    return same(Shard(p.dim + 1 if dim <= p.dim else p.dim))
+
+
+@register(*aten_ops("split.Tensor", "split_copy.Tensor", "split_with_sizes.default",
+                    "split_with_sizes_copy.default", "unbind.int", "unbind_copy.int"))
+def split_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate]:
+    """split/unbind along ``dim``: every piece keeps a Shard on another dim (unbind drops ``dim``)."""
+    bad = missing(inputs)
+    if bad is not None:
+        return bad
+    p = inputs[0]
+    n = out_len(op)
+    if not isinstance(p, Shard):
+        return same(tuple(p for _ in range(n)))
+    x = op.tensor_inputs[0]
+    unbind = "unbind" in str(op.target)
+    dim = normalize_dim(op.arg(1 if unbind else 2, "dim", 0), x.ndim)
+    if p.dim == dim:
+        if not unbind and n == 1:
+            return same((p,))  # a single piece is the whole tensor
+        return reject(f"split along sharded dim {dim}")
+    d = shift_after_removal(p.dim, [dim]) if unbind else p.dim
+    return same(tuple(Shard(d) for _ in range(n)))
+
+
+@register(*aten_ops("constant_pad_nd.default"))
+def pad_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate]:
+    """constant_pad_nd(x, pad, value): pad pairs apply to the last dims; zero padding is linear."""
+    bad = missing(inputs)
+    if bad is not None:
+        return bad
+    p = inputs[0]
+    if isinstance(p, Partial):
+        return same(P) if op.arg(2, "value", 0) == 0 else reject("padding a Partial with a non-zero value")
+    if isinstance(p, Replicate):
+        return same(R)
+    x = op.tensor_inputs[0]
+    pad = list(op.arg(1, "pad"))
+    i = x.ndim - 1 - p.dim  # pad[2i], pad[2i+1] apply to dim ndim-1-i
+    if 2 * i < len(pad) and (pad[2 * i] != 0 or pad[2 * i + 1] != 0):
+        return reject(f"padding along sharded dim {p.dim}")
+    return same(p)
+
+
+@register(*aten_ops("repeat.default"))
+def repeat_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate]:
+    """repeat(x, repeats): a Shard survives where its repeat count is 1 (new dims are leading)."""
+    bad = missing(inputs)
+    if bad is not None:
+        return bad
+    p = inputs[0]
+    if not isinstance(p, Shard):
+        return same(p)
+    repeats = list(op.arg(1, "repeats"))
+    d = p.dim + len(repeats) - op.tensor_inputs[0].ndim
+    if repeats[d] != 1:
+        return reject(f"repeat along sharded dim {p.dim}")
+    return same(Shard(d))
+
+
+@register(*aten_ops("tril.default", "triu.default"))
+def triangle_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate]:
+    """tril/triu mask the last two dims: a Shard there is infeasible, on batch dims it survives."""
+    bad = missing(inputs)
+    if bad is not None:
+        return bad
+    p = inputs[0]
+    if isinstance(p, Shard) and p.dim >= op.tensor_inputs[0].ndim - 2:
+        return reject(f"triangular mask over sharded dim {p.dim}")
+    return same(p)
+
+
+@register(*aten_ops("flip.default"))
+def flip_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate]:
+    """flip(x, dims): a Shard on a flipped dim would put chunks in the wrong rank order."""
+    bad = missing(inputs)
+    if bad is not None:
+        return bad
+    p = inputs[0]
+    ndim = op.tensor_inputs[0].ndim
+    if isinstance(p, Shard) and p.dim in {normalize_dim(d, ndim) for d in op.arg(1, "dims")}:
+        return reject(f"flip along sharded dim {p.dim}")
+    return same(p)
+
+
+@register(operator.getitem)
+def getitem_rule(op: OpCall, inputs: Sequence[Placement | tuple | None]) -> list[Candidate]:
+    """``result[i]`` of a multi-output op: the i-th element of the tuple placement.
+
+    Accepts the tuple either as one input (``inputs == [(p0, p1, ...)]``) or flattened, one
+    placement per tensor element of ``args[0]`` (non-tensor elements then read as None).
+    """
+    index = op.arg(1, "index")
+    if len(inputs) == 1 and isinstance(inputs[0], (tuple, list)):
+        elements = list(inputs[0])
+    else:
+        items = op.args[0] if isinstance(op.args[0], (tuple, list)) else [op.args[0]]
+        flat = iter(inputs)
+        elements = [next(flat, None) if isinstance(t, TensorSpec) else None for t in items]
+    if not isinstance(index, int) or not -len(elements) <= index < len(elements):
+        return reject(f"getitem index {index!r} out of range for {len(elements)} results")
+    element = elements[index]
+    if not isinstance(element, (Replicate, Shard, Partial)):
+        return reject(f"result {index} has no placement")
+    return same(element)
+
+
+@register(*aten_ops("slice_scatter.default", "select_scatter.default"))
+def scatter_slice_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate]:
+    """slice_scatter / select_scatter(self, src, dim, ...): write src into a slice of self.
+
+    Both must be placed alike (src's shard dim shifts for select_scatter, which drops ``dim``); a
+    Shard along ``dim`` survives only for a full-range slice (the result is then src). Writing a
+    Partial into a Partial is linear.
+    """
+    bad = missing(inputs)
+    if bad is not None:
+        return bad
+    ps, pv = inputs
+    x = op.tensor_inputs[0]
+    dim = normalize_dim(op.arg(2, "dim", 0), x.ndim)
+    select = "select" in str(op.target)
+    if isinstance(ps, (Partial, Replicate)) or isinstance(pv, (Partial, Replicate)):
+        if ps == pv:
+            return same(ps)
+        return reject(f"self {ps} and src {pv} must be placed alike")
+    if ps.dim == dim:
+        full = not select and _full_range(x.shape[dim], op.arg(3, "start"), op.arg(4, "end"),
+                                          op.arg(5, "step", 1))
+        if full and pv == ps:
+            return same(ps)
+        return reject(f"scatter along sharded dim {dim}")
+    need = Shard(shift_after_removal(ps.dim, [dim])) if select else ps
+    if pv != need:
+        return reject(f"src is {pv}, needs {need} to match self {ps}")
+    return same(ps)

@@ -1,0 +1,88 @@
+"""Reductions: sum, mean, amax/amin, max/min, arg{max,min}, any/all, var/std, prod, logsumexp, cumsum.
+
+* Reducing over non-sharded dims keeps the Shard; its index shifts left by the number of reduced
+  dims before it when ``keepdim=False``.
+* ``sum`` over a sharded dim gives Partial (floating results only); every other reduction over a
+  sharded dim is infeasible (there is no Partial-average, -max or -any).
+* ``sum`` and ``mean`` are linear: Partial in, Partial out. Nothing else accepts a Partial.
+* A scan (``cumsum``) keeps Shards on other dims, rejects one along the scan, and is linear.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from autotp.ops._common import P, R, aten_ops, missing, norm_dims, out_is_float, out_len
+from autotp.ops.registry import Candidate, OpCall, register, reject
+from autotp.placement import Partial, Placement, Replicate, Shard, normalize_dim
+
+SUM, MEAN, OTHER = "sum", "mean", "other"
+
+
+def reduce(op: OpCall, inputs: Sequence[Placement | None], kind: str, dims: object, keepdim: bool
+           ) -> list[Candidate]:
+    """Shared reduction rule. ``dims`` is the raw dim argument (None / [] mean all dims)."""
+    bad = missing(inputs)
+    if bad is not None:
+        return bad
+    p = inputs[0]
+    x = op.tensor_inputs[0]
+    n_out = out_len(op)
+
+    def wrap(q: Placement) -> Candidate:
+        return Candidate(q if not isinstance(op.out, (tuple, list)) else tuple(q for _ in range(n_out)))
+
+    if isinstance(p, Replicate):
+        return [wrap(R)]
+    if isinstance(p, Partial):
+        if kind in (SUM, MEAN) and out_is_float(op):
+            return [wrap(P)]
+        return reject(f"{op.target} is not linear: its input cannot be Partial")
+    reduced = norm_dims(dims, x.ndim)
+    if p.dim in reduced:
+        if kind == SUM and out_is_float(op):
+            return [wrap(P)]
+        return reject(f"{op.target} over sharded dim {p.dim} has no Partial form")
+    return [wrap(Shard(p.dim if keepdim else p.dim - sum(1 for r in reduced if r < p.dim)))]
+
+
+def _reduction(kind: str, dim_at: tuple[int, str] | None, keepdim_at: tuple[int, str] | None,
+               *names: str) -> None:
+    def rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate]:
+        dims = op.arg(*dim_at) if dim_at else None
+        keepdim = bool(op.arg(*keepdim_at, False)) if keepdim_at else False
+        return reduce(op, inputs, kind, dims, keepdim)
+
+    rule.__name__ = f"reduce_{kind}"
+    rule.__doc__ = f"{kind} reduction rule for {', '.join(names)}."
+    register(*aten_ops(*names))(rule)
+
+
+_reduction(SUM, (1, "dim"), (2, "keepdim"), "sum.dim_IntList")
+_reduction(SUM, None, None, "sum.default")
+_reduction(MEAN, (1, "dim"), (2, "keepdim"), "mean.dim")
+_reduction(MEAN, None, None, "mean.default")
+_reduction(OTHER, (1, "dim"), (2, "keepdim"), "amax.default", "amin.default", "max.dim", "min.dim",
+           "argmax.default", "argmin.default", "any.dim", "any.dims", "all.dim", "all.dims",
+           "var_mean.correction", "var.correction", "std.correction", "prod.dim_int",
+           "logsumexp.default")
+_reduction(OTHER, None, None, "max.default", "min.default", "any.default", "all.default", "prod.default")
+_reduction(OTHER, (2, "dim"), (3, "keepdim"), "linalg_vector_norm.default")
+
+
+@register(*aten_ops("cumsum.default", "cumprod.default"))
+def scan_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate]:
+    """Inclusive scan along ``dim``: Shard elsewhere survives; cumsum is linear (P -> P)."""
+    bad = missing(inputs)
+    if bad is not None:
+        return bad
+    p = inputs[0]
+    x = op.tensor_inputs[0]
+    dim = normalize_dim(op.arg(1, "dim"), x.ndim)
+    if isinstance(p, Partial):
+        if "cumsum" in str(op.target) and out_is_float(op):
+            return [Candidate(P)]
+        return reject("cumprod is not linear")
+    if isinstance(p, Shard) and p.dim == dim:
+        return reject(f"scan along sharded dim {dim}")
+    return [Candidate(p)]

@@ -1,0 +1,197 @@
+"""Reshapes and dim shuffles: view/reshape/_unsafe_view, expand, permute/transpose, (un)squeeze.
+
+Partial and Replicate pass through all of them unchanged (they only move data). A Shard follows
+its dim. For reshapes, a sharded input dim ``d`` survives as output dim ``o`` exactly when
+
+    prod(in_shape[d:]) == prod(out_shape[o:])   and   out_shape[o] % N == 0
+
+i.e. ``d`` is the outermost factor of ``o`` (merging ``(kv, rep) -> kv*rep`` with ``kv`` sharded, or
+splitting ``H -> (heads, D)`` with ``H`` sharded and ``heads % N == 0``): then each rank's
+contiguous block of the flattened group is the same block on both sides. The reshape's constant
+sizes are global, so the local op must divide the size at the output shard dim by N: such
+candidates carry ``local="shape"``, implemented by :func:`localize_sizes` (the runtime rewrite
+imports it too).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from autotp.ops._common import P, R, aten_ops, missing, out_spec, same, shift_after_removal
+from autotp.ops.registry import Candidate, OpCall, register, register_local, reject
+from autotp.placement import Partial, Placement, Replicate, Shard, normalize_dim
+
+
+def localize_sizes(sizes: Sequence[Any], out_placement: Any, world_size: int) -> list[Any]:
+    """The per-rank size list of a view/reshape/expand whose output has ``out_placement``.
+
+    The size at the output's shard dim is divided by ``world_size``; a ``-1`` (inferred) stays
+    ``-1``; other placements leave the sizes unchanged. ``(2, 6, 8, 8)`` with ``S(2)`` over 2 ranks
+    becomes ``(2, 6, 4, 8)``. Raises ``ValueError`` when the size does not divide evenly.
+    """
+    sizes = list(sizes)
+    if isinstance(out_placement, Shard):
+        d = out_placement.dim
+        size = sizes[d]
+        if not (isinstance(size, int) and size == -1):
+            if size % world_size != 0:
+                raise ValueError(f"size {size} at dim {d} does not divide by world size {world_size}")
+            sizes[d] = size // world_size
+    return sizes
+
+
+# Where the size list sits in each op that can carry local="shape": (position, keyword).
+SIZE_ARG: dict[Any, tuple[int, str]] = {}
+
+
+@register_local("shape")
+def shape_local(target: Any, args: tuple, kwargs: dict, in_placements: Sequence[Any],
+                out_placement: Any, rank: int, world_size: int) -> Any:
+    """Run ``target`` with its size argument localized by :func:`localize_sizes`."""
+    index, name = SIZE_ARG[target]
+    args = list(args)
+    kwargs = dict(kwargs)
+    if index < len(args):
+        args[index] = localize_sizes(args[index], out_placement, world_size)
+    else:
+        kwargs[name] = localize_sizes(kwargs[name], out_placement, world_size)
+    return target(*args, **kwargs)
+
+
+def _resolved_out_shape(op: OpCall, in_numel: int, sizes: Sequence[int]) -> tuple[int, ...]:
+    spec = out_spec(op)
+    if spec is not None:
+        return spec.shape
+    sizes = list(sizes)
+    if -1 in sizes:
+        known = math.prod(s for s in sizes if s != -1)
+        sizes[sizes.index(-1)] = in_numel // known if known else 0
+    return tuple(sizes)
+
+
+VIEW_OPS = aten_ops("view.default", "view_copy.default", "_unsafe_view.default", "reshape.default")
+for _t in VIEW_OPS:
+    SIZE_ARG[_t] = (1, "shape" if "reshape" in str(_t) else "size")
+
+
+@register(*VIEW_OPS)
+def view_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate]:
+    """A reshape keeps R and P; a Shard survives if its dim is the outermost factor of an out dim."""
+    bad = missing(inputs)
+    if bad is not None:
+        return bad
+    p = inputs[0]
+    if isinstance(p, (Replicate, Partial)):
+        return same(p)
+    x = op.tensor_inputs[0]
+    out = _resolved_out_shape(op, x.numel, op.arg(1, "size", op.kwargs.get("shape")))
+    n = op.world_size
+    suffix = math.prod(x.shape[p.dim:])  # elements per index of the dims before d
+    for o in range(len(out)):
+        if math.prod(out[o:]) == suffix and out[o] >= n and out[o] % n == 0:
+            # e.g. (B, S, H) S(2) -> (B, S, heads, D) S(2): local sizes (B, S, heads/N, D)
+            return [Candidate(Shard(o), local="shape")]
+    return reject(f"sharded dim {p.dim} of {x.shape} is not the outermost factor of a divisible "
+                  f"dim of {out}")
+
+
+EXPAND_OPS = aten_ops("expand.default", "expand_copy.default")
+for _t in EXPAND_OPS:
+    SIZE_ARG[_t] = (1, "size")
+
+
+@register(*EXPAND_OPS)
+def expand_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate]:
+    """Shard follows its dim (shifted by new leading dims); R may also shard a broadcast dim."""
+    bad = missing(inputs)
+    if bad is not None:
+        return bad
+    p = inputs[0]
+    x = op.tensor_inputs[0]
+    spec = out_spec(op)
+    sizes = list(op.arg(1, "size"))
+    out = spec.shape if spec is not None else tuple(
+        x.shape[i - (len(sizes) - x.ndim)] if s == -1 else s for i, s in enumerate(sizes))
+    off = len(out) - x.ndim
+    if isinstance(p, Partial):
+        return [Candidate(P)]
+    if isinstance(p, Shard):
+        # (..., d, ...) S(d) -> (new..., ..., d, ...) S(d + off); the size at that dim is global
+        return [Candidate(Shard(p.dim + off), local="shape")]
+    n = op.world_size
+    cands = [Candidate(R)]
+    for k, size in enumerate(out):
+        broadcast = k < off or x.shape[k - off] == 1
+        if broadcast and size >= n and size % n == 0:
+            # each rank expands its size-1 dim straight to its own chunk: (.., 1, ..) -> (.., out[k]/N, ..)
+            cands.append(Candidate(Shard(k), local="shape"))
+    return cands
+
+
+@register(*aten_ops("permute.default", "permute_copy.default"))
+def permute_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate]:
+    """Shard(d) -> Shard(position of d in dims)."""
+    bad = missing(inputs)
+    if bad is not None:
+        return bad
+    p = inputs[0]
+    if not isinstance(p, Shard):
+        return same(p)
+    ndim = op.tensor_inputs[0].ndim
+    dims = [normalize_dim(d, ndim) for d in op.arg(1, "dims")]
+    return same(Shard(dims.index(p.dim)))
+
+
+@register(*aten_ops("transpose.int", "transpose_copy.int", "t.default", "t_copy.default"))
+def transpose_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate]:
+    """Swap two dims (``t`` swaps 0 and 1 of a 2-D tensor and is a no-op below 2-D)."""
+    bad = missing(inputs)
+    if bad is not None:
+        return bad
+    p = inputs[0]
+    if not isinstance(p, Shard):
+        return same(p)
+    ndim = op.tensor_inputs[0].ndim
+    if "transpose" in str(op.target):
+        a, b = normalize_dim(op.arg(1, "dim0"), ndim), normalize_dim(op.arg(2, "dim1"), ndim)
+    else:
+        a, b = (0, 1) if ndim == 2 else (0, 0)
+    d = b if p.dim == a else a if p.dim == b else p.dim
+    return same(Shard(d))
+
+
+@register(*aten_ops("unsqueeze.default", "unsqueeze_copy.default"))
+def unsqueeze_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate]:
+    """A new size-1 dim at ``dim`` shifts shard dims at or after it by one."""
+    bad = missing(inputs)
+    if bad is not None:
+        return bad
+    p = inputs[0]
+    if not isinstance(p, Shard):
+        return same(p)
+    dim = normalize_dim(op.arg(1, "dim"), op.tensor_inputs[0].ndim + 1)
+    return same(Shard(p.dim + 1 if dim <= p.dim else p.dim))
+
+
+@register(*aten_ops("squeeze.default", "squeeze.dim", "squeeze.dims", "squeeze_copy.default",
+                    "squeeze_copy.dim", "squeeze_copy.dims"))
+def squeeze_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate]:
+    """Size-1 dims disappear (dims listed but not of size 1 stay); a shard dim shifts left."""
+    bad = missing(inputs)
+    if bad is not None:
+        return bad
+    p = inputs[0]
+    if not isinstance(p, Shard):
+        return same(p)
+    x = op.tensor_inputs[0]
+    dims = op.arg(1, "dim")
+    if dims is None:
+        candidates = range(x.ndim)
+    elif isinstance(dims, int):
+        candidates = [normalize_dim(dims, x.ndim)]
+    else:
+        candidates = [normalize_dim(d, x.ndim) for d in dims]
+    removed = {d for d in candidates if x.shape[d] == 1}
+    return same(Shard(shift_after_removal(p.dim, removed)))
