@@ -261,9 +261,11 @@ def solve(shadow: ShadowGraph, opts: SolverOptions, fixed: dict[torch.fx.Node, P
 
 @dataclass(frozen=True)
 class Pending:
-    """An edge whose placement its first consumer decides (lazy redistribution)."""
+    """An edge whose placement its first consumer decides (lazy redistribution). ``ready`` are the
+    placements the producer already has at no further cost (an earlier edge paid for them)."""
 
     src: Any
+    ready: frozenset = frozenset()
 
 
 @dataclass
@@ -276,8 +278,17 @@ class _Option:
     resolved: tuple[tuple[int, Placement], ...] = ()
 
 
+State = tuple[tuple, frozenset]  # (sorted (index, placement) of live values, (producer, placement) paid for)
+
+
 class _Search:
-    """The frontier DP of :func:`solve` (see the module docstring)."""
+    """The frontier DP of :func:`solve` (see the module docstring).
+
+    A state is ``(live, ready)``: the placement of each live value, and the extra placements some
+    live values already have because an earlier edge paid for the collective (a second consumer
+    that needs the same redistribution of the same value reuses it for free; the rewrite shares
+    the collective).
+    """
 
     def __init__(self, steps: list[_Step], position: dict[int, int], last_use: dict[int, int],
                  fixed: dict[int, Placement], free: dict[int, ParamChoice], params: set[int],
@@ -285,20 +296,24 @@ class _Search:
         self.steps, self.position, self.last_use = steps, position, last_use
         self.fixed, self.free, self.params, self.opts, self.trace = fixed, free, params, opts, trace
         self.spec_of = {s.index: s.spec for s in steps}
+        self.producer = {s.index: s.inputs[0] for s in steps if s.kind == "edge" and s.inputs}
         self.rule_cache: dict[tuple[int, tuple], list[Candidate]] = {}
 
-    def run(self) -> dict[tuple, tuple[float, float, float, _Hist | None]]:
-        states: dict[tuple, tuple[float, float, float, _Hist | None]] = {(): (0.0, 0.0, 0.0, None)}
+    def run(self) -> dict[State, tuple[float, float, float, _Hist | None]]:
+        states: dict[State, tuple[float, float, float, _Hist | None]] = {((), frozenset()): (0.0, 0.0, 0.0, None)}
         for step in self.steps:
             states = self.advance(step, states)
         return states
 
+    def alive_after(self, j: int, here: int) -> bool:
+        return self.last_use.get(j, -1) > here
+
     def advance(self, step: _Step, states: dict) -> dict:
         here = self.position[step.index]
-        new_states: dict[tuple, tuple[float, float, float, _Hist | None]] = {}
-        for key, (cost, comm, mem, hist) in states.items():
+        new_states: dict[State, tuple[float, float, float, _Hist | None]] = {}
+        for (key, ready), (cost, comm, mem, hist) in states.items():
             live = dict(key)
-            options, reason = self.options(step, live, here)
+            options, reason = self.options(step, live, ready, here)
             if not options:
                 self.trace.backtrack_count += 1
                 if len(self.trace.backtracks) < 200:
@@ -309,19 +324,24 @@ class _Search:
                 continue
             for o in options:
                 nlive = dict(live)
+                nready = set(ready)
                 h = hist
                 for j, p in o.resolved:
-                    if j in nlive and self.last_use.get(j, -1) > here:
+                    pend = live[j]
+                    if self.alive_after(j, here):
                         nlive[j] = p
+                    if p != pend.src:
+                        nready.add((self.producer[j], p))
                     h = _Hist(h, j, p, None, None)
-                if o.param is not None and self.last_use.get(o.param[0], -1) > here:
+                if o.param is not None and self.alive_after(o.param[0], here):
                     nlive[o.param[0]] = o.param[1]
-                if self.last_use.get(step.index, -1) > here:
+                if self.alive_after(step.index, here):
                     nlive[step.index] = o.out
                 for j in step.inputs:
-                    if j in nlive and self.last_use.get(j, -1) <= here:
+                    if j in nlive and not self.alive_after(j, here):
                         del nlive[j]
-                nkey = tuple(sorted(nlive.items(), key=lambda kv: kv[0]))
+                nkey = (tuple(sorted(nlive.items(), key=lambda kv: kv[0])),
+                        frozenset(r for r in nready if self.alive_after(r[0], here)))
                 total = cost + o.cost + o.mem
                 prev = new_states.get(nkey)
                 if prev is None or total < prev[0]:
@@ -331,7 +351,7 @@ class _Search:
         if not new_states:
             raise _no_plan(step, self.trace)
         if len(new_states) > self.opts.beam_width:
-            ranked = sorted(new_states.items(), key=lambda kv: kv[1][0] + self.deferred(kv[0]))
+            ranked = sorted(new_states.items(), key=lambda kv: kv[1][0] + self.deferred(kv[0][0]))
             self.trace.pruned_states += len(ranked) - self.opts.beam_width
             new_states = dict(ranked[: self.opts.beam_width])
         self.trace.max_states = max(self.trace.max_states, len(new_states))
@@ -352,20 +372,28 @@ class _Search:
     def placement(self, live: dict, j: int) -> Any:
         return live[j] if j in live else self.fixed.get(j)
 
-    def options(self, step: _Step, live: dict, here: int) -> tuple[list[_Option], str | None]:
+    def resolve_cost(self, j: int, pend: Pending, q: Placement) -> float:
+        if q == pend.src or q in pend.ready:
+            return 0.0
+        return edge_cost(pend.src, q, self.spec_of[j], self.opts)
+
+    def options(self, step: _Step, live: dict, ready: frozenset, here: int) -> tuple[list[_Option], str | None]:
         if step.kind == "edge":
-            return self.edge_options(step, live, here), None
-        if step.kind in ("mark", "getitem"):
+            return self.edge_options(step, live, ready, here), None
+        if step.kind == "mark":
+            j = step.inputs[0]
+            src = self.placement(live, j)
+            if isinstance(src, Pending):  # a node that is the identity in ATen
+                qs = edge_targets(src.src, self.spec_of[j], self.opts.world_size)
+                return [_Option(q, cost=self.resolve_cost(j, src, q), resolved=((j, q),)) for q in qs], None
+            return [_Option(src)], None
+        if step.kind == "getitem":
             src = self.placement(live, step.inputs[0])
-            resolved: tuple = ()
-            if isinstance(src, Pending):
-                resolved, src = ((step.inputs[0], src.src),), src.src
-            if step.kind == "getitem" and isinstance(src, tuple):
-                src = src[step.node.args[1]]
-            return [_Option(src, resolved=resolved)], None
+            item = src[step.node.args[1]] if isinstance(src, tuple) else src
+            return [_Option(item)], None
         return self.op_options(step, live)
 
-    def edge_options(self, step: _Step, live: dict, here: int) -> list[_Option]:
+    def edge_options(self, step: _Step, live: dict, ready: frozenset, here: int) -> list[_Option]:
         src_idx = step.inputs[0] if step.inputs else None
         src = self.placement(live, src_idx) if src_idx is not None else R
         if src_idx in self.params:
@@ -373,12 +401,14 @@ class _Search:
                 return [_Option(src)]
             return [_Option(p, mem=m, param=(src_idx, p)) for p, m in self.free[src_idx].options
                     if not (step.is_output_edge and p != R)]
+        paid = frozenset(q for (m, q) in ready if m == src_idx)
         if step.is_output_edge:
-            return [_Option(R, cost=edge_cost(src, R, step.spec, self.opts))] if step.spec is not None \
-                else [_Option(src)]
-        if step.spec is None or self.last_use.get(step.index, -1) <= here:
+            if step.spec is None:
+                return [_Option(src)]
+            return [_Option(R, cost=0.0 if R in paid else edge_cost(src, R, step.spec, self.opts))]
+        if step.spec is None or not self.alive_after(step.index, here):
             return [_Option(src)]
-        return [_Option(Pending(src))]
+        return [_Option(Pending(src, paid))]
 
     def op_options(self, step: _Step, live: dict) -> tuple[list[_Option], str | None]:
         """Candidates of an op node. Inputs arriving through a pending edge are tried as they are
@@ -389,16 +419,9 @@ class _Search:
         if not pending:
             cands = self.rule(step, tuple(ins))
             return [_Option(c.output, local=c.local) for c in cands], getattr(cands, "reason", None)
-        first = [[(live[j].src, 0.0)] + ([] if isinstance(live[j].src, Replicate)
-                                         else [(R, edge_cost(live[j].src, R, self.spec_of[j], self.opts))])
-                 for j in pending]
-        out, reason = self.combos(step, ins, pending, first, skip=None)
-        if out:
-            return out, reason
-        full = [[(q, edge_cost(live[j].src, q, self.spec_of[j], self.opts))
+        full = [[(q, self.resolve_cost(j, live[j], q))
                  for q in edge_targets(live[j].src, self.spec_of[j], self.opts.world_size)] for j in pending]
-        more, _ = self.combos(step, ins, pending, full, skip=first)
-        return more, reason
+        return self.combos(step, ins, pending, full, skip=None)
 
     def combos(self, step: _Step, ins: list, pending: list[int], choices: list[list[tuple[Placement, float]]],
                skip: list[list[tuple[Placement, float]]] | None) -> tuple[list[_Option], str | None]:
