@@ -14,6 +14,7 @@ global-shaped model, and every compiled graph binds the same local shard objects
 
 from __future__ import annotations
 
+import inspect
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -29,7 +30,14 @@ from autotp.config import AutoTPConfig, parse_dtype
 from autotp.context import TPContext, attach_meta, meta_of, standin
 from autotp.errors import AutoTPError, CheckpointError, divisors_up_to
 from autotp.placement import R
-from autotp.weights import Checkpoint, ParameterMeta, build_meta_model, checkpoint_key, resolve_checkpoint, tied_groups
+from autotp.weights import (
+    Checkpoint,
+    ParameterMeta,
+    build_meta_model,
+    checkpoint_key,
+    resolve_checkpoint,
+    tied_groups,
+)
 
 DIVISIBLE_FIELDS = (
     ("num_attention_heads", "attention heads are split across ranks"),
@@ -165,7 +173,7 @@ def parallelize_model(
     ctx.on_plan = module.autotp.plans.append
     if warmup:
         with torch.no_grad():
-            module(**{k: v.to(device) for k, v in _warmup_inputs(module).items()})
+            module(**{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in _warmup_inputs(module).items()})
         _load_untouched(slots, ctx)
         forward.swap_out()
     return module
@@ -208,11 +216,15 @@ def _install_standins(module: torch.nn.Module, checkpoint: Checkpoint, dtype: to
         )
 
 
-def _warmup_inputs(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+def _warmup_inputs(module: torch.nn.Module) -> dict[str, Any]:
+    """A tiny call that reaches every layer: the model's own ``dummy_inputs``, without a KV cache
+    (so the first plan, which pins every parameter, describes one plain forward)."""
     dummy = getattr(module, "dummy_inputs", None)
-    if isinstance(dummy, dict) and dummy:
-        return dict(dummy)
-    return {"input_ids": torch.tensor([[1, 2, 3, 4]])}
+    inputs: dict[str, Any] = dict(dummy) if isinstance(dummy, dict) and dummy else \
+        {"input_ids": torch.tensor([[1, 2, 3, 4]])}
+    if "use_cache" in inspect.signature(type(module).forward).parameters:
+        inputs["use_cache"] = False
+    return inputs
 
 
 def _load_untouched(slots: list[tuple[torch.nn.Module, str, torch.nn.Parameter]], ctx: TPContext) -> None:

@@ -91,7 +91,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: list[Any], ctx: TPCo
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     param_inputs: dict[torch.fx.Node, torch.Tensor] = {}
     user_inputs: list[tuple[torch.fx.Node, Any]] = []
-    for ph, value in zip(placeholders, example_inputs):
+    for ph, value in zip(placeholders, example_inputs, strict=True):
         grapharg = ph.meta.get("grapharg")
         source = grapharg.source.name if grapharg is not None and hasattr(grapharg, "source") else ph.name
         if isinstance(value, torch.Tensor) and (isinstance(value, torch.nn.Parameter) or meta_of(value)):

@@ -12,7 +12,6 @@ A multi-output op has a tuple of placements; a non-tensor value has ``None``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Union
 
 
 @dataclass(frozen=True)
@@ -45,7 +44,7 @@ class Partial:
     __repr__ = __str__
 
 
-Placement = Union[Replicate, Shard, Partial]
+Placement = Replicate | Shard | Partial
 
 R = Replicate()
 P = Partial()

@@ -3,7 +3,11 @@
 ``embedding(weight (V, H), indices (...)) -> (..., H)``:
 
 * weight R, indices R -> R; weight R, indices S(d) -> S(d) (each rank looks up its own tokens);
-* weight S(1) (hidden split), indices R -> S(last): each rank's columns of every row;
+* weight S(1) (hidden split) is *not* offered: a looked-up table is sharded by rows only. A
+  column split would be correct (each rank's columns of every row, output S(last)) and its
+  all-gather moves half the bytes of the vocab-parallel all-reduce, but it does not compose with a
+  tied lm_head or with vocab-parallel cross-entropy, and it makes the plan of a tied and an untied
+  model differ. This is the one place a rule withholds a valid candidate on purpose;
 * weight S(0) (vocab split), indices R -> Partial with ``local="vocab_parallel"``: each rank looks
   up the rows it holds and returns zeros for tokens outside its range, so the rank results add up;
 * weight P, indices R -> P (the lookup is linear in the weight).
@@ -19,7 +23,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from autotp.ops._common import P, R, aten_ops, missing, out_is_float, out_spec, same
+from autotp.ops._common import P, R, aten_ops, missing, out_is_float, same
 from autotp.ops.registry import Candidate, OpCall, register, register_local, reject
 from autotp.placement import Partial, Placement, Replicate, Shard
 
@@ -71,8 +75,7 @@ def embedding_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candi
     if isinstance(pw, Partial):
         return same(P)
     if pw.dim == 1:
-        spec = out_spec(op)
-        return same(Shard(spec.ndim - 1 if spec is not None else op.tensor_inputs[1].ndim))
+        return reject("embedding tables are sharded by rows (vocab) only; see the module docstring")
     if not out_is_float(op):
         return reject("a vocab-parallel lookup must be floating to be Partial")
     return [Candidate(P, local="vocab_parallel")]

@@ -135,7 +135,7 @@ def decompose(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> ShadowGrap
     name_to_index = {n.name: i for i, n in enumerate(dynamo_nodes)}
     aten_ph = [n for n in aten.graph.nodes if n.op == "placeholder"]
     dyn_ph = [n for n in dynamo_nodes if n.op == "placeholder"]
-    shadow.placeholders = list(zip(aten_ph, dyn_ph))
+    shadow.placeholders = list(zip(aten_ph, dyn_ph, strict=True))
     pending: list[torch.fx.Node] = []
     for n in aten.graph.nodes:
         if n.op != "call_function":

@@ -88,6 +88,7 @@ def rewrite(gm: torch.fx.GraphModule, annotation: Annotation, params: dict[torch
             attr_nodes[ph] = graph.get_attr(lp.attr)
 
     # 2. edges -> Redistribute where the placement changes (or a partial gradient must be reduced)
+    shared: dict[tuple, torch.fx.Node] = {}
     for n in original:
         if n.op == "placeholder":
             continue
@@ -108,16 +109,18 @@ def rewrite(gm: torch.fx.GraphModule, annotation: Annotation, params: dict[torch
                 if len(subs) > 1 or _is_sequence_value(leaf):
                     with graph.inserting_before(n):
                         source = graph.call_function(_getitem, (source, s))
-                if e.src != e.dst or grad_partial:
-                    name = f"autotp_redistribute_{next(counter)}"
-                    gm.add_submodule(name, Redistribute(e.src, e.dst, comm, grad_partial))
-                    with graph.inserting_before(n):
-                        source = graph.call_module(name, (source,))
-                    kind = kind_of(e.src, e.dst)
-                    if kind:
-                        report.collectives[kind] += 1
-                    elif grad_partial:
-                        report.grad_only_collectives += 1
+                if e.src != e.dst:
+                    key = (leaf, s, e.src, e.dst)
+                    if key not in shared:  # one collective per value and placement, shared by consumers
+                        shared[key] = _insert_redistribute(gm, n, source, e.src, e.dst, False, comm, counter)
+                        kind = kind_of(e.src, e.dst)
+                        if kind:
+                            report.collectives[kind] += 1
+                    source = shared[key]
+                    changed = True
+                if grad_partial:
+                    source = _insert_redistribute(gm, n, source, e.dst, e.dst, True, comm, counter)
+                    report.grad_only_collectives += 1
                     changed = True
                 converted.append(source)
             if changed:
@@ -135,6 +138,14 @@ def rewrite(gm: torch.fx.GraphModule, annotation: Annotation, params: dict[torch
     graph.eliminate_dead_code()
     gm.recompile()
     return report
+
+
+def _insert_redistribute(gm: torch.fx.GraphModule, before: torch.fx.Node, source: torch.fx.Node, src: Any,
+                         dst: Any, grad_partial: bool, comm: Comm, counter: itertools.count) -> torch.fx.Node:
+    name = f"autotp_redistribute_{next(counter)}"
+    gm.add_submodule(name, Redistribute(src, dst, comm, grad_partial))
+    with gm.graph.inserting_before(before):
+        return gm.graph.call_module(name, (source,))
 
 
 def _getitem(value: Any, index: int) -> Any:

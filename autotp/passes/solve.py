@@ -415,7 +415,7 @@ class _Search:
         and, when they are sharded or partial, also replicated (an early reduction can save a
         later, larger one); only when none of that is feasible are all redistributions tried."""
         ins = [self.placement(live, j) for j in step.inputs]
-        pending = sorted({j for j, p in zip(step.inputs, ins) if isinstance(p, Pending)})
+        pending = sorted({j for j, p in zip(step.inputs, ins, strict=True) if isinstance(p, Pending)})
         if not pending:
             cands = self.rule(step, tuple(ins))
             return [_Option(c.output, local=c.local) for c in cands], getattr(cands, "reason", None)
@@ -431,8 +431,8 @@ class _Search:
         for combo in itertools.product(*choices):
             if tuple(q for q, _ in combo) in tried:
                 continue
-            chosen = dict(zip(pending, combo))
-            trial = tuple(chosen[j][0] if j in chosen else p for j, p in zip(step.inputs, ins))
+            chosen = dict(zip(pending, combo, strict=True))
+            trial = tuple(chosen[j][0] if j in chosen else p for j, p in zip(step.inputs, ins, strict=True))
             cands = self.rule(step, trial)
             if not cands:
                 reason = reason or getattr(cands, "reason", None)

@@ -703,7 +703,8 @@ def test_the_rules_find_the_tensor_parallel_layouts() -> None:
     assert outputs(ask(aten.view.default, (f(2, 4, 2, 5, 3), [2, 8, 5, 3]), [Shard(1)])) == [(Shard(1), "shape")]
     assert outputs(ask(aten.embedding.default, (f(12, 6), ints(12, 2, 5)), [Shard(0), R])) \
         == [(P, "vocab_parallel")]
-    assert outputs(ask(aten.embedding.default, (f(12, 6), ints(12, 2, 5)), [Shard(1), R])) == [(Shard(2), None)]
+    # tables are sharded by rows only (see autotp/ops/embedding.py): the column split is withheld
+    assert outputs(ask(aten.embedding.default, (f(12, 6), ints(12, 2, 5)), [Shard(1), R])) == []
     q, kv = f(2, 8, 5, 4), f(2, 4, 5, 4)
     heads = ask(aten._scaled_dot_product_flash_attention_for_cpu.default, (q, kv, kv, 0.0, True),
                 [Shard(1)] * 3)
