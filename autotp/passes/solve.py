@@ -301,9 +301,121 @@ class _Search:
 
     def run(self) -> dict[State, tuple[float, float, float, _Hist | None]]:
         states: dict[State, tuple[float, float, float, _Hist | None]] = {((), frozenset()): (0.0, 0.0, 0.0, None)}
-        for step in self.steps:
-            states = self.advance(step, states)
+        segments = dict(find_segments(self.steps, self.last_use, self.position))
+        memo: dict[tuple, list] = {}
+        k = 0
+        while k < len(self.steps):
+            end = segments.get(k)
+            if end is None:
+                states = self.advance(self.steps[k], states)
+                k += 1
+                continue
+            states = self.run_segment(k, end, states, memo)
+            k = end
         return states
+
+    # -- repeated blocks ------------------------------------------------------------------------
+
+    def run_segment(self, k0: int, k1: int, states: dict, memo: dict) -> dict:
+        """Advance over steps ``[k0, k1)``; reuse the transitions of an earlier identical segment
+        that saw the same incoming states (same placements, same relative costs)."""
+        sig, externals = self.signature(k0, k1)
+        ext_id = {j: n for n, j in enumerate(externals)}
+        canon = sorted(((self.canon_state(key, ext_id, k0), key, val) for key, val in states.items()),
+                       key=lambda t: repr(t[0]))
+        base = min(v[0] for _, _, v in canon)
+        memo_key = (sig, tuple((c, round(v[0] - base, 6)) for c, _, v in canon))
+        if memo_key in memo:
+            self.trace.reused_nodes += k1 - k0
+            return self.replay(memo[memo_key], canon, externals, k0)
+        incoming = {id(v[3]): n for n, (_, _, v) in enumerate(canon)}
+        out = states
+        for k in range(k0, k1):
+            out = self.advance(self.steps[k], out)
+        memo[memo_key] = self.record(out, canon, incoming, ext_id, k0, k1)
+        return out
+
+    def where(self, j: int, ext_id: dict[int, int], k0: int, k1: int) -> tuple:
+        pos = self.position.get(j)
+        if pos is not None and k0 <= pos < k1:
+            return ("s", pos - k0)
+        if j in ext_id:
+            return ("e", ext_id[j])
+        return ("p", j)
+
+    def signature(self, k0: int, k1: int) -> tuple[tuple, list[int]]:
+        """Structure of a segment with its external inputs numbered by first use."""
+        externals: list[int] = []
+        seen: set[int] = set()
+        parts = []
+        for k in range(k0, k1):
+            step = self.steps[k]
+            refs = []
+            for j in step.inputs:
+                pos = self.position.get(j)
+                if pos is not None and k0 <= pos < k1:
+                    refs.append(("s", pos - k0))
+                    continue
+                if j not in seen:
+                    seen.add(j)
+                    externals.append(j)
+                refs.append(("e", externals.index(j), j in self.params, repr(self.free[j].options) if j in self.free
+                             else None, repr(self.fixed.get(j)), self.relative_use(j, k0, k1)))
+            body = (step.kind, str(step.node.target), repr(step.spec), step.is_output_edge)
+            if step.kind == "op":
+                body += (repr(step.opcall.args), repr(step.opcall.kwargs))
+            elif step.kind == "getitem":
+                body += (step.node.args[1],)
+            parts.append((body, tuple(refs), self.relative_use(step.index, k0, k1)))
+        return tuple(parts), externals
+
+    def relative_use(self, j: int, k0: int, k1: int) -> int | str:
+        lu = self.last_use.get(j, -1)
+        if lu < k0:
+            return "none"
+        return lu - k0 if lu < k1 else "after"
+
+    def canon_state(self, key: State, ext_id: dict[int, int], k0: int) -> tuple:
+        live, ready = key
+        k1 = k0  # nothing inside the segment is live yet
+        return (tuple(sorted(((self.where(j, ext_id, k0, k1), p) for j, p in live), key=repr)),
+                tuple(sorted(((self.where(j, ext_id, k0, k1), q) for j, q in ready), key=repr)))
+
+    def record(self, out: dict, canon: list, incoming: dict[int, int], ext_id: dict[int, int], k0: int,
+               k1: int) -> list:
+        rows = []
+        for (live, ready), (cost, comm, mem, hist) in out.items():
+            entries = []
+            h = hist
+            while h is not None and id(h) not in incoming:
+                param = (self.where(h.param[0], ext_id, k0, k1), h.param[1]) if h.param else None
+                entries.append((self.where(h.index, ext_id, k0, k1), h.placement, h.local, param))
+                h = h.parent
+            src = incoming[id(h)] if h is not None else next(
+                n for n, (_, _, v) in enumerate(canon) if v[3] is None)
+            _, _, v = canon[src]
+            okey = (tuple((self.where(j, ext_id, k0, k1), p) for j, p in live),
+                    tuple((self.where(j, ext_id, k0, k1), q) for j, q in ready))
+            rows.append((okey, src, cost - v[0], comm - v[1], mem - v[2], tuple(reversed(entries))))
+        return rows
+
+    def replay(self, rows: list, canon: list, externals: list[int], k0: int) -> dict:
+        def index(w: tuple) -> int:
+            if w[0] == "s":
+                return self.steps[k0 + w[1]].index
+            if w[0] == "e":
+                return externals[w[1]]
+            return w[1]
+
+        out: dict[State, tuple[float, float, float, _Hist | None]] = {}
+        for okey, src, dcost, dcomm, dmem, entries in rows:
+            _, _, (cost, comm, mem, h) = canon[src]
+            for w, placement, local, param in entries:
+                h = _Hist(h, index(w), placement, local, (index(param[0]), param[1]) if param else None)
+            live = tuple(sorted(((index(w), p) for w, p in okey[0]), key=lambda kv: kv[0]))
+            ready = frozenset((index(w), q) for w, q in okey[1])
+            out[(live, ready)] = (cost + dcost, comm + dcomm, mem + dmem, h)
+        return out
 
     def alive_after(self, j: int, here: int) -> bool:
         return self.last_use.get(j, -1) > here
@@ -449,6 +561,54 @@ class _Search:
             cands = _candidates(step, ins)
             self.rule_cache[key] = cands
         return cands
+
+
+def find_segments(steps: list[_Step], last_use: dict[int, int], position: dict[int, int],
+                  min_length: int = 24) -> list[tuple[int, int]]:
+    """Cut the schedule into repeated blocks, found from the graph's structure (never from names).
+
+    The period ``L`` is the shift at which the sequence of (kind, target, shape) agrees with itself
+    most often; the repeated region is the longest run where ``step[k] ~ step[k+L]``; the cut phase
+    inside a period is where the fewest values are live. Returns ``(start, end)`` step positions of
+    consecutive segments of length ``L``.
+    """
+    n = len(steps)
+    if n < 2 * min_length:
+        return []
+    codes: dict[tuple, int] = {}
+    seq = torch.tensor([codes.setdefault((s.kind, str(s.node.target), repr(s.spec)), len(codes)) for s in steps])
+    best_len, best_hits = 0, 0
+    for shift in range(min_length, n // 2 + 1):
+        hits = int((seq[shift:] == seq[:-shift]).sum())
+        if hits > best_hits * 1.05 or (best_len and hits > best_hits and shift % best_len):
+            best_len, best_hits = shift, hits
+    if best_len == 0 or best_hits < best_len:
+        return []
+    same = (seq[best_len:] == seq[:-best_len]).tolist()
+    run_start, run_len, cur_start, cur_len = 0, 0, 0, 0
+    for k, ok in enumerate(same):
+        if ok:
+            if cur_len == 0:
+                cur_start = k
+            cur_len += 1
+            if cur_len > run_len:
+                run_start, run_len = cur_start, cur_len
+        else:
+            cur_len = 0
+    region_end = run_start + run_len + best_len
+    if region_end - run_start < 2 * best_len:
+        return []
+    live = [0] * (n + 1)
+    for k, s in enumerate(steps):
+        lu = last_use.get(s.index, -1)
+        if lu > k:
+            live[k + 1] += 1
+            live[lu + 1] -= 1
+    for k in range(1, n + 1):
+        live[k] += live[k - 1]
+    phase = min(range(best_len), key=lambda f: live[run_start + f])
+    cuts = list(range(run_start + phase, region_end - best_len + 1, best_len))
+    return [(a, a + best_len) for a in cuts if a + best_len <= region_end]
 
 
 def _schedule(steps: list[_Step]) -> list[_Step]:
