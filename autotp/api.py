@@ -135,6 +135,7 @@ def parallelize_model(
     ``model.autotp.plan`` is the plan.
     """
     dtype = parse_dtype(dtype)
+    trace_dir = trace_dir or os.environ.get("AUTOTP_TRACE_DIR") or None
     config = AutoTPConfig(tp_size=tp_size, dtype=dtype, trace_dir=Path(trace_dir) if trace_dir else None,
                           overrides=dict(overrides.pop("overrides", {}) or {}))
     if overrides:
@@ -142,11 +143,6 @@ def parallelize_model(
     if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:
         ensure_process_group()
     comm = Comm.from_default_group() if dist.is_available() and dist.is_initialized() else Comm.single()
-    if config.tp_size is not None and config.tp_size != comm.world_size:
-        raise AutoTPError(
-            f"tp_size={config.tp_size} but the process group has {comm.world_size} ranks; launch with "
-            f"`torchrun --nproc-per-node {config.tp_size}` (autotp uses the whole group for tensor parallelism)"
-        )
     world = comm.world_size
     if device is None:
         device = torch.device(f"cuda:{torch.cuda.current_device()}") if comm.backend == "nccl" else torch.device("cpu")
@@ -157,7 +153,12 @@ def parallelize_model(
     from transformers import AutoConfig
 
     hf_config = AutoConfig.from_pretrained(folder)
-    check_divisible(hf_config, world)
+    check_divisible(hf_config, config.tp_size or world)
+    if config.tp_size is not None and config.tp_size != world:
+        raise AutoTPError(
+            f"tp_size={config.tp_size} but the process group has {world} ranks; launch with "
+            f"`torchrun --nproc-per-node {config.tp_size}` (autotp uses the whole group for tensor parallelism)"
+        )
     module = build_meta_model(hf_config, dtype=dtype)
     checkpoint = Checkpoint(folder)
     _install_standins(module, checkpoint, dtype, device)

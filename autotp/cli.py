@@ -92,8 +92,7 @@ def _rank_generate(folder: str, prompt: list[int], new_tokens: int, tp: int,
         loaded = time.perf_counter()
         ids = torch.tensor([prompt])
         with torch.no_grad():
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                                 do_sample=False)
+            out = model.generate(ids, max_new_tokens=new_tokens, do_sample=False)
         done = time.perf_counter()
         return {
             "rank": dist.get_rank(),
@@ -240,8 +239,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         reference = AutoModelForCausalLM.from_pretrained(folder).eval()
         ids = torch.tensor([prompt])
         with torch.no_grad():
-            ref = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.new_tokens,
-                                     do_sample=False)[0, len(prompt):].tolist()
+            ref = reference.generate(ids, max_new_tokens=args.new_tokens, do_sample=False)[0, len(prompt):].tolist()
         del reference
         print(f"one process (plain transformers): greedy generate {args.new_tokens} tokens in "
               f"{time.perf_counter() - t0:.1f} s")

@@ -8,31 +8,39 @@ Constraints: each op node's placement is one of the candidates its rule returns 
 placements (no rule: every input must be ``R`` and the output is ``R`` — the op is replicated, and
 the trace says so); marks copy their input; edges (tensors crossing a Dynamo-node boundary) may
 change placement by a collective, except that a parameter is never redistributed (an edge from a
-parameter keeps its storage placement) and graph outputs must be ``R``.
+parameter keeps its storage placement) and graph outputs must be ``R``. A value that several edges
+redistribute the same way pays for the collective once (the rewrite shares it).
 Objective: ``sum(comm_bytes(edge) + latency) / tokens + memory_weight * sum(replicated parameter
-bytes * (N-1)/N)``. Communication is normalised per token (``tokens`` = elements of the first
-integer input, or leading elements of the first input) so that the plan does not flip with batch
-or sequence length; a replicated parameter costs the memory it fails to save.
+bytes * (N-1)/N)``, with ring-model bytes from ``collectives.cost_bytes``. Communication is
+normalised per token (``tokens`` = elements of the first integer input, or leading elements of the
+first input) so that the plan does not flip with batch or sequence length; a replicated parameter
+costs the memory it fails to save.
 
 Search
 ------
 Frontier dynamic programming in topological order, i.e. a breadth-first branch-and-bound: a
-*state* is the placement of every *live* tensor (produced, still to be consumed) plus the
-accumulated cost and a back-pointer to the choices that led to it. Processing a node expands every
-state by every candidate of the node; states whose candidates are all infeasible are abandoned
-(a *backtrack*: the search continues from the other partial plans, and the trace records why);
-states with identical live placements are merged keeping the cheapest, which makes the search
-exact — costs that are deferred (a ``Partial`` that must be reduced later) are carried by the
-state until they are paid. A beam of ``beam_width`` cheapest states bounds the work on graphs whose
-frontier explodes; pruning is reported in the trace.
+*state* is the placement of every *live* value (produced, still to be consumed) plus the
+placements already paid for, the accumulated cost, and a back-pointer to the choices that led to
+it. Each node expands every state by every candidate; states whose candidates are all infeasible
+are abandoned (a *backtrack*: the search continues from the other partial plans, and the trace
+records why); states with identical live placements merge, keeping the cheapest, so a cost that is
+deferred (a ``Partial`` reduced later) is carried by its state until paid. Edge placements are
+decided lazily, by the edge's first consumer, which tries every redistribution the edge allows;
+graph-output edges are scheduled right after their producer so returned values (KV caches) leave
+the frontier at once. A beam of ``beam_width`` states bounds the work; it ranks states by cost
+plus a lower bound of the reductions their live ``Partial`` values still owe, and pruning is
+reported in the trace.
 
-Repeated blocks: the graph is cut where the frontier is the same set of live values modulo the
-block shift; a segment whose structural signature and incoming states equal an earlier segment's
-reuses that segment's transitions instead of re-running the rules (``reused_nodes`` in the trace).
+Repeated blocks: :func:`find_segments` cuts the schedule into blocks that repeat, found from the
+sequence of ops and shapes (never from module names). A block whose structure and incoming states
+(placements and relative costs) equal an earlier block's replays that block's recorded
+transitions instead of running the rules again (``reused_nodes`` in the trace); the result is the
+same as solving it afresh.
 
-Complexity: ``O(V * S * C * I)`` for ``V`` ATen nodes, ``S <= beam_width`` states, ``C`` candidates
-per node (at most ndim+2) and ``I`` inputs per node; memory ``O(V * S)`` back-pointers. It is
-iterative (no recursion in the graph size); repeated blocks cost one block each after the first.
+Complexity: ``O(V * S * C * I)`` for ``V`` ATen nodes, ``S <= beam_width`` states, ``C``
+candidate combinations per node and ``I`` inputs per node; memory ``O(V * S)`` back-pointers.
+Everything is iterative (no recursion in the graph size); repeated blocks cost one block each
+after the frontier has settled (typically the first two or three).
 """
 
 from __future__ import annotations

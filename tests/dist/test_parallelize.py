@@ -113,3 +113,47 @@ def test_each_rank_holds_and_reads_only_its_shards(tmp_path: Path) -> None:
         assert r["param_elements"] == sharded // 2 + replicated
         assert r["bytes_read"] == (sharded // 2 + replicated) * 4  # fp32: exactly this rank's slices
     assert one["bytes_read"] == one["param_elements"] * 4
+
+
+def _rank_tied(rank: int, world: int, folder: str) -> dict:
+    from autotp import parallelize_model
+
+    model = parallelize_model(folder, tp_size=world)
+    ids = torch.tensor(PROMPT)
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+    return {
+        "logits": logits,
+        "shared": model.lm_head.weight is model.model.embed_tokens.weight,
+        "local_rows": model.lm_head.weight.shape[0],
+        "style": model.autotp.plan["parameters"]["model.embed_tokens.weight"]["style"],
+    }
+
+
+def test_tied_embeddings_share_one_shard_object_and_give_correct_logits(tmp_path: Path) -> None:
+    folder = save_tiny("llama", tmp_path / "tied", pad_token_id=PAD_ID, tie_word_embeddings=True)
+    ref_logits, _ = _reference(folder, 1)
+    for r in run_ranks(_rank_tied, 2, str(folder)):
+        assert r["shared"] and r["local_rows"] == 64 and r["style"] == "vocab"
+        torch.testing.assert_close(r["logits"], ref_logits, atol=1e-5, rtol=1e-4)
+
+
+def _rank_hub(rank: int, world: int, repo: str, cache: str) -> dict:
+    from autotp import parallelize_model
+
+    model = parallelize_model(repo, tp_size=world, cache_dir=cache, local_files_only=True)
+    with torch.no_grad():
+        return {"logits": model(input_ids=torch.tensor(PROMPT)).logits}
+
+
+def test_a_hub_id_resolves_offline_from_a_laid_out_cache_with_a_sharded_checkpoint(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests._tiny import make_hf_cache
+
+    folder = save_tiny("qwen2", tmp_path / "src", pad_token_id=PAD_ID, shards=3)
+    assert (folder / "model.safetensors.index.json").exists()
+    make_hf_cache(tmp_path / "cache", "tiny-org/tiny-qwen2", folder)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # inherited by the spawned ranks
+    ref_logits, _ = _reference(folder, 1)
+    for r in run_ranks(_rank_hub, 2, "tiny-org/tiny-qwen2", str(tmp_path / "cache")):
+        torch.testing.assert_close(r["logits"], ref_logits, atol=1e-5, rtol=1e-4)

@@ -1,0 +1,87 @@
+"""The solver on captured graphs, in one process (no ranks needed: solving is pure)."""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections import Counter
+from typing import Any
+
+import pytest
+import torch
+
+from autotp.collectives import kind_of
+from autotp.passes.annotate import annotate
+from autotp.passes.decompose import decompose
+from autotp.passes.solve import ParamChoice, SolverOptions, solve
+from autotp.placement import R, shard_candidates
+from tests._tiny import tiny_model
+
+
+def _capture(model: torch.nn.Module, **inputs: Any) -> tuple[torch.fx.GraphModule, list]:
+    captured: list = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list) -> Any:
+        captured.append((gm, example_inputs))
+        return gm.forward
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(model, backend=backend, fullgraph=True)(**inputs)
+    return captured[0]
+
+
+def _plan(model: torch.nn.Module, world: int, **inputs: Any):
+    gm, example = _capture(model, **inputs)
+    shadow = decompose(gm, example)
+    fixed, free = {}, {}
+    for (aten, _), value in zip(shadow.placeholders, example, strict=True):
+        if isinstance(value, torch.nn.Parameter):
+            nbytes = value.numel() * value.element_size()
+            free[aten] = ParamChoice([(R, nbytes * (world - 1) / world)]
+                                     + [(s, 0.0) for s in shard_candidates(tuple(value.shape), world)])
+        else:
+            fixed[aten] = R
+    tokens = inputs["input_ids"].numel()
+    solution = solve(shadow, SolverOptions(world_size=world, tokens=tokens), fixed, free, set(free))
+    annotation = annotate(shadow, solution)
+    collectives: Counter = Counter()
+    shared = set()
+    for node, plan in annotation.plans.items():
+        leaves: list = []
+        torch.fx.node.map_arg((node.args, node.kwargs), leaves.append)
+        for (leaf, sub), e in plan.edges.items():
+            key = (leaves[leaf], sub, e.src, e.dst)  # the rewrite shares one collective per key
+            if e.src is not None and e.src != e.dst and kind_of(e.src, e.dst) and key not in shared:
+                shared.add(key)
+                collectives[kind_of(e.src, e.dst)] += 1
+    params = {dyn.name: solution.placements[aten] for aten, dyn in shadow.placeholders if aten in free}
+    return solution, collectives, params
+
+
+@pytest.mark.slow
+def test_a_40_layer_model_solves_iteratively_and_reuses_repeated_blocks() -> None:
+    model = tiny_model("llama", num_hidden_layers=40).eval()
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(200)  # the solver must not recurse per node
+    try:
+        start = time.perf_counter()
+        solution, collectives, params = _plan(model, 2, input_ids=torch.tensor([[1, 2, 3, 4, 5, 6]]),
+                                              use_cache=False)
+        seconds = time.perf_counter() - start
+    finally:
+        sys.setrecursionlimit(limit)
+    assert collectives == {"all_reduce": 2 * 40 + 1, "all_gather": 1}
+    assert solution.trace.reused_nodes > 0.8 * len(solution.placements)  # ~38 of 40 blocks reused
+    assert seconds < 300
+
+
+def test_the_llama_plan_is_megatron_with_two_all_reduces_per_block_at_tp4() -> None:
+    model = tiny_model("llama", num_hidden_layers=3).eval()
+    _, collectives, params = _plan(model, 4, input_ids=torch.tensor([[1, 2, 3, 4, 5]]), use_cache=False)
+    assert collectives == {"all_reduce": 2 * 3 + 1, "all_gather": 1}
+    by_suffix = {name.split("_modules_")[-1]: str(p) for name, p in params.items()}
+    assert by_suffix["q_proj_parameters_weight_"] == "S(0)"
+    assert by_suffix["o_proj_parameters_weight_"] == "S(1)"
+    assert by_suffix["down_proj_parameters_weight_"] == "S(1)"
+    assert by_suffix["embed_tokens_parameters_weight_"] == "S(0)"
