@@ -23,7 +23,7 @@ import torch.fx
 from autotp.collectives import Comm
 from autotp.config import AutoTPConfig
 from autotp.context import TPContext, attach_meta, meta_of, standin
-from autotp.passes.annotate import annotate
+from autotp.passes.annotate import annotate, replicated_annotation
 from autotp.passes.decompose import decompose
 from autotp.passes.materialize import materialize
 from autotp.passes.pipeline import PassRunner
@@ -103,6 +103,41 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: list[Any], ctx: TPCo
         else:
             user_inputs.append((ph, value))
 
+    if world == 1:
+        # one rank: every placement is R; only bind parameters to their (full) local tensors
+        annotation, solution, shadow, opts = replicated_annotation(gm), None, None, None
+    else:
+        annotation, solution, shadow, opts = _solve(gm, example_inputs, param_inputs, user_inputs, ctx,
+                                                    runner, timings, folder)
+    consumers = {ph: first_consumer(ph) for ph in param_inputs}
+    locals_ = runner.run("materialize", materialize, annotation, param_inputs, ctx)
+    report = runner.run("rewrite", rewrite, gm, annotation, locals_, ctx.comm, lint=gm)
+    plan = build_plan(world, {
+        meta_of(v).fqn: parameter_entry(meta_of(v).placement, consumers[ph], tuple(v.shape), world)
+        for ph, v in param_inputs.items()
+    }, report.collectives)
+    gm.autotp_plan = plan
+    if folder:
+        modules = "".join(f"# {name}: {mod.extra_repr()}\n" for name, mod in gm.named_children())
+        write_text(folder, "rewritten_graph.py", modules + gm.code)
+        write_json(folder, "plan.json", plan)
+    if folder and solution is not None:
+        write_solver_trace(folder, solution.trace, {
+            "cost": solution.cost, "comm_cost": solution.comm_cost, "memory_cost": solution.memory_cost,
+            "tokens": opts.tokens, "aten_nodes": len(shadow.aten.graph.nodes),
+            "dynamo_nodes": len(shadow.dynamo_nodes), **timings,
+            "local_rewrites": dict(report.local_rewrites),
+        })
+    if ctx.on_plan is not None:
+        ctx.on_plan(plan)
+    return _release_after_first_call(gm, param_inputs)
+
+
+def _solve(gm: torch.fx.GraphModule, example_inputs: list[Any], param_inputs: dict[torch.fx.Node, torch.Tensor],
+           user_inputs: list[tuple[torch.fx.Node, Any]], ctx: TPContext, runner: PassRunner,
+           timings: dict[str, float], folder: Path | None) -> tuple:
+    """decompose -> solve -> annotate, with parameters already placed by earlier graphs pinned."""
+    world = ctx.world_size
     t = time.perf_counter()
     shadow = runner.run("decompose", decompose, gm, example_inputs)
     timings["decompose_s"] = time.perf_counter() - t
@@ -117,7 +152,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: list[Any], ctx: TPCo
         else:
             nbytes = value.numel() * value.element_size()
             options = [(R, ctx.config.memory_weight * nbytes * (world - 1) / world)]
-            options += [(s, 0.0) for s in shard_candidates(tuple(value.shape), world)] if world > 1 else []
+            options += [(s, 0.0) for s in shard_candidates(tuple(value.shape), world)]
             free[aten_of[ph]] = ParamChoice(options)
     for ph, _ in user_inputs:
         fixed[aten_of[ph]] = R
@@ -127,26 +162,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: list[Any], ctx: TPCo
     solution = runner.run("solve", solve, shadow, opts, fixed, free, {aten_of[p] for p in param_inputs})
     timings["solve_s"] = time.perf_counter() - t
     annotation = runner.run("annotate", annotate, shadow, solution)
-    consumers = {ph: first_consumer(ph) for ph in param_inputs}
-    locals_ = runner.run("materialize", materialize, annotation, param_inputs, ctx)
-    report = runner.run("rewrite", rewrite, gm, annotation, locals_, ctx.comm, lint=gm)
-    plan = build_plan(world, {
-        meta_of(v).fqn: parameter_entry(meta_of(v).placement, consumers[ph], tuple(v.shape), world)
-        for ph, v in param_inputs.items()
-    }, report.collectives)
-    gm.autotp_plan = plan
-    if folder:
-        write_text(folder, "rewritten_graph.py", gm.code)
-        write_json(folder, "plan.json", plan)
-        write_solver_trace(folder, solution.trace, {
-            "cost": solution.cost, "comm_cost": solution.comm_cost, "memory_cost": solution.memory_cost,
-            "tokens": opts.tokens, "aten_nodes": len(shadow.aten.graph.nodes),
-            "dynamo_nodes": len(shadow.dynamo_nodes), **timings,
-            "local_rewrites": dict(report.local_rewrites),
-        })
-    if ctx.on_plan is not None:
-        ctx.on_plan(plan)
-    return _release_after_first_call(gm, param_inputs)
+    return annotation, solution, shadow, opts
 
 
 def _release_after_first_call(gm: torch.fx.GraphModule, param_inputs: dict[torch.fx.Node, torch.Tensor]

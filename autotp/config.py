@@ -28,7 +28,7 @@ class AutoTPConfig:
     dtype: torch.dtype | None = None
     trace_dir: Path | None = None
     memory_weight: float = 1.0
-    beam_width: int = 128
+    beam_width: int = 32
     compile_inner: str = "eager"
     overrides: Mapping[str, str] = field(default_factory=dict)
 

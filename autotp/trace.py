@@ -38,6 +38,7 @@ def write_solver_trace(folder: Path, trace: Any, extra: dict[str, Any]) -> None:
         "pruned_states": trace.pruned_states,
         "max_states": trace.max_states,
         "reused_nodes": trace.reused_nodes,
+        "beam_widened_to": trace.widened_to,
         "unknown_ops_replicated": trace.unknown_ops,
         "solve_seconds": trace.seconds,
     }

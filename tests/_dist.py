@@ -89,7 +89,7 @@ def _loads(data: bytes) -> Any:
 
 
 def run_ranks(
-    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120, **kwargs: Any
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 900, **kwargs: Any
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` gloo ranks; return the
     per-rank results in rank order. Raises :class:`RankError` on a child exception, death or

@@ -70,3 +70,12 @@ def annotate(shadow: ShadowGraph, solution: Solution) -> Annotation:
     for dyn, p in ph.items():
         plans[dyn].outputs[0] = p
     return Annotation(plans=plans, placeholder_placements=ph)
+
+
+def replicated_annotation(gm: torch.fx.GraphModule) -> Annotation:
+    """The plan at world size 1: every value replicated, no collectives, no local rewrites."""
+    from autotp.placement import R
+
+    plans = {n: NodePlan(outputs={0: R}) for n in gm.graph.nodes}
+    placeholders = {n: R for n in gm.graph.nodes if n.op == "placeholder"}
+    return Annotation(plans=plans, placeholder_placements=placeholders)

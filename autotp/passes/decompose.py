@@ -119,7 +119,7 @@ def decompose(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> ShadowGrap
     """Trace ``gm`` on fake copies of ``example_inputs`` into a bracketed core-ATen graph."""
     interpreter = _Bracketing(gm)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
-    fake_inputs = [fake_mode.from_tensor(x) if isinstance(x, Tensor) else x for x in example_inputs]
+    fake_inputs = [fake_mode.from_tensor(x) if isinstance(x, Tensor) else _concrete(x) for x in example_inputs]
 
     def run(*args: Any) -> Any:
         return interpreter.run(*args)
@@ -158,6 +158,15 @@ def decompose(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> ShadowGrap
             else:
                 pending.append(n)
     return shadow
+
+
+def _concrete(x: Any) -> Any:
+    """A dynamic-shape graph receives SymInts for its size inputs; analysis runs on their current
+    values (placements do not depend on sizes, and the rewritten graph keeps the symbols)."""
+    if isinstance(x, torch.SymInt):
+        hint = x.node.hint
+        return int(hint) if hint is not None else int(x.node.shape_env.size_hint(x.node.expr))
+    return x
 
 
 def _origin_name(n: torch.fx.Node) -> str | None:

@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import itertools
+import operator
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -129,13 +130,14 @@ def rewrite(gm: torch.fx.GraphModule, annotation: Annotation, params: dict[torch
         _replace_leaves(n, replacement, attr_nodes)
 
         # 3. local rewrites
+        if _globalize_size_query(n, plan, comm.world_size):
+            report.local_rewrites["global_size"] += 1
         for tag in sorted(plan.local):
             _apply_local(gm, n, tag, plan.output(), params, attr_nodes, comm, report)
 
     for ph in params:
         if ph.users:
             raise PassError(f"parameter placeholder {ph.name} still has users after rewrite: {list(ph.users)}")
-    graph.eliminate_dead_code()
     gm.recompile()
     return report
 
@@ -204,11 +206,61 @@ def _apply_local(gm: torch.fx.GraphModule, n: torch.fx.Node, tag: str, out: Any,
 
 
 def _localize_shape_args(n: torch.fx.Node, out: Shard, world_size: int) -> None:
+    """Divide the size on the output's sharded dim: constants directly, a symbolic size (a Node
+    computed from global sizes, see :func:`_globalize_size_query`) by a floordiv node."""
     args = list(n.args)
-    if n.target in ("new_empty", "new_zeros", "new_ones"):
-        args[1] = tuple(localize_sizes(list(args[1]), out, world_size))
-    elif len(args) == 2 and isinstance(args[1], (tuple, list, torch.Size)):
-        args[1] = tuple(localize_sizes(list(args[1]), out, world_size))
+    packed = n.target in ("new_empty", "new_zeros", "new_ones") or (
+        len(args) == 2 and isinstance(args[1], (tuple, list, torch.Size)))
+    sizes = list(args[1]) if packed else args[1:]
+    if isinstance(sizes[out.dim], torch.fx.Node):
+        with n.graph.inserting_before(n):
+            sizes[out.dim] = n.graph.call_function(operator.floordiv, (sizes[out.dim], world_size))
     else:
-        args[1:] = localize_sizes(list(args[1:]), out, world_size)
+        sizes = localize_sizes(sizes, out, world_size)
+    if packed:
+        args[1] = tuple(sizes)
+    else:
+        args[1:] = sizes
     n.args = tuple(args)
+
+
+def _global_size(size: torch.Size, dim: int, world_size: int) -> torch.Size:
+    """A local ``x.size()`` of a tensor sharded on ``dim``, turned back into the global size."""
+    out = list(size)
+    out[dim] = out[dim] * world_size
+    return torch.Size(out)
+
+
+def _globalize_size_query(n: torch.fx.Node, plan: Any, world_size: int) -> bool:
+    """The original program reasons in global sizes; ``x.size()``, ``x.size(d)``, ``x.shape`` and
+    ``x.numel()`` on a sharded ``x`` return local ones at run time. Rescale them right after the
+    query (symbolic sizes only: static sizes were constants in the trace already)."""
+    is_size = n.op == "call_method" and n.target in ("size", "numel")
+    is_shape = n.op == "call_function" and n.target is getattr and len(n.args) == 2 and n.args[1] == "shape"
+    if not (is_size or is_shape):
+        return False
+    edge = plan.edges.get((0, 0))
+    if edge is None or not isinstance(edge.dst, Shard):
+        return False
+    d = edge.dst.dim
+    graph = n.graph
+    users = list(n.users)
+    with graph.inserting_after(n):
+        if n.target == "numel":
+            fixed = graph.call_function(operator.mul, (n, world_size))
+        elif is_size and (len(n.args) > 1 or "dim" in n.kwargs):
+            k = n.args[1] if len(n.args) > 1 else n.kwargs["dim"]
+            ndim = len(edge_shape(n))
+            if k % ndim != d:
+                return False
+            fixed = graph.call_function(operator.mul, (n, world_size))
+        else:
+            fixed = graph.call_function(_global_size, (n, d, world_size))
+    for u in users:
+        u.replace_input_with(n, fixed)
+    return True
+
+
+def edge_shape(n: torch.fx.Node) -> tuple:
+    value = n.args[0].meta.get("example_value") if isinstance(n.args[0], torch.fx.Node) else None
+    return tuple(value.shape) if isinstance(value, torch.Tensor) else ()

@@ -45,6 +45,7 @@ after the frontier has settled (typically the first two or three).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import operator
 import time
@@ -69,7 +70,7 @@ class SolverOptions:
     world_size: int
     tokens: int = 1
     memory_weight: float = 1.0
-    beam_width: int = 128
+    beam_width: int = 32
 
 
 @dataclass
@@ -99,6 +100,7 @@ class SolveTrace:
     pruned_states: int = 0
     max_states: int = 0
     reused_nodes: int = 0
+    widened_to: int | None = None
     unknown_ops: dict[str, int] = field(default_factory=dict)
     seconds: float = 0.0
 
@@ -243,8 +245,19 @@ def solve(shadow: ShadowGraph, opts: SolverOptions, fixed: dict[torch.fx.Node, P
         if n.op in ("placeholder", "get_attr") and index[n] not in fixed_idx and index[n] not in free_idx:
             fixed_idx[index[n]] = R
 
-    search = _Search(steps, position, last_use, fixed_idx, free_idx, param_idx, opts, trace)
-    states = search.run()
+    width = opts.beam_width
+    while True:  # a beam can lose every feasible plan; widen it before giving up
+        search = _Search(steps, position, last_use, fixed_idx, free_idx, param_idx,
+                         dataclasses.replace(opts, beam_width=width), trace)
+        try:
+            states = search.run()
+            break
+        except SolverError:
+            if trace.pruned_states == 0 or width >= opts.beam_width * 64:
+                raise
+            width *= 8
+            trace.widened_to = width
+            trace.pruned_states = 0
 
     best_cost, best_comm, best_mem, hist = min(states.values(), key=lambda v: v[0])
     placements: dict[torch.fx.Node, Any] = {}

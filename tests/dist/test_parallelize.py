@@ -157,3 +157,25 @@ def test_a_hub_id_resolves_offline_from_a_laid_out_cache_with_a_sharded_checkpoi
     ref_logits, _ = _reference(folder, 1)
     for r in run_ranks(_rank_hub, 2, "tiny-org/tiny-qwen2", str(tmp_path / "cache")):
         torch.testing.assert_close(r["logits"], ref_logits, atol=1e-5, rtol=1e-4)
+
+
+def _rank_masked(rank: int, world: int, folder: str, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    from autotp import parallelize_model
+
+    model = parallelize_model(folder, tp_size=world)
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+
+
+def test_batched_generation_with_left_padding_and_a_mask_matches_one_process(tmp_path: Path) -> None:
+    # sizes read from batch-sharded activations (x.size() in a dynamic graph) must be rescaled
+    from transformers import AutoModelForCausalLM
+
+    folder = save_tiny("llama", tmp_path / "llama", pad_token_id=PAD_ID)
+    ids = torch.tensor([[0, 0, 5, 17, 99, 3], [4, 8, 15, 16, 23, 42]])
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    ref = AutoModelForCausalLM.from_pretrained(folder).eval()
+    with torch.no_grad():
+        expected = ref.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    for tokens in run_ranks(_rank_masked, 2, str(folder), ids, mask):
+        assert torch.equal(tokens, expected)
