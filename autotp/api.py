@@ -174,7 +174,7 @@ def parallelize_model(
     ctx.on_plan = module.autotp.plans.append
     if warmup:
         with torch.no_grad():
-            module(**{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in _warmup_inputs(module).items()})
+            module(**{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in _warmup_inputs(module, world).items()})
         _load_untouched(slots, ctx)
         forward.swap_out()
     return module
@@ -217,12 +217,18 @@ def _install_standins(module: torch.nn.Module, checkpoint: Checkpoint, dtype: to
         )
 
 
-def _warmup_inputs(module: torch.nn.Module) -> dict[str, Any]:
-    """A tiny call that reaches every layer: the model's own ``dummy_inputs``, without a KV cache
-    (so the first plan, which pins every parameter, describes one plain forward)."""
+def _warmup_inputs(module: torch.nn.Module, world_size: int) -> dict[str, Any]:
+    """A tiny call that reaches every layer: the model's own ``dummy_inputs`` keys, one sequence of
+    ``2N+1`` tokens (neither batch nor length divides by ``N``, so the plan that pins every
+    parameter splits heads and hidden features, not the warm-up's batch or sequence), and no KV
+    cache (so that first plan describes one plain forward)."""
     dummy = getattr(module, "dummy_inputs", None)
-    inputs: dict[str, Any] = dict(dummy) if isinstance(dummy, dict) and dummy else \
-        {"input_ids": torch.tensor([[1, 2, 3, 4]])}
+    inputs: dict[str, Any] = dict(dummy) if isinstance(dummy, dict) and dummy else {}
+    ids = torch.arange(1, 2 * world_size + 2).unsqueeze(0)  # (1, 2N+1)
+    for key in ("input_ids", "decoder_input_ids"):
+        if key in inputs or key == "input_ids":
+            inputs[key] = ids
+    inputs.pop("attention_mask", None)
     if "use_cache" in inspect.signature(type(module).forward).parameters:
         inputs["use_cache"] = False
     return inputs
