@@ -29,7 +29,7 @@ from autotp.passes.materialize import materialize
 from autotp.passes.pipeline import PassRunner
 from autotp.passes.rewrite import rewrite
 from autotp.passes.solve import ParamChoice, SolverOptions, solve
-from autotp.placement import R, shard_candidates
+from autotp.placement import R, Shard, shard_candidates
 from autotp.plan import build_plan, first_consumer, parameter_entry
 from autotp.trace import graph_folder, write_json, write_solver_trace, write_text
 from autotp.weights import ParameterMeta
@@ -170,7 +170,8 @@ def _release_after_first_call(gm: torch.fx.GraphModule, param_inputs: dict[torch
     """For in-memory models: once the graph has run, point each full parameter at a zero-memory
     stand-in so this rank keeps only its shard (Dynamo recompiles once on the new strides, and the
     recompiled graph finds every placement pinned)."""
-    full = [v for v in param_inputs.values() if not _is_standin(v)]
+    full = [v for v in param_inputs.values() if not _is_standin(v)
+            and isinstance(meta_of(v).placement, Shard)]
     if not full:
         return gm.forward
     state = {"released": False}
@@ -180,8 +181,8 @@ def _release_after_first_call(gm: torch.fx.GraphModule, param_inputs: dict[torch
         if not state["released"]:
             state["released"] = True
             with torch.no_grad():
-                for v in full:
-                    v.data = standin(tuple(v.shape), v.dtype, v.device, False).data
+                for v in full:  # NaN-filled, so an eager use of the released module is loudly wrong
+                    v.data = standin(tuple(v.shape), v.dtype, v.device, False, fill=float("nan")).data
         return out
 
     return run

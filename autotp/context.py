@@ -42,9 +42,10 @@ def attach_meta(t: torch.Tensor, meta: ParameterMeta) -> None:
 
 
 def standin(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str,
-            requires_grad: bool) -> torch.nn.Parameter:
+            requires_grad: bool, fill: float = 0.0) -> torch.nn.Parameter:
     """A zero-memory, global-shaped parameter for Dynamo to trace and guard on: one element
     expanded (stride 0) to ``shape``. Read-only by construction; compiled graphs bind the real local
     shard instead."""
-    base = torch.zeros((), dtype=dtype, device=device)
+    value = fill if dtype.is_floating_point or dtype.is_complex else 0
+    base = torch.full((), value, dtype=dtype, device=device)
     return torch.nn.Parameter(base.expand(shape), requires_grad=requires_grad)
