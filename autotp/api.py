@@ -162,7 +162,8 @@ def parallelize_model(
     module = build_meta_model(hf_config, dtype=dtype)
     checkpoint = Checkpoint(folder)
     _install_standins(module, checkpoint, dtype, device)
-    module.to(device) if device.type != "cpu" else None
+    if device.type != "cpu":
+        module.to(device)
 
     ctx = TPContext(comm=comm, config=config)
     compiled = torch.compile(type(module).forward.__get__(module), backend=make_backend(ctx), dynamic=None)

@@ -62,7 +62,7 @@ def _leaf_nodes(n: torch.fx.Node) -> list[torch.fx.Node]:
     return out
 
 
-def _requires_grad(node: torch.fx.Node, params: dict[torch.fx.Node, LocalParam]) -> bool:
+def _requires_grad(node: torch.fx.Node) -> bool:
     value = node.meta.get("example_value")
     if isinstance(value, torch.Tensor):
         return bool(value.requires_grad)
@@ -75,7 +75,7 @@ def rewrite(gm: torch.fx.GraphModule, annotation: Annotation, params: dict[torch
     graph = gm.graph
     counter = itertools.count()
     original = list(graph.nodes)
-    requires_grad = {n: _requires_grad(n, params) for n in original}
+    requires_grad = {n: _requires_grad(n) for n in original}
     for ph, lp in params.items():
         requires_grad[ph] = lp.tensor.requires_grad
 
