@@ -84,14 +84,6 @@ def tensor_index(op: OpCall, index: int, name: str) -> int | None:
     return None
 
 
-def missing(inputs: Sequence[Any]) -> Rejected | None:
-    """A rejection if some tensor input has no placement (or a tuple placement), else None."""
-    for i, p in enumerate(inputs):
-        if not isinstance(p, (Replicate, Shard, Partial)):
-            return reject(f"tensor input {i} has no single placement ({p!r})")
-    return None
-
-
 def norm_dims(dims: int | Iterable[int] | None, ndim: int) -> list[int]:
     """Normalize a reduction ``dim`` argument; ``None`` or ``[]`` mean every dim."""
     if dims is None:

@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from autotp.ops._common import R, aten_ops, missing, out_spec, tensor_index
+from autotp.ops._common import R, aten_ops, out_spec, tensor_index
 from autotp.ops.registry import Candidate, OpCall, TensorSpec, register, reject
 from autotp.placement import Partial, Placement, Replicate, Shard
 
@@ -76,9 +76,6 @@ def _result(op: OpCall, kind: str | None, index: int, q: TensorSpec, p: Placemen
 @register(*_BY_TARGET)
 def sdpa_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate]:
     """Attention over heads or batch shards (see the module docstring)."""
-    bad = missing(inputs)
-    if bad is not None:
-        return bad
     layout = _BY_TARGET[op.target]
     if any(isinstance(p, Partial) for p in inputs):
         return reject("attention is nonlinear: no input may be Partial")

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from autotp.ops._common import R, aten_ops, missing, same
+from autotp.ops._common import R, aten_ops, same
 from autotp.ops.registry import Candidate, OpCall, register, reject
 from autotp.placement import Placement, Replicate, Shard
 
@@ -38,9 +38,6 @@ def factory_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candida
                     "new_empty_strided.default"))
 def new_factory_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate]:
     """new_*(self, size): self gives only dtype and device."""
-    bad = missing(inputs)
-    if bad is not None:
-        return bad
     return same(R)
 
 
@@ -48,9 +45,6 @@ def new_factory_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Can
                     "fill.Scalar"))
 def like_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate]:
     """A constant of ``x``'s shape: Shard stays Shard, R or P (full local shape) give R."""
-    bad = missing(inputs)
-    if bad is not None:
-        return bad
     p = inputs[0]
     return same(p if isinstance(p, Shard) else R)
 
@@ -59,9 +53,6 @@ def like_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate]
                     "randint_like.low_dtype", "bernoulli.p", "bernoulli_.float"))
 def random_like_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate]:
     """Random numbers of ``x``'s shape: Replicate only (x itself may be R or P, not sharded)."""
-    bad = missing(inputs)
-    if bad is not None:
-        return bad
     if isinstance(inputs[0], Shard):
         return reject("random op on a sharded shape: ranks would draw identical numbers")
     return same(R)
@@ -70,9 +61,6 @@ def random_like_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Can
 @register(*aten_ops("bernoulli.default"))
 def bernoulli_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate]:
     """bernoulli(probabilities): Replicate only."""
-    bad = missing(inputs)
-    if bad is not None:
-        return bad
     if not isinstance(inputs[0], Replicate):
         return reject("random op: its input must be Replicate")
     return same(R)
@@ -81,9 +69,6 @@ def bernoulli_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candi
 @register(*aten_ops("native_dropout.default"))
 def native_dropout_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate]:
     """native_dropout(x, p, train) -> (out, mask): Replicate only when training."""
-    bad = missing(inputs)
-    if bad is not None:
-        return bad
     p = inputs[0]
     if op.arg(2, "train") is False:
         # identity: out = x, mask = ones (a constant of x's shape)

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from autotp.ops._common import P, aten_ops, broadcast_shard, is_zero, missing, out_is_float, out_spec
+from autotp.ops._common import P, aten_ops, broadcast_shard, is_zero, out_is_float, out_spec
 from autotp.ops.registry import Candidate, OpCall, Rejected, TensorSpec, register, reject
 from autotp.placement import Partial, Placement, Shard
 
@@ -77,9 +77,6 @@ def _copy(op: OpCall, pm: list[bool]) -> bool:
 
 def elementwise(op: OpCall, inputs: Sequence[Placement | None], partial_ok: PartialCheck) -> list[Candidate]:
     """The shared rule of the family: broadcast Shard/Replicate, or Partial where linear."""
-    bad = missing(inputs)
-    if bad is not None:
-        return bad
     specs = op.tensor_inputs
     out = out_spec(op)
     if out is not None:

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from autotp.ops._common import P, R, aten_ops, missing, out_is_float, same
+from autotp.ops._common import P, R, aten_ops, out_is_float, same
 from autotp.ops.registry import Candidate, OpCall, register, register_local, reject
 from autotp.placement import Partial, Placement, Replicate, Shard
 
@@ -60,9 +60,6 @@ def vocab_parallel_local(target: Any, args: tuple, kwargs: dict, in_placements: 
 @register(*aten_ops("embedding.default"))
 def embedding_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate]:
     """embedding(weight, indices, padding_idx, ...): see the module docstring."""
-    bad = missing(inputs)
-    if bad is not None:
-        return bad
     pw, pi = inputs[0], inputs[1]
     if isinstance(pi, Partial):
         return reject("embedding indices cannot be Partial")

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
-from autotp.ops._common import P, R, aten_ops, missing, out_len, out_spec, same, shift_after_removal
+from autotp.ops._common import P, R, aten_ops, out_len, out_spec, same, shift_after_removal
 from autotp.ops.registry import Candidate, OpCall, TensorSpec, register, reject
 from autotp.placement import Partial, Placement, Replicate, Shard, normalize_dim
 
@@ -26,9 +26,6 @@ from autotp.placement import Partial, Placement, Replicate, Shard, normalize_dim
 @register(*aten_ops("select.int", "select_copy.int"))
 def select_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate]:
     """select(x, dim, index) drops ``dim``."""
-    bad = missing(inputs)
-    if bad is not None:
-        return bad
     p = inputs[0]
     if not isinstance(p, Shard):
         return same(p)
@@ -49,9 +46,6 @@ def _full_range(size: int, start: int | None, end: int | None, step: int = 1) ->
 @register(*aten_ops("slice.Tensor", "slice_copy.Tensor", "narrow.default", "narrow_copy.default"))
 def slice_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate]:
     """slice/narrow along ``dim``: a Shard there survives only if the slice is the whole dim."""
-    bad = missing(inputs)
-    if bad is not None:
-        return bad
     p = inputs[0]
     if not isinstance(p, Shard):
         return same(p)
@@ -71,9 +65,6 @@ def slice_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate
 @register(*aten_ops("index_select.default"))
 def index_select_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate]:
     """index_select(x, dim, index): x's Shard elsewhere survives; a sharded index shards ``dim``."""
-    bad = missing(inputs)
-    if bad is not None:
-        return bad
     px, pi = inputs
     x = op.tensor_inputs[0]
     dim = normalize_dim(op.arg(1, "dim"), x.ndim)
@@ -91,9 +82,6 @@ def index_select_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Ca
 @register(*aten_ops("gather.default"))
 def gather_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate]:
     """gather(x, dim, index): output has index's shape; out[..i..] = x[..index[..i..]..] on ``dim``."""
-    bad = missing(inputs)
-    if bad is not None:
-        return bad
     px, pi = inputs
     x, index = op.tensor_inputs
     dim = normalize_dim(op.arg(1, "dim"), x.ndim)
@@ -121,9 +109,6 @@ def index_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate
     A Shard of x on a non-indexed dim survives; the broadcast index dims replace the indexed dims
     in place when those are adjacent, else they go first. Index tensors must be Replicate.
     """
-    bad = missing(inputs)
-    if bad is not None:
-        return bad
     px, pis = inputs[0], inputs[1:]
     if any(not isinstance(q, Replicate) for q in pis):
         return reject("index tensors must be Replicate")
@@ -155,9 +140,6 @@ def _same_placement(inputs: Sequence[Placement | None]) -> Placement | None:
 @register(*aten_ops("cat.default"))
 def cat_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate]:
     """cat(tensors, dim): all inputs alike (legacy empty ``(0,)`` inputs aside); never along the shard dim."""
-    bad = missing(inputs)
-    if bad is not None:
-        return bad
     # cat skips legacy empty 1-D inputs of shape (0,): DynamicCache prefill is cat([tensor([]), k], -2)
     kept = [(s, q) for s, q in zip(op.tensor_inputs, inputs, strict=True) if s.shape != (0,)]
     if not kept:
@@ -178,9 +160,6 @@ def cat_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate]:
 @register(*aten_ops("stack.default"))
 def stack_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate]:
     """stack(tensors, dim): all inputs alike; the new dim shifts shard dims at or after it."""
-    bad = missing(inputs)
-    if bad is not None:
-        return bad
     p = _same_placement(inputs)
     if p is None:
         return reject(f"stack needs all inputs in the same placement, got {list(inputs)}")
@@ -194,9 +173,6 @@ def stack_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate
                     "split_with_sizes_copy.default", "unbind.int", "unbind_copy.int"))
 def split_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate]:
     """split/unbind along ``dim``: every piece keeps a Shard on another dim (unbind drops ``dim``)."""
-    bad = missing(inputs)
-    if bad is not None:
-        return bad
     p = inputs[0]
     n = out_len(op)
     if not isinstance(p, Shard):
@@ -215,9 +191,6 @@ def split_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate
 @register(*aten_ops("constant_pad_nd.default"))
 def pad_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate]:
     """constant_pad_nd(x, pad, value): pad pairs apply to the last dims; zero padding is linear."""
-    bad = missing(inputs)
-    if bad is not None:
-        return bad
     p = inputs[0]
     if isinstance(p, Partial):
         return same(P) if op.arg(2, "value", 0) == 0 else reject("padding a Partial with a non-zero value")
@@ -234,9 +207,6 @@ def pad_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate]:
 @register(*aten_ops("repeat.default"))
 def repeat_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate]:
     """repeat(x, repeats): a Shard survives where its repeat count is 1 (new dims are leading)."""
-    bad = missing(inputs)
-    if bad is not None:
-        return bad
     p = inputs[0]
     if not isinstance(p, Shard):
         return same(p)
@@ -250,9 +220,6 @@ def repeat_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidat
 @register(*aten_ops("tril.default", "triu.default"))
 def triangle_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate]:
     """tril/triu mask the last two dims: a Shard there is infeasible, on batch dims it survives."""
-    bad = missing(inputs)
-    if bad is not None:
-        return bad
     p = inputs[0]
     if isinstance(p, Shard) and p.dim >= op.tensor_inputs[0].ndim - 2:
         return reject(f"triangular mask over sharded dim {p.dim}")
@@ -262,9 +229,6 @@ def triangle_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candid
 @register(*aten_ops("flip.default"))
 def flip_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate]:
     """flip(x, dims): a Shard on a flipped dim would put chunks in the wrong rank order."""
-    bad = missing(inputs)
-    if bad is not None:
-        return bad
     p = inputs[0]
     ndim = op.tensor_inputs[0].ndim
     if isinstance(p, Shard) and p.dim in {normalize_dim(d, ndim) for d in op.arg(1, "dims")}:
@@ -272,7 +236,7 @@ def flip_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate]
     return same(p)
 
 
-@register(operator.getitem)
+@register(operator.getitem, single_placements=False)
 def getitem_rule(op: OpCall, inputs: Sequence[Placement | tuple | None]) -> list[Candidate]:
     """``result[i]`` of a multi-output op: the i-th element of the tuple placement.
 
@@ -302,9 +266,6 @@ def scatter_slice_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[C
     Shard along ``dim`` survives only for a full-range slice (the result is then src). Writing a
     Partial into a Partial is linear.
     """
-    bad = missing(inputs)
-    if bad is not None:
-        return bad
     ps, pv = inputs
     x = op.tensor_inputs[0]
     dim = normalize_dim(op.arg(2, "dim", 0), x.ndim)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import string
 from collections.abc import Sequence
 
-from autotp.ops._common import P, R, aten_ops, missing, out_is_float, out_spec
+from autotp.ops._common import P, R, aten_ops, out_is_float, out_spec
 from autotp.ops.registry import Candidate, OpCall, Rejected, TensorSpec, register, reject
 from autotp.placement import Partial, Placement, Replicate, Shard
 
@@ -67,9 +67,6 @@ def with_bias(product: Placement, bias: TensorSpec, pb: Placement, out_ndim: int
 
 def _einsum_rule(op: OpCall, inputs: Sequence[Placement], labels: Sequence[str], out_labels: str,
                  bias_index: int | None = None) -> list[Candidate]:
-    bad = missing(inputs)
-    if bad is not None:
-        return bad
     specs = op.tensor_inputs
     operands = [i for i in range(len(specs)) if i != bias_index]
     product = einsum_placement(labels, [specs[i].shape for i in operands], out_labels,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from autotp.ops._common import R, aten_ops, missing
+from autotp.ops._common import R, aten_ops
 from autotp.ops.registry import Candidate, OpCall, register, reject
 from autotp.placement import Partial, Placement, Replicate, Shard, normalize_dim
 
@@ -17,9 +17,6 @@ from autotp.placement import Partial, Placement, Replicate, Shard, normalize_dim
 @register(*aten_ops("_softmax.default", "_log_softmax.default", "softmax.int", "log_softmax.int"))
 def softmax_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate]:
     """Softmax over ``dim``: Shard on another dim survives; on ``dim`` or Partial it is infeasible."""
-    bad = missing(inputs)
-    if bad is not None:
-        return bad
     p = inputs[0]
     dim = normalize_dim(op.arg(1, "dim"), op.tensor_inputs[0].ndim)
     if isinstance(p, Partial):
@@ -37,9 +34,6 @@ def layer_norm_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Cand
     leading (not normalized) dim is the same dim in all three results. weight/bias live on the
     normalized dims and must be Replicate.
     """
-    bad = missing(inputs)
-    if bad is not None:
-        return bad
     x, px = op.tensor_inputs[0], inputs[0]
     first_normalized = x.ndim - len(op.arg(1, "normalized_shape"))
     for i, q in enumerate(inputs[1:], start=1):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from autotp.ops._common import P, R, aten_ops, missing, norm_dims, out_is_float, out_len
+from autotp.ops._common import P, R, aten_ops, norm_dims, out_is_float, out_len
 from autotp.ops.registry import Candidate, OpCall, register, reject
 from autotp.placement import Partial, Placement, Replicate, Shard, normalize_dim
 
@@ -22,9 +22,6 @@ SUM, MEAN, OTHER = "sum", "mean", "other"
 def reduce(op: OpCall, inputs: Sequence[Placement | None], kind: str, dims: object, keepdim: bool
            ) -> list[Candidate]:
     """Shared reduction rule. ``dims`` is the raw dim argument (None / [] mean all dims)."""
-    bad = missing(inputs)
-    if bad is not None:
-        return bad
     p = inputs[0]
     x = op.tensor_inputs[0]
     n_out = out_len(op)
@@ -73,9 +70,6 @@ _reduction(OTHER, (2, "dim"), (3, "keepdim"), "linalg_vector_norm.default")
 @register(*aten_ops("cumsum.default", "cumprod.default"))
 def scan_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate]:
     """Inclusive scan along ``dim``: Shard elsewhere survives; cumsum is linear (P -> P)."""
-    bad = missing(inputs)
-    if bad is not None:
-        return bad
     p = inputs[0]
     x = op.tensor_inputs[0]
     dim = normalize_dim(op.arg(1, "dim"), x.ndim)

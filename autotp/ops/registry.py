@@ -23,6 +23,7 @@ with :func:`register_local`; the runtime equivalents live in ``autotp/passes/rew
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,7 +31,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from autotp.placement import Placement
+from autotp.placement import Partial, Placement, Replicate, Shard
 
 PlacementOut = Placement | tuple[Placement | None, ...] | None
 
@@ -108,17 +109,34 @@ _RULES: dict[Any, Rule] = {}
 _LOCALS: dict[str, LocalImpl] = {}
 
 
-def register(*targets: Any) -> Callable[[Rule], Rule]:
-    """Register ``rule`` for each ATen overload in ``targets``; a second registration raises."""
+def register(*targets: Any, single_placements: bool = True) -> Callable[[Rule], Rule]:
+    """Register ``rule`` for each ATen overload in ``targets``; a second registration raises.
+
+    With ``single_placements`` (the default) the registry rejects, before the rule runs, a call
+    where some tensor input has no single placement (None, or a tuple from a multi-output op), so
+    rules only ever see R / S / P. The returned function is the rule itself, wrapped the same way.
+    """
 
     def deco(fn: Rule) -> Rule:
+        rule = _checked(fn) if single_placements else fn
         for t in targets:
             if t in _RULES:
                 raise ValueError(f"duplicate placement rule for {t}: {_RULES[t].__name__} and {fn.__name__}")
-            _RULES[t] = fn
-        return fn
+            _RULES[t] = rule
+        return rule
 
     return deco
+
+
+def _checked(fn: Rule) -> Rule:
+    @functools.wraps(fn)
+    def rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate]:
+        for i, p in enumerate(inputs):
+            if not isinstance(p, (Replicate, Shard, Partial)):
+                return reject(f"tensor input {i} has no single placement ({p!r})")
+        return fn(op, inputs)
+
+    return rule
 
 
 def register_local(name: str) -> Callable[[LocalImpl], LocalImpl]:

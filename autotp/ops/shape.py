@@ -19,7 +19,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from autotp.ops._common import P, R, aten_ops, missing, out_spec, same, shift_after_removal
+from autotp.ops._common import P, R, aten_ops, out_spec, same, shift_after_removal
 from autotp.ops.registry import Candidate, OpCall, register, register_local, reject
 from autotp.placement import Partial, Placement, Replicate, Shard, normalize_dim
 
@@ -79,9 +79,6 @@ for _t in VIEW_OPS:
 @register(*VIEW_OPS)
 def view_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate]:
     """A reshape keeps R and P; a Shard survives if its dim is the outermost factor of an out dim."""
-    bad = missing(inputs)
-    if bad is not None:
-        return bad
     p = inputs[0]
     if isinstance(p, (Replicate, Partial)):
         return same(p)
@@ -105,9 +102,6 @@ for _t in EXPAND_OPS:
 @register(*EXPAND_OPS)
 def expand_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate]:
     """Shard follows its dim (shifted by new leading dims); R may also shard a broadcast dim."""
-    bad = missing(inputs)
-    if bad is not None:
-        return bad
     p = inputs[0]
     x = op.tensor_inputs[0]
     spec = out_spec(op)
@@ -133,9 +127,6 @@ def expand_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidat
 @register(*aten_ops("permute.default", "permute_copy.default"))
 def permute_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate]:
     """Shard(d) -> Shard(position of d in dims)."""
-    bad = missing(inputs)
-    if bad is not None:
-        return bad
     p = inputs[0]
     if not isinstance(p, Shard):
         return same(p)
@@ -147,9 +138,6 @@ def permute_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candida
 @register(*aten_ops("transpose.int", "transpose_copy.int", "t.default", "t_copy.default"))
 def transpose_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate]:
     """Swap two dims (``t`` swaps 0 and 1 of a 2-D tensor and is a no-op below 2-D)."""
-    bad = missing(inputs)
-    if bad is not None:
-        return bad
     p = inputs[0]
     if not isinstance(p, Shard):
         return same(p)
@@ -165,9 +153,6 @@ def transpose_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candi
 @register(*aten_ops("unsqueeze.default", "unsqueeze_copy.default"))
 def unsqueeze_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate]:
     """A new size-1 dim at ``dim`` shifts shard dims at or after it by one."""
-    bad = missing(inputs)
-    if bad is not None:
-        return bad
     p = inputs[0]
     if not isinstance(p, Shard):
         return same(p)
@@ -179,9 +164,6 @@ def unsqueeze_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candi
                     "squeeze_copy.dim", "squeeze_copy.dims"))
 def squeeze_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate]:
     """Size-1 dims disappear (dims listed but not of size 1 stay); a shard dim shifts left."""
-    bad = missing(inputs)
-    if bad is not None:
-        return bad
     p = inputs[0]
     if not isinstance(p, Shard):
         return same(p)
