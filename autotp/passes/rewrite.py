@@ -250,7 +250,7 @@ def _globalize_size_query(n: torch.fx.Node, plan: Any, world_size: int) -> bool:
             fixed = graph.call_function(operator.mul, (n, world_size))
         elif is_size and (len(n.args) > 1 or "dim" in n.kwargs):
             k = n.args[1] if len(n.args) > 1 else n.kwargs["dim"]
-            ndim = len(edge_shape(n))
+            ndim = len(_edge_shape(n))
             if k % ndim != d:
                 return False
             fixed = graph.call_function(operator.mul, (n, world_size))
@@ -261,6 +261,6 @@ def _globalize_size_query(n: torch.fx.Node, plan: Any, world_size: int) -> bool:
     return True
 
 
-def edge_shape(n: torch.fx.Node) -> tuple:
+def _edge_shape(n: torch.fx.Node) -> tuple:
     value = n.args[0].meta.get("example_value") if isinstance(n.args[0], torch.fx.Node) else None
     return tuple(value.shape) if isinstance(value, torch.Tensor) else ()

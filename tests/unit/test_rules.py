@@ -28,7 +28,7 @@ import pytest
 import torch
 from torch.utils import _pytree as pytree
 
-from autotp.ops import registry
+from autotp.ops import elementwise, registry
 from autotp.ops.embedding import vocab_parallel_embedding
 from autotp.ops.registry import Candidate, OpCall, Rejected, TensorSpec
 from autotp.ops.shape import localize_sizes
@@ -199,18 +199,7 @@ UNARY_SPECIAL: dict[str, tuple[tuple, dict]] = {
     "leaky_relu.default": ((f(6, 4, 3), 0.1), {}),
     "hardtanh.default": ((f(6, 4, 3),), {}),
 }
-UNARY_NAMES = [
-    "abs.default", "acos.default", "asin.default", "atan.default", "atanh.default", "asinh.default",
-    "ceil.default", "cos.default", "cosh.default", "erf.default", "erfc.default", "exp.default",
-    "exp2.default", "expm1.default", "floor.default", "frac.default", "gelu.default", "isinf.default",
-    "isnan.default", "log.default", "log10.default", "log1p.default", "log2.default",
-    "logical_not.default", "bitwise_not.default", "reciprocal.default", "relu.default",
-    "round.default", "rsqrt.default", "sigmoid.default", "sign.default", "sgn.default", "silu.default",
-    "sin.default", "sinh.default", "sqrt.default", "tan.default", "tanh.default", "trunc.default",
-    "pow.Tensor_Scalar", "pow.Scalar", "clamp.default", "clamp_min.default", "clamp_max.default",
-    "leaky_relu.default", "elu.default", "hardtanh.default", "softplus.default", "mish.default",
-    "hardsigmoid.default", "hardswish.default", "nan_to_num.default", "square.default",
-]
+UNARY_NAMES = list(elementwise.UNARY_NONLINEAR)  # every unary op the rules module registers
 for _name in UNARY_NAMES:
     _args, _kw = UNARY_SPECIAL.get(_name, ((pos(6, 4, 3),), {}))
     compute(resolve("aten." + _name), *_args, **_kw)
