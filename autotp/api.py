@@ -14,9 +14,12 @@ global-shaped model, and every compiled graph binds the same local shard objects
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import inspect
+import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,9 +28,9 @@ import torch
 import torch.distributed as dist
 
 from autotp.backend import make_backend
-from autotp.collectives import Comm, ensure_process_group
+from autotp.collectives import Comm, ensure_process_group, redistribute
 from autotp.config import AutoTPConfig, parse_dtype
-from autotp.context import TPContext, attach_meta, meta_of, standin
+from autotp.context import TPContext, attach_meta, meta_of, shard_of, standin
 from autotp.errors import AutoTPError, CheckpointError, divisors_up_to
 from autotp.placement import R
 from autotp.weights import (
@@ -90,15 +93,17 @@ def check_divisible(config: Any, tp_size: int) -> None:
 class _SwappingForward:
     """``model.forward`` replacement: stand-ins in for the compiled call, local shards out."""
 
-    def __init__(self, compiled: Callable[..., Any], slots: list[tuple[torch.nn.Module, str, torch.nn.Parameter]]):
+    def __init__(self, compiled: Callable[..., Any], slots: list[tuple[torch.nn.Module, str, torch.nn.Parameter]],
+                 comm: Comm):
         self.compiled = compiled
         self.slots = slots
+        self.comm = comm
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         for module, name, stand in self.slots:
             module._parameters[name] = stand
         try:
-            return self.compiled(*args, **kwargs)
+            return gather_user_values(self.compiled(*args, **kwargs), self.comm)
         finally:
             self.swap_out()
 
@@ -106,6 +111,23 @@ class _SwappingForward:
         for module, name, stand in self.slots:
             local = meta_of(stand).local
             module._parameters[name] = local if local is not None else stand
+
+
+def gather_user_values(value: Any, comm: Comm) -> Any:
+    """The model boundary: every sharded value the user can read (logits, hidden states, in
+    dicts, tuples and lists) is gathered to its full tensor; values held by other objects — the
+    KV cache — stay sharded, so each rank keeps only its heads between decoding steps."""
+    shard = shard_of(value)
+    if shard is not None:
+        local, placement = shard
+        return redistribute(local, placement, R, comm)
+    if isinstance(value, dict):  # ModelOutput too: item assignment keeps its attributes in sync
+        for key in list(value.keys()):
+            value[key] = gather_user_values(value[key], comm)
+        return value
+    if isinstance(value, (tuple, list)) and not hasattr(value, "_fields"):
+        return type(value)(gather_user_values(v, comm) for v in value)
+    return value
 
 
 def _resolve_module(model: torch.nn.Module, fqn: str) -> tuple[torch.nn.Module, str]:
@@ -125,6 +147,10 @@ def parallelize_model(
     trace_dir: str | os.PathLike | None = None,
     device: str | torch.device | None = None,
     warmup: bool = True,
+    trust_remote_code: bool = False,
+    timeout: float | datetime.timedelta | None = None,
+    progress: bool | None = None,
+    verify: bool = False,
     **overrides: Any,
 ) -> torch.nn.Module:
     """Load ``model`` (Hub id or local folder) tensor-parallel over the current process group.
@@ -133,52 +159,148 @@ def parallelize_model(
     as a single process. Returns the transformers model: ``model(...)`` gives full outputs on every
     rank, ``model.generate(...)`` works, ``model.parameters()`` yields this rank's shards, and
     ``model.autotp.plan`` is the plan.
+
+    Sources: a local folder (never written into) or a Hub id (``revision``, ``cache_dir``,
+    ``token``, ``local_files_only`` as in huggingface_hub; one process per machine downloads while
+    the others wait on a lock in the cache), with safetensors (single or sharded) or PyTorch
+    ``.bin`` weights. ``dtype`` converts each slice as it is read. ``trust_remote_code`` is needed
+    for a config whose architecture exists only as code in the checkpoint (``auto_map``).
+    ``timeout`` (seconds) bounds every collective when autotp starts the process group itself (a
+    rank that dies or hangs then makes the others fail with an error instead of waiting forever).
+    ``progress`` shows a slice-read bar on rank 0 for long loads (and huggingface_hub's download
+    bars); default: on unless the ``CI`` environment variable is set. On CPU each rank uses
+    ``cores / local ranks`` threads unless ``OMP_NUM_THREADS`` is set. ``verify=True`` checks the
+    first call of every graph against a replicated run and raises at the first diverging node.
     """
     dtype = parse_dtype(dtype)
     trace_dir = trace_dir or os.environ.get("AUTOTP_TRACE_DIR") or None
+    if progress is None:  # the library reads the environment here, at its entry point, only
+        progress = not os.environ.get("CI")
     config = AutoTPConfig(tp_size=tp_size, dtype=dtype, trace_dir=Path(trace_dir) if trace_dir else None,
-                          overrides=dict(overrides.pop("overrides", {}) or {}))
+                          overrides=dict(overrides.pop("overrides", {}) or {}), verify=bool(verify))
     if overrides:
         raise AutoTPError(f"unknown arguments to parallelize_model: {sorted(overrides)}")
+    if timeout is not None and not isinstance(timeout, datetime.timedelta):
+        if not isinstance(timeout, int | float) or timeout <= 0:
+            raise AutoTPError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        timeout = datetime.timedelta(seconds=timeout)
     if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:
-        ensure_process_group()
+        ensure_process_group(timeout=timeout)
     comm = Comm.from_default_group() if dist.is_available() and dist.is_initialized() else Comm.single()
     world = comm.world_size
     if device is None:
         device = torch.device(f"cuda:{torch.cuda.current_device()}") if comm.backend == "nccl" else torch.device("cpu")
     device = torch.device(device)
+    show_progress = bool(progress) and comm.rank == 0
+    if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        # ranks on one machine share its cores: cores / local ranks threads each (the user's
+        # OMP_NUM_THREADS wins); torch's default would oversubscribe every core N times
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        torch.set_num_threads(max((os.cpu_count() or 1) // max(local_ranks, 1), 1))
 
     folder = resolve_checkpoint(model, revision=revision, cache_dir=cache_dir, token=token,
-                                local_files_only=local_files_only)
-    from transformers import AutoConfig
-
-    hf_config = AutoConfig.from_pretrained(folder)
+                                local_files_only=local_files_only, progress=show_progress)
+    hf_config = _load_config(folder, trust_remote_code)
     check_divisible(hf_config, config.tp_size or world)
     if config.tp_size is not None and config.tp_size != world:
         raise AutoTPError(
             f"tp_size={config.tp_size} but the process group has {world} ranks; launch with "
             f"`torchrun --nproc-per-node {config.tp_size}` (autotp uses the whole group for tensor parallelism)"
         )
-    module = build_meta_model(hf_config, dtype=dtype)
+    module = build_meta_model(hf_config, dtype=dtype, trust_remote_code=trust_remote_code)
     checkpoint = Checkpoint(folder)
     _install_standins(module, checkpoint, dtype, device)
     if device.type != "cpu":
         module.to(device)
 
-    ctx = TPContext(comm=comm, config=config)
+    ctx = TPContext(comm=comm, config=config, sharded_outputs=True)
     compiled = torch.compile(type(module).forward.__get__(module), backend=make_backend(ctx), dynamic=None)
     slots = [(m, n, p) for fqn, p in module.named_parameters(remove_duplicate=False)
              for m, n in [_resolve_module(module, fqn)]]
-    forward = _SwappingForward(compiled, slots)
+    forward = _SwappingForward(compiled, slots, comm)
     module.forward = forward
     module.autotp = AutoTPHandle(context=ctx, folder=Path(folder))
     ctx.on_plan = module.autotp.plans.append
     if warmup:
-        with torch.no_grad():
-            module(**{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in _warmup_inputs(module, world).items()})
-        _load_untouched(slots, ctx)
+        with _read_progress(checkpoint, len({id(p) for _, _, p in slots}), show_progress), \
+                _peer_failures(comm):
+            with torch.no_grad():
+                module(**{k: v.to(device) if isinstance(v, torch.Tensor) else v
+                          for k, v in _warmup_inputs(module, world).items()})
+            _load_untouched(slots, ctx)
         forward.swap_out()
+        checkpoint.close()  # every shard is loaded: drop file handles (and .bin mappings)
     return module
+
+
+def _load_config(folder: Path, trust_remote_code: bool) -> Any:
+    """``AutoConfig`` of the checkpoint, with transformers' refusals turned into AutoTPErrors."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
+    except (ValueError, KeyError, OSError) as e:
+        text = str(e)
+        if "trust_remote_code" in text:
+            raise AutoTPError(
+                f"{folder / 'config.json'} needs custom code from the checkpoint (config.auto_map). Read "
+                "that code, then pass trust_remote_code=True."
+            ) from e
+        model_type = _config_field(folder, "model_type")
+        raise AutoTPError(
+            f"transformers cannot read {folder / 'config.json'} (model_type {model_type!r}): "
+            f"{type(e).__name__}: {text[:300]}. The architecture is unknown to this transformers version: "
+            "upgrade transformers, or fix model_type in config.json."
+        ) from e
+
+
+def _config_field(folder: Path, name: str) -> Any:
+    try:
+        return json.loads((folder / "config.json").read_text()).get(name)
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+@contextlib.contextmanager
+def _read_progress(checkpoint: Checkpoint, total: int, show: bool) -> Iterator[None]:
+    """A tqdm bar over the tensors read (rank 0, shown only when loading takes over a second)."""
+    if not show:
+        yield
+        return
+    from tqdm.auto import tqdm
+
+    with tqdm(total=total, desc="autotp: loading shards", unit="tensor", delay=1.0, leave=False) as bar:
+        checkpoint.on_read = lambda _read: bar.update(1)
+        try:
+            yield
+        finally:
+            checkpoint.on_read = None
+
+
+@contextlib.contextmanager
+def _peer_failures(comm: Comm) -> Iterator[None]:
+    """A collective that fails because another rank died, raised or hung becomes an AutoTPError
+    that says so (gloo reports a reset or closed connection at once, a hang after the timeout)."""
+    try:
+        yield
+    except AutoTPError:
+        raise
+    except RuntimeError as e:
+        if comm.world_size == 1 or not _is_peer_failure(e):
+            raise
+        raise AutoTPError(
+            f"rank {comm.rank} of {comm.world_size}: another rank failed or stopped responding while the "
+            f"model was loading ({str(e).splitlines()[0][:300]}). The first error in the other ranks' logs "
+            "is the cause; a hang shows up after the process-group timeout (parallelize_model(timeout=...))."
+        ) from e
+
+
+_PEER_FAILURE_MARKERS = ("Connection reset by peer", "Connection closed by peer", "Timed out",
+                         "timed out", "Broken pipe", "NCCL communicator was aborted", "DistNetworkError")
+
+
+def _is_peer_failure(e: BaseException) -> bool:
+    return isinstance(e, dist.DistError) or any(m in str(e) for m in _PEER_FAILURE_MARKERS)
 
 
 def _install_standins(module: torch.nn.Module, checkpoint: Checkpoint, dtype: torch.dtype | None,
@@ -244,3 +366,4 @@ def _load_untouched(slots: list[tuple[torch.nn.Module, str, torch.nn.Parameter]]
             meta.local = torch.nn.Parameter(
                 meta.load_local(ctx.rank, ctx.world_size, dtype=meta.dtype, device=stand.device),
                 requires_grad=stand.requires_grad)
+            attach_meta(meta.local, meta)

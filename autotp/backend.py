@@ -9,10 +9,13 @@ graph; it ignores the global-shaped parameter values Dynamo passes and reads the
 
 from __future__ import annotations
 
+import difflib
+import fnmatch
 import os
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +25,9 @@ import torch.fx
 
 from autotp.collectives import Comm
 from autotp.config import AutoTPConfig
-from autotp.context import TPContext, attach_meta, meta_of, standin
+from autotp.context import TPContext, attach_meta, meta_of, shard_of, sharded_standin, standin
+from autotp.errors import AutoTPError, SolverError
+from autotp.ops.fused import fused_segmentations, strided_candidates
 from autotp.passes.annotate import annotate, replicated_annotation
 from autotp.passes.decompose import decompose
 from autotp.passes.materialize import materialize
@@ -30,8 +35,9 @@ from autotp.passes.pipeline import PassRunner
 from autotp.passes.rewrite import rewrite
 from autotp.passes.solve import ParamChoice, SolverOptions, solve
 from autotp.placement import R, Shard, shard_candidates
-from autotp.plan import build_plan, first_consumer, parameter_entry
+from autotp.plan import build_plan, first_consumer, parameter_entry, style_of
 from autotp.trace import graph_folder, write_json, write_solver_trace, write_text
+from autotp.verify import verified
 from autotp.weights import ParameterMeta
 
 _SOURCE_TOKEN = re.compile(r"\._(?:modules|parameters|buffers)\['([^']+)'\]|\.([A-Za-z_]\w*)|\[(\d+)\]|\['([^']+)'\]")
@@ -47,10 +53,12 @@ def fqn_of(source_name: str) -> str:
 
 def autotp_backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
     """Entry point for ``torch.compile(model, backend="autotp")``: uses the default process group
-    (or runs single-process) and ``AUTOTP_TRACE_DIR`` for traces."""
+    (or runs single-process), ``AUTOTP_TRACE_DIR`` for traces and ``AUTOTP_VERIFY=1`` for
+    verification (see ``autotp/verify.py``)."""
     comm = Comm.from_default_group() if dist.is_available() and dist.is_initialized() else Comm.single()
     trace_dir = os.environ.get("AUTOTP_TRACE_DIR")
-    ctx = TPContext(comm=comm, config=AutoTPConfig(trace_dir=Path(trace_dir) if trace_dir else None))
+    verify = os.environ.get("AUTOTP_VERIFY", "") not in ("", "0")
+    ctx = TPContext(comm=comm, config=AutoTPConfig(trace_dir=Path(trace_dir) if trace_dir else None, verify=verify))
     return compile_graph(gm, example_inputs, ctx)
 
 
@@ -110,12 +118,15 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: list[Any], ctx: TPCo
         annotation, solution, shadow, opts = _solve(gm, example_inputs, param_inputs, user_inputs, ctx,
                                                     runner, timings, folder)
     consumers = {ph: first_consumer(ph) for ph in param_inputs}
+    check = _verification(gm, annotation, placeholders, param_inputs, example_inputs, ctx) \
+        if ctx.config.verify and world > 1 else None
     locals_ = runner.run("materialize", materialize, annotation, param_inputs, ctx)
     report = runner.run("rewrite", rewrite, gm, annotation, locals_, ctx.comm, lint=gm)
+    sharded_outputs = _sharded_outputs(gm, annotation)
     plan = build_plan(world, {
         meta_of(v).fqn: parameter_entry(meta_of(v).placement, consumers[ph], tuple(v.shape), world)
         for ph, v in param_inputs.items()
-    }, report.collectives)
+    }, report.collectives, sharded_outputs=len(sharded_outputs))
     gm.autotp_plan = plan
     if folder:
         modules = "".join(f"# {name}: {mod.extra_repr()}\n" for name, mod in gm.named_children())
@@ -130,38 +141,208 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: list[Any], ctx: TPCo
         })
     if ctx.on_plan is not None:
         ctx.on_plan(plan)
-    return _release_after_first_call(gm, param_inputs)
+    run = _release_after_first_call(gm, param_inputs)
+    if check is not None:
+        run = check(run, gm)
+    return _bind_sharded_values(run, sharded_outputs, example_inputs, world)
+
+
+def _verification(gm: torch.fx.GraphModule, annotation: Any, placeholders: list[torch.fx.Node],
+                  param_inputs: dict[torch.fx.Node, torch.Tensor], example_inputs: list[Any],
+                  ctx: TPContext) -> Callable[..., Callable[..., Any]] | None:
+    """``verify=True``: keep the graph as it was before the rewrite and how to read each parameter
+    in full, so the first call can be compared node by node (``autotp/verify.py``). Graphs that
+    receive a sharded KV cache are not verified (their reference would need the gathered cache);
+    the prefill graph that produced it was."""
+    if any(shard_of(x) is not None for x in example_inputs):
+        return None
+    graph = torch.fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))  # nodes keep their names; the rewrite edits gm only
+    reference = torch.fx.GraphModule(gm, graph)
+    placements = {n.name: plan.output() for n, plan in annotation.plans.items()}
+    full: dict[int, Callable[[], torch.Tensor]] = {}
+    for i, ph in enumerate(placeholders):
+        if ph in param_inputs:
+            meta, value = meta_of(param_inputs[ph]), param_inputs[ph]
+            if meta.checkpoint is not None:
+                full[i] = lambda m=meta, v=value: m.checkpoint.read_slice(
+                    m.checkpoint_key, None, 0, 0, dtype=ctx.config.dtype or m.dtype).to(v.device)
+            else:
+                full[i] = lambda v=value: v.detach()
+    return lambda run, rewritten: verified(run, reference, rewritten, placements, full, ctx.comm)
+
+
+#: transformers' spellings of the styles autotp understands (``from_pretrained(tp_plan=...)``).
+STYLE_ALIASES = {
+    "colwise_gather_output": "colwise", "colwise_rep": "colwise", "rowwise_rep": "rowwise",
+    "rowwise_split_input": "rowwise", "embedding_rowwise": "vocab", "embedding_colwise": "colwise",
+    "replicated": "replicate",
+}
+_SHARD_STYLE = re.compile(r"^(?:shard|s)\((-?\d+)\)$")
+
+
+@dataclass
+class SolveRecord:
+    """What ``_solve`` leaves on the Dynamo graph module (``gm.autotp_solve``) for tools such as
+    ``autotp plan``: the shadow graph and the exact solver inputs (so a caller can re-solve with
+    one parameter pinned, e.g. to cost an alternative), the solution, and the cost of the
+    overrides (``free_cost`` is the unconstrained optimum, None without overrides)."""
+
+    shadow: Any
+    opts: SolverOptions
+    fixed: dict[torch.fx.Node, Any]
+    free: dict[torch.fx.Node, ParamChoice]
+    param_nodes: set[torch.fx.Node]
+    solution: Any
+    fqn_of_aten: dict[torch.fx.Node, str]
+    consumers: dict[torch.fx.Node, torch.fx.Node | None]
+    overrides: dict[str, list[str]] = field(default_factory=dict)
+    free_cost: float | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+def override_placements(style: str, options: list[tuple[Any, float]], consumer: torch.fx.Node | None,
+                        ndim: int) -> list[tuple[Any, float]]:
+    """The options of one parameter that a style override allows.
+
+    ``replicate`` -> ``R``; ``shard(d)`` -> ``Shard(d)``; a named style (``colwise``, ``rowwise``,
+    ``vocab``, or transformers' spelling of them) -> every option whose style, read off the
+    parameter's consumer op exactly as the plan reads it (:func:`autotp.plan.style_of`), is that
+    style. A 1-D parameter (a bias) under ``rowwise`` is ``R``: a row-parallel bias is added once,
+    after the reduction.
+    """
+    style = STYLE_ALIASES.get(style.strip().lower(), style.strip().lower())
+    if style == "replicate":
+        return [(p, c) for p, c in options if p == R]
+    m = _SHARD_STYLE.match(style)
+    if m:
+        dim = int(m.group(1)) % max(ndim, 1)
+        return [(p, c) for p, c in options if isinstance(p, Shard) and p.dim == dim]
+    if ndim == 1 and style == "rowwise":
+        return [(p, c) for p, c in options if p == R]
+    return [(p, c) for p, c in options if style_of(p, consumer, ndim) == style]
+
+
+def matching_overrides(names: tuple[str, ...], overrides: Mapping[str, str]) -> list[str]:
+    """Override patterns that name a parameter: ``fnmatch`` on any of its names (tied parameters
+    have several) or on its module's name (``lm_head`` names ``lm_head.weight`` and its bias, as
+    in a transformers ``tp_plan``)."""
+    targets = set(names) | {n.rpartition(".")[0] for n in names}
+    return [pat for pat in overrides if any(fnmatch.fnmatchcase(t, pat) for t in targets)]
+
+
+def check_override_styles(overrides: Mapping[str, str]) -> None:
+    """Refuse a style no parameter could take, before anything is traced."""
+    known = ("colwise", "rowwise", "vocab", "replicate", *STYLE_ALIASES)
+    for pat, style in overrides.items():
+        if not isinstance(style, str) or (style.strip().lower() not in known
+                                          and not _SHARD_STYLE.match(style.strip().lower())):
+            raise AutoTPError(f"override {pat!r}: unknown style {style!r}; use one of {list(known[:4])}, "
+                              "'shard(d)', or a transformers spelling such as 'colwise_gather_output'")
+
+
+def _apply_overrides(free: dict[torch.fx.Node, ParamChoice], aten_params: dict[torch.fx.Node, tuple],
+                     overrides: Mapping[str, str], check_unmatched: bool) -> dict[str, list[str]]:
+    """Narrow each free parameter's options to what the overrides allow (in place); returns
+    pattern -> the parameters it pinned. An override that names no parameter (checked on the
+    first graph, which the entry points make reach every layer) or leaves a parameter no option
+    raises :class:`AutoTPError`."""
+    check_override_styles(overrides)
+    used: dict[str, list[str]] = {pat: [] for pat in overrides}
+    for node, (names, consumer, shape) in aten_params.items():
+        pats = matching_overrides(names, overrides)
+        for pat in pats:
+            used[pat].append(names[0])
+        if not pats or node not in free:
+            continue  # pinned parameters were placed (with the overrides) by an earlier graph
+        options = free[node].options
+        for pat in pats:
+            allowed = override_placements(overrides[pat], options, consumer, len(shape))
+            if not allowed:
+                offered = ", ".join(f"{style_of(p, consumer, len(shape))} ({p})" for p, _ in free[node].options)
+                raise AutoTPError(
+                    f"override {pat!r}: {overrides[pat]!r} cannot be honoured for {names[0]} (shape "
+                    f"{tuple(shape)}, consumed by {getattr(consumer, 'target', None)}): it may be {offered}. "
+                    "Use one of those styles, 'replicate', or 'shard(d)' for a dim that divides by the tp size."
+                )
+            options = allowed
+        free[node] = ParamChoice(options)
+    unmatched = [pat for pat, hits in used.items() if not hits]
+    if check_unmatched and unmatched:
+        known = [names[0] for names, _, _ in aten_params.values()]
+        close = difflib.get_close_matches(unmatched[0], known, n=3)
+        raise AutoTPError(
+            f"override pattern(s) {unmatched} match no parameter of the model (patterns are fnmatch on "
+            f"parameter or module names, e.g. 'model.layers.*.mlp.down_proj')."
+            f"{f' Close names: {close}.' if close else ''}"
+        )
+    return {pat: hits for pat, hits in used.items() if hits}
 
 
 def _solve(gm: torch.fx.GraphModule, example_inputs: list[Any], param_inputs: dict[torch.fx.Node, torch.Tensor],
            user_inputs: list[tuple[torch.fx.Node, Any]], ctx: TPContext, runner: PassRunner,
            timings: dict[str, float], folder: Path | None) -> tuple:
-    """decompose -> solve -> annotate, with parameters already placed by earlier graphs pinned."""
+    """decompose -> solve -> annotate, with parameters already placed by earlier graphs pinned and
+    the user's overrides (``AutoTPConfig.overrides``) as constraints on the free ones.
+
+    With overrides, the solve runs twice: constrained (the plan) and free (to report what the
+    overrides cost, ``overrides_extra_cost`` in the trace summary). A constrained solve with no
+    feasible plan raises :class:`AutoTPError` naming the overrides. The inputs and the solution are
+    left on ``gm.autotp_solve`` (:class:`SolveRecord`)."""
     world = ctx.world_size
-    t = time.perf_counter()
+    t, c = time.perf_counter(), time.process_time()
     shadow = runner.run("decompose", decompose, gm, example_inputs)
-    timings["decompose_s"] = time.perf_counter() - t
+    timings["decompose_s"], timings["decompose_cpu_s"] = time.perf_counter() - t, time.process_time() - c
     if folder:
         write_text(folder, "aten_graph.py", shadow.aten.code)
     aten_of = {dyn: aten for aten, dyn in shadow.placeholders}
+    fused = fused_segmentations(shadow.aten.graph, world)
     fixed, free = {}, {}
+    aten_params: dict[torch.fx.Node, tuple] = {}
     for ph, value in param_inputs.items():
         meta = meta_of(value)
+        aten_params[aten_of[ph]] = ((meta.fqn, *[n for n in meta.tied if n != meta.fqn]), first_consumer(ph),
+                                    tuple(value.shape))
         if meta.placement is not None:
             fixed[aten_of[ph]] = meta.placement
         else:
             nbytes = value.numel() * value.element_size()
             options = [(R, ctx.config.memory_weight * nbytes * (world - 1) / world)]
             options += [(s, 0.0) for s in shard_candidates(tuple(value.shape), world)]
+            options += [(s, 0.0) for s in strided_candidates(tuple(value.shape), fused)]  # fused q|k|v
             free[aten_of[ph]] = ParamChoice(options)
-    for ph, _ in user_inputs:
-        fixed[aten_of[ph]] = R
+    for ph, value in user_inputs:  # inputs are replicated, except KV-cache entries a graph left sharded
+        shard = shard_of(value)
+        fixed[aten_of[ph]] = shard[1] if shard else R
     opts = SolverOptions(world_size=world, tokens=_tokens(user_inputs), memory_weight=ctx.config.memory_weight,
-                         beam_width=ctx.config.beam_width)
+                         beam_width=ctx.config.beam_width, sharded_outputs=ctx.sharded_outputs)
+    overrides = dict(ctx.config.overrides or {})
+    unconstrained = dict(free)
+    used = _apply_overrides(free, aten_params, overrides, check_unmatched=ctx.graphs_compiled == 1) \
+        if overrides else {}
+    param_nodes = {aten_of[p] for p in param_inputs}
+    t, c = time.perf_counter(), time.process_time()
+    try:
+        solution = runner.run("solve", solve, shadow, opts, fixed, free, param_nodes)
+    except SolverError as e:
+        if not used:
+            raise
+        raise AutoTPError(
+            f"the overrides {', '.join(f'{p!r}: {overrides[p]!r}' for p in used)} leave no valid placement "
+            f"plan: {str(e).splitlines()[0]} Drop or change those overrides."
+        ) from e
+    free_cost = None
+    if used and any(free[n] is not unconstrained[n] for n in free):
+        free_cost = solve(shadow, opts, fixed, unconstrained, param_nodes).cost
+        timings["overrides_extra_cost"] = solution.cost - free_cost
+    timings["solve_s"], timings["solve_cpu_s"] = time.perf_counter() - t, time.process_time() - c
     t = time.perf_counter()
-    solution = runner.run("solve", solve, shadow, opts, fixed, free, {aten_of[p] for p in param_inputs})
-    timings["solve_s"] = time.perf_counter() - t
     annotation = runner.run("annotate", annotate, shadow, solution)
+    timings["annotate_s"] = time.perf_counter() - t
+    gm.autotp_solve = SolveRecord(shadow, opts, fixed, free, param_nodes, solution,
+                                  {n: names[0] for n, (names, _, _) in aten_params.items()},
+                                  {n: consumer for n, (_, consumer, _) in aten_params.items()}, used, free_cost,
+                                  timings)
     return annotation, solution, shadow, opts
 
 
@@ -186,3 +367,64 @@ def _release_after_first_call(gm: torch.fx.GraphModule, param_inputs: dict[torch
         return out
 
     return run
+
+
+def _sharded_outputs(gm: torch.fx.GraphModule, annotation: Any) -> list[tuple[tuple[int, ...], Shard]]:
+    """Where the graph's result leaves values sharded: (index path into the result, placement)."""
+    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    edges = annotation.plans[output].edges if output in annotation.plans else {}
+    found: list[tuple[tuple[int, ...], Shard]] = []
+    leaf = iter(range(1 << 30))
+
+    def walk(arg: Any, path: tuple[int, ...]) -> None:
+        if isinstance(arg, (tuple, list)):
+            for i, a in enumerate(arg):
+                walk(a, (*path, i))
+        elif isinstance(arg, torch.fx.Node):
+            k = next(leaf)
+            value = arg.meta.get("example_value")
+            multi = isinstance(value, (tuple, list))
+            for sub in range(len(value) if multi else 1):
+                e = edges.get((k, sub))
+                if e is not None and isinstance(e.dst, Shard):
+                    found.append(((*path, sub) if multi else path, e.dst))
+
+    walk(output.args[0], ())
+    return found
+
+
+def _bind_sharded_values(run: Callable[..., Any], wraps: list[tuple[tuple[int, ...], Shard]],
+                         example_inputs: list[Any], world: int) -> Callable[..., Any]:
+    """Values that cross graphs sharded (KV-cache entries, see ``TPContext.sharded_outputs``):
+    a sharded input arrives as a :func:`~autotp.context.sharded_standin` and the graph gets its
+    local shard; a sharded output leaves as a new stand-in around the local result."""
+    inputs = [i for i, x in enumerate(example_inputs) if shard_of(x) is not None]
+    if not inputs and not wraps:
+        return run
+
+    def call(*args: Any) -> Any:
+        args = list(args)
+        for i in inputs:
+            shard = shard_of(args[i])
+            if shard is None:
+                raise AutoTPError(
+                    f"graph input {i} was a sharded KV-cache entry when this graph was compiled but is a "
+                    "plain tensor now: the cache was changed outside the model (e.g. reordered or "
+                    "cropped eagerly). Keep the cache returned by the parallelized model, or pass "
+                    "use_cache=False")
+            args[i] = shard[0]
+        out = run(*args)
+        for path, placement in wraps:
+            out = _replace_at(out, path, lambda local, p=placement: sharded_standin(local, p, world))
+        return out
+
+    return call
+
+
+def _replace_at(obj: Any, path: tuple[int, ...], fn: Callable[[Any], Any]) -> Any:
+    """``obj`` with the item at ``path`` (indices into nested tuples/lists) replaced by ``fn(item)``."""
+    if not path:
+        return fn(obj)
+    items = list(obj)
+    items[path[0]] = _replace_at(items[path[0]], path[1:], fn)
+    return type(obj)(items)

@@ -1,7 +1,13 @@
 """The ``autotp`` command line.
 
     autotp demo [--tp 2] [--new-tokens 16] [--workdir DIR] [--trace-dir DIR]
-    autotp generate MODEL --tp N --prompt-ids "1,2,3" [--max-new-tokens K] [--dtype D] [--trace-dir DIR]
+    autotp generate MODEL --tp N (--prompt TEXT | --prompt-ids "1,2,3") [--max-new-tokens K] [--dtype D]
+                [--device cpu|cuda] [--do-sample --temperature T --top-k K --top-p P --seed S]
+                [--nnodes M --rdzv-backend B --rdzv-endpoint HOST:PORT --rdzv-id ID] [--trace-dir DIR]
+    autotp plan MODEL --tp N [--json | --tp-plan] [--dtype D] [--batch B] [--seq-len S]
+                [--override PATTERN=STYLE] [--explain FQN] [--html FILE] [--no-decode]
+
+``plan`` runs in this process on the meta device (:mod:`autotp.planner`); it reads no weights.
 
 Both launch ``--tp`` ranks on this machine's CPUs (gloo) with torch's elastic launcher, in
 process (``torch.distributed.launcher.api.elastic_launch``: the same agent ``torchrun`` uses, with
@@ -70,12 +76,17 @@ def _quiet_transformers() -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def _rank_generate(folder: str, prompt: list[int], new_tokens: int, tp: int,
-                   trace_dir: str | None, dtype: str | None) -> dict[str, Any]:
-    """Load ``folder`` tensor-parallel over the launcher's group and generate greedily.
+def _rank_generate(folder: str, prompt: list[int] | str, new_tokens: int, tp: int,
+                   trace_dir: str | None, dtype: str | None, device: str = "cpu",
+                   sampling: dict[str, Any] | None = None, stream: bool = False) -> dict[str, Any]:
+    """Load ``folder`` tensor-parallel over the launcher's group and generate.
 
-    Returns this rank's tokens, timings, parameter bytes and plan. An :class:`AutoTPError` comes
-    back as ``{"error": message}`` so the parent can report it without a traceback.
+    ``prompt`` is token ids, or text for the checkpoint's tokenizer. ``sampling`` (``do_sample``,
+    ``temperature``, ``top_k``, ``top_p``, ``seed``) is applied alike on every rank, which seeds
+    alike, so every rank draws the same tokens. With ``stream``, rank 0 prints tokens as they are
+    generated. Returns this rank's tokens (and text), timings, parameter bytes and plan. An
+    :class:`AutoTPError` comes back as ``{"error": message}`` so the parent can report it without
+    a traceback.
     """
     import torch
     import torch.distributed as dist
@@ -85,18 +96,31 @@ def _rank_generate(folder: str, prompt: list[int], new_tokens: int, tp: int,
     _quiet_transformers()
     try:
         if not dist.is_initialized():
-            # CPU + gloo on purpose: the demo runs on any machine; parallelize_model joins this group.
-            dist.init_process_group("gloo")
+            if device == "cuda":
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            dist.init_process_group("nccl" if device == "cuda" else "gloo")
+        rank = dist.get_rank()
         start = time.perf_counter()
-        model = parallelize_model(folder, tp_size=tp, dtype=dtype, trace_dir=trace_dir, device="cpu")
+        target = f"cuda:{torch.cuda.current_device()}" if device == "cuda" else "cpu"
+        model = parallelize_model(folder, tp_size=tp, dtype=dtype, trace_dir=trace_dir, device=target)
         loaded = time.perf_counter()
-        ids = torch.tensor([prompt])
+        tokenizer = _tokenizer(folder) if isinstance(prompt, str) else None
+        ids = tokenizer(prompt, return_tensors="pt").input_ids if tokenizer is not None else torch.tensor([prompt])
+        ids = ids.to(target)
+        options = dict(sampling or {})
+        seed = options.pop("seed", 0)
+        if not options.get("do_sample"):
+            options = {"do_sample": False}
+        streamer = _Streamer(tokenizer) if stream and rank == 0 else None
+        torch.manual_seed(seed)  # the same seed on every rank: sampled tokens agree across ranks
         with torch.no_grad():
-            out = model.generate(ids, max_new_tokens=new_tokens, do_sample=False)
+            out = model.generate(ids, max_new_tokens=new_tokens, streamer=streamer, **options)
         done = time.perf_counter()
+        tokens = out[0, ids.shape[1]:].tolist()
         return {
-            "rank": dist.get_rank(),
-            "tokens": out[0, len(prompt):].tolist(),
+            "rank": rank,
+            "tokens": tokens,
+            "text": tokenizer.decode(tokens, skip_special_tokens=True) if tokenizer is not None else None,
             "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
             "plan": model.autotp.plan,
             "load_s": loaded - start,
@@ -109,19 +133,60 @@ def _rank_generate(folder: str, prompt: list[int], new_tokens: int, tp: int,
             dist.destroy_process_group()
 
 
-def _launch(tp: int, args: tuple[Any, ...], log_dir: Path) -> dict[int, dict[str, Any]]:
-    """Run :func:`_rank_generate` on ``tp`` local ranks; return each rank's result."""
+def _tokenizer(folder: str) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(folder)
+    except (OSError, ValueError) as exc:
+        raise AutoTPError(
+            f"--prompt needs the checkpoint's tokenizer, but none loads from {folder} ({exc}); pass token "
+            "ids with --prompt-ids instead") from None
+
+
+class _Streamer:
+    """``generate``'s streamer on rank 0: prints each new token as it comes (text when there is a
+    tokenizer, ids otherwise); the prompt (the first ``put``) is skipped."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.prompt_seen = False
+        self.tokens: list[int] = []
+        self.printed = 0
+
+    def put(self, value: Any) -> None:
+        if not self.prompt_seen:
+            self.prompt_seen = True
+            return
+        self.tokens.extend(int(t) for t in value.reshape(-1).tolist())
+        if self.tokenizer is None:
+            print(f"{self.tokens[-1]} ", end="", flush=True)
+            return
+        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        print(text[self.printed:], end="", flush=True)
+        self.printed = len(text)
+
+    def end(self) -> None:
+        print(flush=True)
+
+
+def _launch(tp: int, args: tuple[Any, ...], log_dir: Path, nnodes: int = 1, rdzv_backend: str = "c10d",
+            rdzv_endpoint: str = "127.0.0.1:0", rdzv_id: str | None = None) -> dict[int, dict[str, Any]]:
+    """Run :func:`_rank_generate` on ``tp`` ranks (``tp / nnodes`` on this machine); return each
+    rank's result. The rendezvous flags are torchrun's, passed through for multi-node runs."""
+    if tp % nnodes:
+        raise AutoTPError(f"--tp {tp} is not divisible by --nnodes {nnodes}; each node runs tp / nnodes ranks")
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=tp,
-        run_id=f"autotp-{uuid.uuid4().hex[:12]}",
-        rdzv_backend="c10d",
-        rdzv_endpoint="127.0.0.1:0",  # the agent hosts the store on a port the OS picks
+        min_nodes=nnodes,
+        max_nodes=nnodes,
+        nproc_per_node=tp // nnodes,
+        run_id=rdzv_id or f"autotp-{uuid.uuid4().hex[:12]}",
+        rdzv_backend=rdzv_backend,
+        rdzv_endpoint=rdzv_endpoint,  # default: the agent hosts the store on a port the OS picks
         max_restarts=0,
         monitor_interval=0.1,
         start_method="spawn",
@@ -273,9 +338,20 @@ def _parse_ids(text: str) -> list[int]:
 def _cmd_generate(args: argparse.Namespace) -> int:
     _positive("--tp", args.tp)
     _positive("--max-new-tokens", args.max_new_tokens)
-    prompt = _parse_ids(args.prompt_ids)
+    _positive("--nnodes", args.nnodes)
+    if (args.prompt is None) == (args.prompt_ids is None):
+        raise AutoTPError("give the prompt as text (--prompt, with the checkpoint's tokenizer) or as token ids "
+                          "(--prompt-ids), exactly one of them")
+    prompt: list[int] | str = args.prompt if args.prompt is not None else _parse_ids(args.prompt_ids)
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise AutoTPError("--device cuda but this torch build sees no CUDA device; use --device cpu")
+    sampling = {"do_sample": args.do_sample, "temperature": args.temperature, "top_k": args.top_k,
+                "top_p": args.top_p, "seed": args.seed}
     with contextlib.ExitStack() as stack:
-        stack.enter_context(_environ({**_QUIET_ENV, "OMP_NUM_THREADS": "1"}))
+        stack.enter_context(_environ(_QUIET_ENV))  # threads: parallelize_model gives cores / local ranks
         logs = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="autotp-logs-")))
         _quiet_transformers()
         from transformers import AutoConfig
@@ -288,13 +364,97 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         # Resolve (download) once here, not once per rank; the ranks get the local folder.
         folder = resolve_checkpoint(args.model, revision=args.revision, local_files_only=args.local_files_only)
         check_divisible(AutoConfig.from_pretrained(folder), args.tp)
+        if isinstance(prompt, str):
+            _tokenizer(os.fspath(folder))  # refuse a missing tokenizer before launching anything
+        print(f"launching {args.tp} rank(s) ({args.device}) ...", flush=True)
         results = _launch(args.tp, (os.fspath(folder), prompt, args.max_new_tokens, args.tp, args.trace_dir,
-                                    args.dtype), logs)
+                                    args.dtype, args.device, sampling, True), logs,
+                          nnodes=args.nnodes, rdzv_backend=args.rdzv_backend, rdzv_endpoint=args.rdzv_endpoint,
+                          rdzv_id=args.rdzv_id)
         summary = _rank_summary(results, args.tp)
         _print_plan(summary["plan"], summary["param_bytes"], _safetensors_bytes(folder), args.tp)
-        print(f"prompt ids: {prompt}")
-        print(f"generated:  {summary['tokens']}")
+        n = len(summary["tokens"])
+        print(f"generated {n} tokens in {summary['generate_s']:.2f} s: "
+              f"{n / summary['generate_s']:.2f} tokens/s (rank 0, compile included)")
+        if summary.get("text") is not None:
+            print(f"text: {summary['text']}")
+        else:
+            print(f"prompt ids: {prompt}")
+        print(f"generated ids: {summary['tokens']}")
     return 0 if summary["ranks_agree"] else 1
+
+
+def _parse_overrides(items: Sequence[str]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for item in items:
+        pattern, sep, style = item.partition("=")
+        if not sep or not pattern.strip() or not style.strip():
+            raise AutoTPError(f"--override must read PATTERN=STYLE (e.g. 'lm_head=replicate'), got {item!r}")
+        out[pattern.strip()] = style.strip()
+    return out
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    """``autotp plan``: a thin layer over :func:`autotp.planner.plan_model` (one process, meta
+    device); the report is printed as text, JSON (``--json``) or a tp_plan (``--tp-plan``)."""
+    _positive("--tp", args.tp)
+    _positive("--batch", args.batch)
+    if args.seq_len is not None:
+        _positive("--seq-len", args.seq_len)
+    overrides = _parse_overrides(args.override)
+    with _environ(_QUIET_ENV):
+        _quiet_transformers()
+        from autotp.planner import explain, plan_model
+        from autotp.render import render_html, render_text
+
+        report = plan_model(args.model, args.tp, dtype=args.dtype, batch=args.batch, seq_len=args.seq_len,
+                            decode=not args.no_decode, overrides=overrides, revision=args.revision,
+                            local_files_only=args.local_files_only)
+        explanations = [explain(report, fqn) for fqn in args.explain]
+    if args.html:
+        Path(args.html).write_text(render_html(report))
+    if args.json:
+        out = report.to_json()
+        if explanations:
+            out["explanations"] = {e.fqn: {"chain": e.chain, "alternatives": e.alternatives} for e in explanations}
+        print(json.dumps(out, indent=1))
+    elif args.tp_plan:
+        print(json.dumps(report.tp_plan, indent=1))
+    else:
+        print(render_text(report))
+        for e in explanations:
+            print(e.text())
+        if args.html:
+            print(f"plan drawn in {Path(args.html).resolve()}")
+    return 0
+
+
+def _add_plan_parser(sub: Any) -> None:
+    plan = sub.add_parser(
+        "plan", help="print the tensor-parallel plan of a model from its config (no weights, one process)",
+        description="Plan MODEL (Hub id, folder, or a folder holding only config.json) for --tp ranks in one "
+                    "process on the meta device: per-parameter styles, collectives per forward and per "
+                    "generated token, bytes per rank, solver timings.",
+    )
+    plan.add_argument("model", metavar="MODEL", help="Hub id ('org/name') or a folder with config.json")
+    plan.add_argument("--tp", type=int, required=True, help="tensor-parallel size to plan for")
+    plan.add_argument("--dtype", default=None, help="parameter dtype (bf16, fp16, fp32; default: the config's)")
+    plan.add_argument("--batch", type=int, default=1, help="batch size of the planned calls (default 1)")
+    plan.add_argument("--seq-len", type=int, default=None,
+                      help="prompt length, and KV-cache positions of the decode step (default 2*tp+1)")
+    plan.add_argument("--override", action="append", default=[], metavar="PATTERN=STYLE",
+                      help="pin parameters (fnmatch on parameter/module names) to a style: colwise, rowwise, "
+                           "vocab, replicate, shard(d); repeatable")
+    plan.add_argument("--explain", action="append", default=[], metavar="FQN",
+                      help="say why this parameter got its placement (repeatable)")
+    plan.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    plan.add_argument("--tp-plan", action="store_true",
+                      help="print the plan as a transformers tp_plan dict (from_pretrained(tp_plan=...))")
+    plan.add_argument("--html", default=None, metavar="FILE", help="also draw the plan into this HTML file")
+    plan.add_argument("--no-decode", action="store_true", help="plan the forward only (skip the decode step)")
+    plan.add_argument("--revision", default=None, help="Hub revision (branch, tag or commit)")
+    plan.add_argument("--local-files-only", action="store_true", help="do not download; use the Hub cache only")
+    plan.set_defaults(func=_cmd_plan)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -322,19 +482,35 @@ def _parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=_cmd_demo)
 
     gen = sub.add_parser(
-        "generate", help="greedy generation from token ids with a checkpoint loaded tensor-parallel",
-        description="Load MODEL (Hub id or local folder) with parallelize_model on --tp CPU ranks and "
-                    "generate greedily from the given token ids.",
+        "generate", help="generate text with a checkpoint loaded tensor-parallel, streaming the tokens",
+        description="Load MODEL (Hub id or local folder) with parallelize_model on --tp ranks (torch's elastic "
+                    "launcher; --nnodes/--rdzv-* pass through for several machines) and generate from the "
+                    "prompt, printing tokens as they come and the tokens/s at the end.",
     )
     gen.add_argument("model", metavar="MODEL", help="Hub id ('org/name') or a folder written by save_pretrained")
     gen.add_argument("--tp", type=int, required=True, help="tensor-parallel size = number of ranks")
-    gen.add_argument("--prompt-ids", required=True, help='comma-separated token ids, e.g. "1,2,3"')
+    gen.add_argument("--prompt", default=None, help="prompt text (tokenized with the checkpoint's tokenizer)")
+    gen.add_argument("--prompt-ids", default=None, help='or comma-separated token ids, e.g. "1,2,3"')
+    gen.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                     help="cpu (gloo) or cuda (NCCL, one GPU per rank); default cpu")
+    gen.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
+    gen.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1.0)")
+    gen.add_argument("--top-k", type=int, default=50, help="sampling top-k (default 50)")
+    gen.add_argument("--top-p", type=float, default=1.0, help="sampling top-p (default 1.0)")
+    gen.add_argument("--seed", type=int, default=0, help="seed, the same on every rank (default 0)")
+    gen.add_argument("--nnodes", type=int, default=1, help="machines taking part (torchrun's flag; default 1)")
+    gen.add_argument("--rdzv-backend", default="c10d", help="torchrun's rendezvous backend (default c10d)")
+    gen.add_argument("--rdzv-endpoint", default="127.0.0.1:0",
+                     help="torchrun's rendezvous endpoint HOST:PORT (default: this machine, a free port)")
+    gen.add_argument("--rdzv-id", default=None, help="torchrun's rendezvous id (default: a fresh one)")
     gen.add_argument("--max-new-tokens", type=int, default=16, help="tokens to generate (default 16)")
     gen.add_argument("--dtype", default=None, help="load the weights in this dtype (default: the checkpoint's)")
     gen.add_argument("--revision", default=None, help="Hub revision (branch, tag or commit)")
     gen.add_argument("--local-files-only", action="store_true", help="do not download; use the Hub cache only")
     gen.add_argument("--trace-dir", default=None, help="write autotp's solver traces here (rank*/graph*/)")
     gen.set_defaults(func=_cmd_generate)
+
+    _add_plan_parser(sub)
     return parser
 
 

@@ -99,10 +99,11 @@ class Comm:
         world_size: int,
         *,
         emulate: Iterable[str] = (),
+        simulated: bool = False,
     ) -> None:
         if world_size < 1 or not 0 <= rank < world_size:
             raise AutoTPError(f"invalid rank {rank} for world size {world_size}")
-        if group is None and world_size > 1:
+        if group is None and world_size > 1 and not simulated:
             raise AutoTPError(
                 f"world size {world_size} needs a process group; use Comm.from_default_group() after "
                 "ensure_process_group(), or Comm.single() for one process"
@@ -114,6 +115,8 @@ class Comm:
         self.group = group
         self.rank = rank
         self.world_size = world_size
+        #: no process group: collectives return shape-correct local stand-ins (see :meth:`simulated_group`)
+        self.simulated = simulated
         #: kinds this communicator implements with other collectives (see module docstring)
         self.emulate: set[str] = set(emulate)
         #: forward collectives issued, by logical kind
@@ -127,6 +130,17 @@ class Comm:
     def single(cls) -> Comm:
         """The world-size-1 communicator: every redistribution is local, no process group needed."""
         return cls(None, 0, 1)
+
+    @classmethod
+    def simulated_group(cls, world_size: int, rank: int = 0) -> Comm:
+        """A planning communicator: ``world_size`` ranks seen from ``rank`` in one process, no group.
+
+        Collectives are counted exactly as on a real group, and return tensors of the right local
+        shape (a sum over ranks is this rank's value, a gather repeats this rank's chunk). The
+        values are meaningless; this is for running a rewritten graph on the meta device, where
+        only shapes, counts and bytes exist (``autotp plan``).
+        """
+        return cls(None, rank, world_size, simulated=True)
 
     @classmethod
     def from_group(cls, group: dist.ProcessGroup, *, emulate: Iterable[str] = ()) -> Comm:
@@ -177,10 +191,14 @@ class Comm:
 
 def ensure_process_group(
     backend: str | None = None,
-    timeout: datetime.timedelta = datetime.timedelta(minutes=10),
+    timeout: datetime.timedelta | None = None,
     device: torch.device | str | None = None,
 ) -> None:
     """Initialize the default process group from the launcher's environment, unless one exists.
+
+    ``timeout`` (default 10 minutes) bounds every collective and the rendezvous: when a rank dies
+    or hangs, the others raise after it instead of waiting forever (gloo raises at once when a
+    peer's connection closes). It cannot change a group that already exists.
 
     The launcher (``torchrun``) sets ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT``;
     ``init_method="env://"`` reads them. ``backend=None`` picks NCCL when CUDA is available and
@@ -207,12 +225,14 @@ def ensure_process_group(
             dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(dev)
         kwargs["device_id"] = dev
+    if timeout is None:
+        timeout = datetime.timedelta(minutes=10)
     dist.init_process_group(backend=backend, init_method="env://", timeout=timeout, **kwargs)
 
 
 def broadcast_object(obj: Any, comm: Comm) -> Any:
     """Return the group's rank-0 value of ``obj`` on every rank (must be picklable)."""
-    if comm.world_size == 1:
+    if comm.world_size == 1 or comm.simulated:
         return obj
     box = [obj]
     dist.broadcast_object_list(box, group=comm.group, group_src=0)
@@ -221,7 +241,7 @@ def broadcast_object(obj: Any, comm: Comm) -> Any:
 
 def barrier(comm: Comm) -> None:
     """Wait until every rank of the group gets here."""
-    if comm.world_size > 1:
+    if comm.world_size > 1 and not comm.simulated:
         dist.barrier(group=comm.group)
 
 
@@ -251,7 +271,8 @@ def _all_reduce(x: Tensor, comm: Comm, backward: bool) -> Tensor:
     """Sum over ranks (out of place)."""
     comm._record("all_reduce", x, backward)
     out = x.clone(memory_format=torch.contiguous_format)
-    dist.all_reduce(out, group=comm.group)
+    if not comm.simulated:
+        dist.all_reduce(out, group=comm.group)
     return out
 
 
@@ -259,6 +280,8 @@ def _gather_raw(x: Tensor, comm: Comm) -> Tensor:
     """All-gather ``x`` (contiguous) into a new ``(N, *x.shape)`` tensor."""
     n = comm.world_size
     out = x.new_empty((n, *x.shape))  # (N, *local)
+    if comm.simulated:
+        return out.copy_(x.expand(n, *x.shape))
     if "all_gather" not in comm.emulate:
         try:
             # gloo accepts only the concatenated output form (N*d0, ...), a view of ``out``
@@ -294,6 +317,8 @@ def _reduce_scatter(x: Tensor, dim: int, comm: Comm, backward: bool) -> Tensor:
     n = comm.world_size
     s = _check_even(x, dim, n, "reduce_scatter")
     comm._record("reduce_scatter", x, backward)
+    if comm.simulated:
+        return x.narrow(dim, comm.rank * s, s).contiguous()
     if "reduce_scatter" not in comm.emulate:
         # (..., D, ...) -> (..., N, D/N, ...) -> (N, ..., D/N, ...): chunk r is block r.
         inp = x.unflatten(dim, (n, s)).movedim(dim, 0).contiguous()
@@ -319,7 +344,7 @@ def _all_to_all(x: Tensor, gather_dim: int, scatter_dim: int, comm: Comm, backwa
     if gather_dim >= x.dim():
         raise AutoTPError(f"all_to_all gathering dim {gather_dim} of a {x.dim()}-d tensor")
     comm._record("all_to_all", x, backward)
-    if "all_to_all" not in comm.emulate:
+    if "all_to_all" not in comm.emulate and not comm.simulated:
         # (..., B, ...) -> (..., N, B/N, ...) -> (N, ..., B/N, ...): block j goes to rank j.
         inp = x.unflatten(scatter_dim, (n, s)).movedim(scatter_dim, 0).contiguous()
         out = torch.empty_like(inp)  # (N, ..., B/N, ...): block i came from rank i

@@ -22,6 +22,8 @@ class AutoTPConfig:
     byte per token (see ``autotp/passes/solve.py``).
     ``beam_width``: the solver's bound on partial plans kept per node.
     ``compile_inner``: "eager" runs the rewritten graph as FX Python code.
+    ``verify``: check each graph's first call against a replicated run, node by node, and raise at
+    the first node that diverges (``autotp/verify.py``).
     """
 
     tp_size: int | None = None
@@ -31,6 +33,7 @@ class AutoTPConfig:
     beam_width: int = 32
     compile_inner: str = "eager"
     overrides: Mapping[str, str] = field(default_factory=dict)
+    verify: bool = False
 
     def __post_init__(self) -> None:
         if self.tp_size is not None and (not isinstance(self.tp_size, int) or self.tp_size < 1):

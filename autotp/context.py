@@ -6,11 +6,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from autotp.collectives import Comm
 from autotp.config import AutoTPConfig
+from autotp.placement import Shard
 from autotp.weights import ParameterMeta
 
 META_ATTR = "_autotp_meta"
@@ -22,6 +24,9 @@ class TPContext:
     config: AutoTPConfig = field(default_factory=AutoTPConfig)
     graphs_compiled: int = 0
     on_plan: Callable[[dict], None] | None = None
+    #: graph outputs may stay sharded (as :func:`sharded_standin`): the caller gathers what the
+    #: user reads at the model boundary and keeps KV-cache entries sharded (``parallelize_model``)
+    sharded_outputs: bool = False
 
     @property
     def rank(self) -> int:
@@ -49,3 +54,28 @@ def standin(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | s
     value = fill if dtype.is_floating_point or dtype.is_complex else 0
     base = torch.full((), value, dtype=dtype, device=device)
     return torch.nn.Parameter(base.expand(shape), requires_grad=requires_grad)
+
+
+SHARD_ATTR = "_autotp_shard"
+
+
+def sharded_standin(local: torch.Tensor, placement: Shard, world_size: int) -> torch.Tensor:
+    """A value that leaves a compiled graph sharded (a KV-cache entry), as a global-shaped,
+    NaN-filled, zero-memory tensor that carries this rank's shard.
+
+    Dynamo traces and guards the global shape; a later compiled graph that receives it binds the
+    shard (see ``backend.compile_graph``), and ``parallelize_model`` gathers any such value the
+    user would read. Eager code that reads the stand-in itself sees NaN, never plausible numbers.
+    """
+    shape = list(local.shape)
+    shape[placement.dim] *= world_size  # local (.., s/N, ..) -> global (.., s, ..)
+    base = torch.full((), float("nan") if local.dtype.is_floating_point else 0, dtype=local.dtype,
+                      device=local.device)
+    out = base.expand(shape)
+    setattr(out, SHARD_ATTR, (local, placement))
+    return out
+
+
+def shard_of(t: Any) -> tuple[torch.Tensor, Shard] | None:
+    """``(local shard, placement)`` of a :func:`sharded_standin`, else None."""
+    return getattr(t, SHARD_ATTR, None) if isinstance(t, torch.Tensor) else None

@@ -4,6 +4,8 @@
 * ``Shard(dim)`` — rank ``r`` holds chunk ``r`` of ``torch.chunk(t, N, dim)``; ``dim`` is a *tensor*
   dimension (never called an axis: "axis" is reserved for the device mesh).
 * ``Partial()`` — every rank holds a summand; the logical tensor is the sum over ranks.
+* ``StridedShard(dim, segments)`` — a ``Shard(dim)`` of a fused tensor (q | k | v): rank ``r`` holds
+  chunk ``r`` of each segment. Only produced by parameters whose fused output is split later.
 
 Placements are small frozen values: they hash, compare, and print as ``R``, ``S(1)``, ``P``.
 A multi-output op has a tuple of placements; a non-tensor value has ``None``.
@@ -37,6 +39,32 @@ class Shard:
 
 
 @dataclass(frozen=True)
+class StridedShard(Shard):
+    """``Shard(dim)`` of a *fused* tensor: ``dim`` is the concatenation of ``segments`` (e.g. the
+    q | k | v outputs of one fused projection), and rank ``r`` holds chunk ``r`` of *each* segment,
+    concatenated in segment order. Its local size is ``sum(segments) / N`` like a plain shard's, but
+    the rows differ, so it never equals ``Shard(dim)`` and no collective moves it (an all-gather
+    would interleave the segments). Rules must opt in to see one (``register(..., strided=...)``).
+    """
+
+    segments: tuple[int, ...] = ()
+
+    def __str__(self) -> str:
+        return f"S({self.dim}|{'+'.join(str(s) for s in self.segments)})"
+
+    __repr__ = __str__
+
+    def pieces(self, rank: int, world_size: int) -> list[tuple[int, int]]:
+        """``[start, stop)`` along ``dim`` of each piece rank ``rank`` holds, in local order."""
+        out, offset = [], 0
+        for size in self.segments:
+            step = size // world_size
+            out.append((offset + rank * step, offset + (rank + 1) * step))
+            offset += size
+        return out
+
+
+@dataclass(frozen=True)
 class Partial:
     def __str__(self) -> str:
         return "P"
@@ -63,14 +91,17 @@ def normalize_dim(dim: int, ndim: int) -> int:
 
 
 def parse(text: str) -> Placement:
-    """Inverse of ``str``: ``"R"``, ``"P"`` or ``"S(2)"``."""
+    """Inverse of ``str``: ``"R"``, ``"P"``, ``"S(2)"`` or ``"S(2|64+32+32)"``."""
     text = text.strip()
     if text == "R":
         return R
     if text == "P":
         return P
     if text.startswith("S(") and text.endswith(")"):
-        return Shard(int(text[2:-1]))
+        dim, _, segments = text[2:-1].partition("|")
+        if segments:
+            return StridedShard(int(dim), tuple(int(x) for x in segments.split("+")))
+        return Shard(int(dim))
     raise ValueError(f"not a placement: {text!r}")
 
 

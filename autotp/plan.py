@@ -47,11 +47,16 @@ def first_consumer(ph: torch.fx.Node) -> torch.fx.Node | None:
     return next(iter(ph.users), None)
 
 
-def build_plan(world_size: int, params: dict[str, dict[str, Any]], collectives: Counter) -> dict[str, Any]:
+def build_plan(world_size: int, params: dict[str, dict[str, Any]], collectives: Counter,
+               sharded_outputs: int = 0) -> dict[str, Any]:
+    """``collectives`` are those inside the graph; ``sharded_outputs`` counts results that leave
+    it sharded: ``parallelize_model`` gathers the ones the user reads (one all-gather each, at the
+    model boundary) and keeps KV-cache entries sharded."""
     return {
         "world_size": world_size,
         "parameters": dict(sorted(params.items())),
         "collectives": dict(sorted(collectives.items())),
+        "sharded_outputs": sharded_outputs,
     }
 
 

@@ -8,7 +8,8 @@ Design
 1. **resolves files** (:func:`resolve_checkpoint`): a local folder is used as is and never written
    into; anything else is a Hub id resolved by ``huggingface_hub.snapshot_download`` (its cache
    layout, ``HF_HUB_OFFLINE`` / ``local_files_only`` and token handling are huggingface_hub's, not
-   ours). Only configs, tokenizer files and safetensors weights are fetched. The download runs in
+   ours). Only configs, tokenizer files and one copy of the weights are fetched (safetensors, else
+   ``pytorch_model*.bin``), one process per cache at a time (a file lock). The download runs in
    two steps so that a repo holding both ``model-0000x-of-0000y.safetensors`` and a second copy in
    another layout (e.g. Mistral's ``consolidated.safetensors``) costs one copy: step one fetches the
    small files plus ``model.safetensors`` / the index, step two fetches exactly the shards the index
@@ -21,19 +22,19 @@ Design
    (:func:`checkpoint_key`), tied group (:func:`tied_groups`), and, once the solver fixed it, its
    placement. ``ParameterMeta`` outlives graphs: later graphs solve with that placement pinned.
 4. **materializes** each rank's shard (:meth:`ParameterMeta.load_local`): rank ``r`` of ``N`` reads
-   only chunk ``r`` of ``torch.chunk(weight, N, dim)`` through safetensors ``get_slice``, so peak
-   memory per rank is about ``1/N`` of the sharded weights plus the replicated ones.
-   In-memory models use :meth:`ParameterMeta.shard_from` instead; both go through one slicing
-   helper, so a sharded checkpoint and a sharded in-memory model agree bit for bit.
+   only chunk ``r`` of ``torch.chunk(weight, N, dim)`` (readers in :mod:`autotp.weight_files`:
+   positioned reads for safetensors, never a memory map, whose touched pages would count in the
+   rank's RSS on top of the copy; a read-only mapping for ``.bin``), so peak memory per rank is
+   about ``1/N`` of the sharded weights plus the replicated ones. In-memory models use
+   :meth:`ParameterMeta.shard_from` instead; both cut with one slicing helper, so a sharded
+   checkpoint and a sharded in-memory model agree bit for bit.
 
 Slices follow ``torch.chunk`` semantics everywhere (chunk size ``ceil(size / N)``; trailing ranks
 may get a short or even empty chunk), which is what the rule checks in ``tests/`` shard with.
 
-:class:`Checkpoint` reads tensor names, shapes and dtypes from the safetensors headers only, opens
-files lazily, and counts what it reads (``bytes_read``, ``reads``) so tests can prove that a rank
-read only its slices. safetensors returns slices as *views* over a memory map of the whole tensor;
-every read here copies the slice into a fresh tensor, so a shard never keeps the full tensor's
-mapping alive.
+:class:`Checkpoint` reads tensor names, shapes and dtypes from the file headers only, opens files
+lazily, and counts what it reads (``bytes_read``, ``reads``) so tests can prove that a rank read
+only its slices. Every read returns a fresh tensor that shares nothing with the file.
 
 Surprises of this stack (torch 2.13, transformers 5.23, accelerate 1.15, huggingface_hub 2.4):
 
@@ -53,7 +54,7 @@ import difflib
 import json
 import os
 import warnings
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -61,7 +62,8 @@ from typing import Any, NamedTuple
 import torch
 
 from autotp.errors import AutoTPError, CheckpointError, ShardingError
-from autotp.placement import Placement, Replicate, Shard
+from autotp.placement import Placement, Replicate, Shard, StridedShard
+from autotp.weight_files import WeightFile, open_weight_file
 
 __all__ = [
     "ALLOW_PATTERNS",
@@ -81,6 +83,8 @@ CONFIG_NAME = "config.json"
 GENERATION_CONFIG_NAME = "generation_config.json"
 SAFE_WEIGHTS_NAME = "model.safetensors"
 SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
+BIN_WEIGHTS_NAME = "pytorch_model.bin"
+BIN_WEIGHTS_INDEX_NAME = "pytorch_model.bin.index.json"
 
 #: Tokenizer files worth having next to the weights (``generate`` / the CLI need them).
 TOKENIZER_PATTERNS: tuple[str, ...] = (
@@ -98,9 +102,12 @@ TOKENIZER_PATTERNS: tuple[str, ...] = (
 _SMALL_FILES: tuple[str, ...] = (CONFIG_NAME, GENERATION_CONFIG_NAME, *TOKENIZER_PATTERNS)
 
 #: Everything :func:`resolve_checkpoint` may fetch from the Hub (the union of its two steps).
-ALLOW_PATTERNS: tuple[str, ...] = (*_SMALL_FILES, "*.safetensors", SAFE_WEIGHTS_INDEX_NAME)
+ALLOW_PATTERNS: tuple[str, ...] = (
+    *_SMALL_FILES, "*.safetensors", SAFE_WEIGHTS_INDEX_NAME, BIN_WEIGHTS_NAME, BIN_WEIGHTS_INDEX_NAME,
+    "pytorch_model-*.bin",
+)
 
-_OTHER_WEIGHT_GLOBS = ("pytorch_model*.bin", "*.pt", "*.pth", "*.ckpt", "*.gguf", "*.h5", "*.msgpack")
+_OTHER_WEIGHT_GLOBS = ("*.pt", "*.pth", "*.ckpt", "*.gguf", "*.h5", "*.msgpack")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -116,6 +123,7 @@ def resolve_checkpoint(
     token: str | bool | None = None,
     local_files_only: bool = False,
     require_weights: bool = True,
+    progress: bool = True,
 ) -> Path:
     """Return the folder holding ``model``'s config and safetensors weights.
 
@@ -125,7 +133,12 @@ def resolve_checkpoint(
     ``local_files_only=True``) resolves from that cache only; huggingface_hub implements it.
 
     With ``require_weights=False`` a folder holding only ``config.json`` is accepted (planning from
-    a config alone). Every failure is a :class:`~autotp.errors.CheckpointError` that names the id or
+    a config alone). ``progress=False`` silences huggingface_hub's download bars.
+
+    Several processes on one machine (torchrun ranks) may call this at once: the first to take a
+    file lock in the cache (``<cache>/.locks/<repo folder>/autotp-resolve.lock``, huggingface_hub's
+    own lock helper) downloads while the others wait, then find everything in the cache. Offline
+    (nothing to download) no lock is taken, so a read-only shared cache works. Every failure is a :class:`~autotp.errors.CheckpointError` that names the id or
     folder and what to do.
     """
     text = os.fspath(model)
@@ -146,6 +159,7 @@ def resolve_checkpoint(
         cache_dir=cache_dir,
         token=token,
         local_files_only=local_files_only,
+        progress=progress,
     )
     rev = f" (revision {revision!r})" if revision else ""
     _check_folder(folder, source=f"Hub repo {text!r}{rev}", require_weights=require_weights, repo_id=text)
@@ -169,11 +183,18 @@ def _download(
     cache_dir: str | os.PathLike[str] | None,
     token: str | bool | None,
     local_files_only: bool,
+    progress: bool = True,
 ) -> Path:
-    """Fetch the small files, then exactly the weight files, with ``snapshot_download``."""
-    from huggingface_hub import snapshot_download
+    """Fetch the small files, then exactly the weight files, with ``snapshot_download``; one process
+    per cache at a time (see :func:`resolve_checkpoint`)."""
+    from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import HFValidationError
-    from huggingface_hub.utils import validate_repo_id
+    from huggingface_hub.utils import (
+        are_progress_bars_disabled,
+        disable_progress_bars,
+        enable_progress_bars,
+        validate_repo_id,
+    )
 
     try:
         validate_repo_id(repo_id)
@@ -197,6 +218,37 @@ def _download(
             raise _hub_error(repo_id, revision, cache_dir, e) from e
         return Path(out)
 
+    offline = local_files_only or constants.HF_HUB_OFFLINE
+    was_disabled = are_progress_bars_disabled()
+    with contextlib.ExitStack() as stack:
+        if not offline:
+            stack.enter_context(_download_lock(repo_id, cache_dir))
+        if not progress and not was_disabled:
+            disable_progress_bars()
+            stack.callback(enable_progress_bars)
+        return _fetch_weights(fetch, revision)
+
+
+@contextlib.contextmanager
+def _download_lock(repo_id: str, cache_dir: str | os.PathLike[str] | None) -> Iterator[None]:
+    """Hold a per-repo file lock in the Hub cache (none when the cache is not writable)."""
+    from huggingface_hub import constants
+    from huggingface_hub.file_download import repo_folder_name
+    from huggingface_hub.utils import WeakFileLock
+
+    cache = Path(cache_dir) if cache_dir is not None else Path(constants.HF_HUB_CACHE)
+    lock_dir = cache / ".locks" / repo_folder_name(repo_id=repo_id, repo_type="model")
+    try:
+        lock_dir.mkdir(parents=True, exist_ok=True)
+    except OSError:  # read-only cache: nobody can download into it anyway
+        yield
+        return
+    with WeakFileLock(lock_dir / "autotp-resolve.lock"):
+        yield
+
+
+def _fetch_weights(fetch: Callable[[Sequence[str], str | None], Path], revision: str | None) -> Path:
+    """Step one: small files + safetensors index / single file; step two: exactly the weights."""
     folder = fetch([*_SMALL_FILES, SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME], revision)
     # The snapshot folder is named by the commit: pin step two to it (no second revision lookup).
     commit = folder.name
@@ -207,6 +259,11 @@ def _download(
             folder = fetch(shard_files, commit)
     elif not (folder / SAFE_WEIGHTS_NAME).is_file():
         folder = fetch(["*.safetensors"], commit)
+        if not _safetensors_files(folder):  # no safetensors at all: PyTorch pickles, index first
+            folder = fetch([BIN_WEIGHTS_INDEX_NAME, BIN_WEIGHTS_NAME], commit)
+            bin_index = folder / BIN_WEIGHTS_INDEX_NAME
+            if bin_index.is_file():
+                folder = fetch(sorted(set(_read_index(bin_index).values())), commit)
     return folder
 
 
@@ -267,12 +324,12 @@ def _check_folder(folder: Path, *, source: str, require_weights: bool, repo_id: 
             f"no {CONFIG_NAME} in {source} ({folder}): autotp builds the architecture from the "
             "transformers config. Pass the folder written by save_pretrained."
         )
-    if not require_weights or _safetensors_files(folder):
+    if not require_weights or _safetensors_files(folder) or _bin_files(folder):
         return
     others = sorted({p.name for g in _OTHER_WEIGHT_GLOBS for p in folder.glob(g)})
     if repo_id is not None:
         fix = (
-            f"this repo has no safetensors weights at that revision. Many repos have a conversion "
+            f"this repo has no safetensors or .bin weights at that revision. Many repos have a conversion "
             f"in a pull request (try revision='refs/pr/1', see https://huggingface.co/{repo_id}"
             "/discussions), or convert it yourself: "
             f"AutoModelForCausalLM.from_pretrained({repo_id!r}).save_pretrained(OUT) writes "
@@ -289,11 +346,16 @@ def _check_folder(folder: Path, *, source: str, require_weights: bool, repo_id: 
             "pass a folder with model.safetensors (or model-*.safetensors plus "
             "model.safetensors.index.json), or require_weights=False to plan from the config alone."
         )
-    raise CheckpointError(f"no safetensors files in {source} ({folder}): {fix}")
+    raise CheckpointError(f"no safetensors files (nor pytorch_model*.bin) in {source} ({folder}): {fix}")
 
 
 def _safetensors_files(folder: Path) -> list[Path]:
     return sorted(p for p in folder.glob("*.safetensors") if p.is_file())
+
+
+def _bin_files(folder: Path) -> list[Path]:
+    """PyTorch pickles transformers names (``pytorch_model.bin`` or its shards)."""
+    return sorted(p for p in folder.glob("pytorch_model*.bin") if p.is_file())
 
 
 def _read_index(index: Path) -> dict[str, str]:
@@ -314,31 +376,6 @@ def _read_index(index: Path) -> dict[str, str]:
 # --------------------------------------------------------------------------------------------------
 # Checkpoint: names, shapes and dtypes from headers; sliced reads
 # --------------------------------------------------------------------------------------------------
-
-_ST_DTYPES: dict[str, torch.dtype] = {
-    code: dt
-    for code, name in {
-        "BOOL": "bool",
-        "U8": "uint8",
-        "I8": "int8",
-        "U16": "uint16",
-        "I16": "int16",
-        "U32": "uint32",
-        "I32": "int32",
-        "U64": "uint64",
-        "I64": "int64",
-        "F16": "float16",
-        "BF16": "bfloat16",
-        "F32": "float32",
-        "F64": "float64",
-        "C64": "complex64",
-        "F8_E4M3": "float8_e4m3fn",
-        "F8_E5M2": "float8_e5m2",
-        "F8_E8M0": "float8_e8m0fnu",
-    }.items()
-    if isinstance(dt := getattr(torch, name, None), torch.dtype)
-}
-
 
 class SliceRead(NamedTuple):
     """One read: ``dim`` None is a full read (then ``start`` and ``stop`` are 0)."""
@@ -368,24 +405,29 @@ def _copy_out(view: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
 
 
 class Checkpoint:
-    """A safetensors checkpoint: one ``model.safetensors``, a sharded set with
-    ``model.safetensors.index.json``, or (fallback) every ``*.safetensors`` in a folder.
+    """A checkpoint folder: safetensors (one ``model.safetensors``, a sharded set with
+    ``model.safetensors.index.json``, or every ``*.safetensors``) or, when it has none, PyTorch
+    pickles (``pytorch_model.bin`` or a sharded set with ``pytorch_model.bin.index.json``).
 
     Names, shapes and dtypes come from the headers; no tensor data is read until
-    :meth:`read` / :meth:`read_slice`. File handles are opened on first use and cached; :meth:`close`
-    (or leaving a ``with`` block) releases them, and a later read reopens lazily.
+    :meth:`read` / :meth:`read_slice`. Files are opened on first use (readers in
+    :mod:`autotp.weight_files`: ``pread`` for safetensors, a read-only mapping for ``.bin``) and
+    cached; :meth:`close` (or leaving a ``with`` block) releases them, and a later read reopens
+    lazily. Nothing is ever written into the folder.
 
     ``bytes_read`` counts the bytes of tensor data requested (in the stored dtype) and ``reads``
     records every request as a :class:`SliceRead`, so a test can prove a rank read only its slices.
+    ``on_read`` (settable) is called with each :class:`SliceRead` (a progress bar's hook).
     """
 
     def __init__(self, folder: str | os.PathLike[str]) -> None:
         path = Path(folder).expanduser()
         self.bytes_read: int = 0
         self.reads: list[SliceRead] = []
-        self._handles: dict[str, Any] = {}
+        self.on_read: Callable[[SliceRead], None] | None = None
+        self._handles: dict[str, WeightFile] = {}
         self._info: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
-        if path.is_file() and path.suffix == ".safetensors":
+        if path.is_file() and path.suffix in (".safetensors", ".bin"):
             self.folder = path.parent.resolve()
             self._weight_map = self._map_from_headers([path.name])
             return
@@ -394,8 +436,9 @@ class Checkpoint:
                 f"checkpoint folder {path} does not exist: pass a folder with model.safetensors."
             )
         self.folder = path.resolve()
-        index = self.folder / SAFE_WEIGHTS_INDEX_NAME
-        if index.is_file():
+        index = next((self.folder / n for n in (SAFE_WEIGHTS_INDEX_NAME, BIN_WEIGHTS_INDEX_NAME)
+                      if (self.folder / n).is_file()), None)
+        if index is not None and (index.name == SAFE_WEIGHTS_INDEX_NAME or not _safetensors_files(self.folder)):
             self._weight_map = _read_index(index)
             missing = sorted({f for f in self._weight_map.values() if not (self.folder / f).is_file()})
             if missing:
@@ -407,22 +450,22 @@ class Checkpoint:
                 )
         elif (self.folder / SAFE_WEIGHTS_NAME).is_file():
             self._weight_map = self._map_from_headers([SAFE_WEIGHTS_NAME])
-        else:
-            files = [p.name for p in _safetensors_files(self.folder)]
-            if not files:
-                raise CheckpointError(
-                    f"no safetensors files in {self.folder}: pass a folder with model.safetensors "
-                    "(convert .bin checkpoints with AutoModelForCausalLM.from_pretrained(...)"
-                    ".save_pretrained(OUT))."
-                )
+        elif files := [p.name for p in _safetensors_files(self.folder)]:
             self._weight_map = self._map_from_headers(files)
+        elif (self.folder / BIN_WEIGHTS_NAME).is_file():
+            self._weight_map = self._map_from_headers([BIN_WEIGHTS_NAME])
+        else:
+            raise CheckpointError(
+                f"no weights in {self.folder}: pass a folder with model.safetensors (or "
+                "model-*.safetensors plus model.safetensors.index.json), or pytorch_model.bin."
+            )
 
     # -- discovery ---------------------------------------------------------------------------------
 
     def _map_from_headers(self, files: list[str]) -> dict[str, str]:
         weight_map: dict[str, str] = {}
         for fname in files:
-            for key in self._handle(fname).keys():  # safe_open has no __iter__
+            for key in self._handle(fname).keys():
                 if key in weight_map:
                     raise CheckpointError(
                         f"tensor {key!r} is stored in both {weight_map[key]} and {fname} in "
@@ -431,36 +474,11 @@ class Checkpoint:
                 weight_map[key] = fname
         return weight_map
 
-    def _handle(self, fname: str) -> Any:
+    def _handle(self, fname: str) -> WeightFile:
         handle = self._handles.get(fname)
-        if handle is not None:
-            return handle
-        from safetensors import SafetensorError, safe_open
-
-        path = self.folder / fname
-        try:
-            handle = safe_open(os.fspath(path), framework="pt", device="cpu")
-        except (SafetensorError, OSError) as e:
-            raise CheckpointError(
-                f"{path} is not a readable safetensors file ({e}): it is truncated or corrupt. "
-                "Re-download it (snapshot_download(..., force_download=True) or "
-                f"`hf download REPO --force-download`) and check free disk space (df -h {path.parent})."
-            ) from e
-        self._handles[fname] = handle
+        if handle is None:
+            handle = self._handles[fname] = open_weight_file(self.folder / fname)
         return handle
-
-    def _slice(self, name: str) -> Any:
-        fname = self._file_name(name)
-        from safetensors import SafetensorError
-
-        try:
-            return self._handle(fname).get_slice(name)
-        except SafetensorError as e:
-            raise CheckpointError(
-                f"{self.folder / fname} does not contain {name!r} although the index says so ({e}): "
-                "the index and the shards disagree. Re-download the checkpoint "
-                "(snapshot_download(..., force_download=True))."
-            ) from e
 
     def _file_name(self, name: str) -> str:
         fname = self._weight_map.get(name)
@@ -503,13 +521,15 @@ class Checkpoint:
     def _meta(self, name: str) -> tuple[tuple[int, ...], torch.dtype]:
         info = self._info.get(name)
         if info is None:
-            sl = self._slice(name)
-            code = sl.get_dtype()
-            if code not in _ST_DTYPES:
+            fname = self._file_name(name)
+            try:
+                info = self._handle(fname).info(name)
+            except KeyError as e:
                 raise CheckpointError(
-                    f"{name!r} in {self.file_of(name)} has dtype {code}, which torch cannot load."
-                )
-            info = (tuple(int(s) for s in sl.get_shape()), _ST_DTYPES[code])
+                    f"{self.folder / fname} does not contain {name!r} although the index says so: "
+                    "the index and the shards disagree. Re-download the checkpoint "
+                    "(snapshot_download(..., force_download=True))."
+                ) from e
             self._info[name] = info
         return info
 
@@ -538,7 +558,8 @@ class Checkpoint:
         """Rows/columns ``[start, stop)`` of ``dim`` of ``name``; only those bytes are requested.
 
         ``dim`` None reads the whole tensor (``start``/``stop`` ignored). The slice is copied out of
-        the memory map into a fresh contiguous tensor, converted to ``dtype`` on the way.
+        file into a fresh contiguous tensor (never a view of a mapping) and converted to ``dtype``
+        afterwards, so a conversion holds at most the slice twice, never the full tensor.
         """
         shape, stored = self._meta(name)
         if dim is None:
@@ -552,11 +573,14 @@ class Checkpoint:
                     f"slice [{start}, {stop}) out of range for dim {dim} of {name!r} of shape {shape}"
                 )
             numel = _numel(shape) // shape[dim] * (stop - start) if shape[dim] else 0
-        sl = self._slice(name)
-        view = sl[_slice_index(len(shape), dim, start, stop)]
-        out = _copy_out(view, dtype)
+        out = self._handle(self._file_name(name)).read(name, dim, start, stop)  # stored dtype
+        if dtype is not None and dtype != stored:
+            out = out.to(dtype)  # per slice: the stored-dtype slice is freed right after
         self.bytes_read += numel * stored.itemsize
-        self.reads.append(SliceRead(name, dim, start, stop))
+        record = SliceRead(name, dim, start, stop)
+        self.reads.append(record)
+        if self.on_read is not None:
+            self.on_read(record)
         return out
 
     # -- lifetime ----------------------------------------------------------------------------------
@@ -566,7 +590,7 @@ class Checkpoint:
         handles, self._handles = self._handles, {}
         for handle in handles.values():
             with contextlib.suppress(Exception):
-                handle.__exit__(None, None, None)
+                handle.close()
 
     def __enter__(self) -> Checkpoint:
         return self
@@ -577,6 +601,7 @@ class Checkpoint:
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_handles"] = {}  # file handles do not pickle; each process reopens lazily
+        state["on_read"] = None
         return state
 
     def __repr__(self) -> str:
@@ -703,8 +728,9 @@ class ParameterMeta:
     ``placement`` is None until the solver fixes it; the first graph that touches a parameter fixes
     it and later graphs solve with it pinned. ``tied`` lists every FQN of the tensor when it is tied
     (empty otherwise). ``local`` is this rank's shard once the materialize pass stored it; the
-    methods here return shards and never store them. ``strided`` marks fused layouts (QKV) whose
-    shards are not one contiguous chunk; not supported yet.
+    methods here return shards and never store them. A fused layout (QKV) is a
+    :class:`~autotp.placement.StridedShard` placement: each rank reads chunk ``rank`` of every
+    segment (one slice read per segment) and concatenates them; ``strided`` says so.
     """
 
     fqn: str
@@ -720,6 +746,11 @@ class ParameterMeta:
 
     def __post_init__(self) -> None:
         self.global_shape = tuple(int(s) for s in self.global_shape)
+
+    @property
+    def is_strided(self) -> bool:
+        """True for a fused (strided) layout, by placement or by the ``strided`` flag."""
+        return self.strided or isinstance(self.placement, StridedShard)
 
     @property
     def shard_dim(self) -> int | None:
@@ -755,12 +786,22 @@ class ParameterMeta:
         return tuple(shape)
 
     def _cut(self, rank: int, world_size: int) -> tuple[int | None, int, int]:
-        if self.strided and self.shard_dim is not None:
-            raise NotImplementedError(f"{self.fqn}: strided (fused) layouts cannot be sharded yet.")
         rng = self.index_range(rank, world_size)
         if rng is None:
             return None, 0, 0
         return self.shard_dim, rng[0], rng[1]
+
+    def _pieces(self, rank: int, world_size: int) -> tuple[int | None, list[tuple[int, int]]]:
+        """The shard dim and the ``[start, stop)`` ranges this rank reads along it, in local order:
+        one chunk, or for a fused (strided) layout chunk ``rank`` of each segment."""
+        p = self.placement
+        if isinstance(p, StridedShard) and self.shard_dim is not None:
+            if sum(p.segments) != self.global_shape[p.dim] or any(s % world_size for s in p.segments):
+                raise ShardingError(f"{self.fqn}: fused segments {p.segments} do not tile dim {p.dim} of "
+                                    f"{self.global_shape} in multiples of {world_size}.")
+            return p.dim, p.pieces(rank, world_size)
+        dim, start, stop = self._cut(rank, world_size)
+        return dim, [(start, stop)]
 
     def load_local(
         self,
@@ -784,8 +825,10 @@ class ParameterMeta:
                 f"{self.checkpoint.file_of(self.checkpoint_key)} has shape {stored}. The config and the "
                 f"weights disagree: check config.json's {_config_hint(self.fqn)}."
             )
-        dim, start, stop = self._cut(rank, world_size)
-        out = self.checkpoint.read_slice(self.checkpoint_key, dim, start, stop, dtype=dtype or self.dtype)
+        dim, pieces = self._pieces(rank, world_size)
+        parts = [self.checkpoint.read_slice(self.checkpoint_key, dim, start, stop, dtype=dtype or self.dtype)
+                 for start, stop in pieces]
+        out = parts[0] if len(parts) == 1 else torch.cat(parts, dim)  # fused: q_r | k_r | v_r
         return out if device is None else out.to(device)
 
     def shard_from(
@@ -796,7 +839,11 @@ class ParameterMeta:
             raise ShardingError(
                 f"{self.fqn}: expected a tensor of shape {self.global_shape}, got {tuple(full.shape)}."
             )
-        dim, start, stop = self._cut(rank, world_size)
+        dim, pieces = self._pieces(rank, world_size)
+        if len(pieces) > 1:  # fused: chunk ``rank`` of each segment, concatenated
+            return torch.cat([_copy_out(full.detach()[_slice_index(full.dim(), dim, a, b)], dtype)
+                              for a, b in pieces], dim)
+        start, stop = pieces[0]
         view = full.detach()[_slice_index(full.dim(), dim, start, stop)]
         return _copy_out(view, dtype)
 

@@ -66,7 +66,7 @@ def tiny_config(arch: str, **overrides: Any) -> Any:
     """A tiny transformers config for ``arch``; ``overrides`` win (e.g. ``tie_word_embeddings=True``,
     ``pad_token_id=100``). ``architectures`` is set, as in a saved config.json."""
     cfg_cls, model_cls, extra = _classes(arch)
-    kwargs = {**_COMMON, **extra, **overrides}
+    kwargs = {**({} if arch in OWN_SIZES else _COMMON), **extra, **overrides}
     config = cfg_cls(**kwargs)
     if not getattr(config, "architectures", None):
         config.architectures = [model_cls.__name__]
@@ -198,3 +198,94 @@ def offline_hub(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+
+
+# --------------------------------------------------------------------------------------------------
+# More architectures (issue 3: any transformers architecture, no per-model code). Each spells its
+# own sizes in its config's field names (hidden 64, 8 heads of 8, 2 layers, vocab 128, MLP 128):
+# the Llama-family ``_COMMON`` fields mean nothing, or something else, to these configs.
+# --------------------------------------------------------------------------------------------------
+
+#: archs whose overrides carry their full sizes (``_COMMON`` is not merged in)
+OWN_SIZES: set[str] = set()
+
+
+def _add_arch(arch: str, config_cls: str, model_cls: str, **sizes: Any) -> None:
+    ARCHS[arch] = (config_cls, model_cls, sizes)
+    OWN_SIZES.add(arch)
+
+
+# GPT-2: Conv1D weights stored (in, out), fused c_attn (q|k|v along the output), tied lm_head
+_add_arch("gpt2", "GPT2Config", "GPT2LMHeadModel", n_embd=64, n_head=8, n_layer=2, n_inner=128,
+          vocab_size=128, n_positions=256, bos_token_id=1, eos_token_id=2)
+# OPT: biased projections, learned positions offset by 2, ReLU MLP (fc1/fc2)
+_add_arch("opt", "OPTConfig", "OPTForCausalLM", hidden_size=64, num_attention_heads=8, num_hidden_layers=2,
+          ffn_dim=128, vocab_size=128, max_position_embeddings=256, word_embed_proj_dim=64)
+# BERT encoder (bidirectional), biased row-parallel output dense layers, post-LayerNorm
+_add_arch("bert", "BertConfig", "BertModel", hidden_size=64, num_attention_heads=8, num_hidden_layers=2,
+          intermediate_size=128, vocab_size=128, max_position_embeddings=256)
+# RoBERTa masked LM: positions counted from padding_idx + 1, so max positions > pad id + length
+_add_arch("roberta", "RobertaConfig", "RobertaForMaskedLM", hidden_size=64, num_attention_heads=8,
+          num_hidden_layers=2, intermediate_size=128, vocab_size=128, max_position_embeddings=256)
+# GPT-NeoX: fused query_key_value interleaved per head, (H, 3, D); partial rotary; parallel residual
+_add_arch("gpt_neox", "GPTNeoXConfig", "GPTNeoXForCausalLM", hidden_size=64, num_attention_heads=8,
+          num_hidden_layers=2, intermediate_size=128, vocab_size=128, max_position_embeddings=256,
+          tie_word_embeddings=False)
+# Phi-3: fused qkv_proj (q | k | v with GQA sizes) and gate_up_proj (gate | up)
+_add_arch("phi3", "Phi3Config", "Phi3ForCausalLM", hidden_size=64, num_attention_heads=8, num_key_value_heads=4,
+          num_hidden_layers=2, intermediate_size=128, vocab_size=128, max_position_embeddings=256,
+          original_max_position_embeddings=256, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+# Falcon (7B layout): multi-query attention (one kv head), fused query_key_value, parallel attn/MLP
+_add_arch("falcon", "FalconConfig", "FalconForCausalLM", hidden_size=64, num_attention_heads=8,
+          num_hidden_layers=2, vocab_size=128, multi_query=True, new_decoder_architecture=False,
+          alibi=False, parallel_attn=True, bias=False, max_position_embeddings=256)
+# Gemma-2: logit soft-capping (attention and final), alternating sliding-window layers, tied head
+_add_arch("gemma2", "Gemma2Config", "Gemma2ForCausalLM", hidden_size=64, num_attention_heads=8,
+          num_key_value_heads=4, head_dim=8, num_hidden_layers=2, intermediate_size=128, vocab_size=128,
+          max_position_embeddings=256, sliding_window=4, attn_logit_softcapping=50.0,
+          final_logit_softcapping=30.0)
+# BLOOM: alibi position bias (per-head slopes), fused query_key_value interleaved per head
+_add_arch("bloom", "BloomConfig", "BloomForCausalLM", hidden_size=64, n_head=8, n_layer=2, vocab_size=128)
+# T5: encoder-decoder, relative position bias table (buckets, heads), tied and rescaled lm_head
+_add_arch("t5", "T5Config", "T5ForConditionalGeneration", d_model=64, d_kv=8, d_ff=128, num_layers=2,
+          num_decoder_layers=2, num_heads=8, vocab_size=128, relative_attention_num_buckets=8)
+# Mixtral: sparse MoE (4 experts, top-2), expert weights stacked in one parameter per projection
+_add_arch("mixtral", "MixtralConfig", "MixtralForCausalLM", hidden_size=64, num_attention_heads=8,
+          num_key_value_heads=4, num_hidden_layers=2, intermediate_size=128, vocab_size=128,
+          max_position_embeddings=256, num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False)
+
+
+# --------------------------------------------------------------------------------------------------
+# PyTorch ``.bin`` checkpoints (issue 6): the layout transformers wrote before safetensors.
+# --------------------------------------------------------------------------------------------------
+
+
+def save_tiny_bin(
+    arch: str,
+    folder: str | os.PathLike[str],
+    *,
+    seed: int = 0,
+    shards: int = 1,
+    dtype: torch.dtype = torch.float32,
+    **overrides: Any,
+) -> Path:
+    """``save_tiny`` with PyTorch pickles instead of safetensors: ``pytorch_model.bin``, or
+    ``shards`` files ``pytorch_model-0000i-of-0000N.bin`` plus ``pytorch_model.bin.index.json``
+    (``torch.save`` zip format, plain tensors only, as ``save_pretrained(safe_serialization=False)``
+    wrote them). Same seed, same values as :func:`save_tiny`."""
+    folder = Path(save_tiny(arch, folder, seed=seed, shards=shards, dtype=dtype, **overrides))
+    from safetensors.torch import load_file
+
+    files = sorted(folder.glob("*.safetensors"))
+    weight_map: dict[str, str] = {}
+    for j, path in enumerate(files):
+        tensors = {k: v.clone() for k, v in load_file(os.fspath(path)).items()}
+        name = "pytorch_model.bin" if shards == 1 else f"pytorch_model-{j + 1:05d}-of-{shards:05d}.bin"
+        torch.save(tensors, folder / name)
+        weight_map.update(dict.fromkeys(tensors, name))
+        path.unlink()
+    (folder / "model.safetensors.index.json").unlink(missing_ok=True)
+    if shards > 1:
+        index = {"metadata": {}, "weight_map": dict(sorted(weight_map.items()))}
+        (folder / "pytorch_model.bin.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    return folder

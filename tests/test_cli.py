@@ -70,3 +70,44 @@ def test_python_dash_m_autotp_reports_errors_without_traceback() -> None:
 def test_usage_errors_and_help() -> None:
     assert main([]) == 2  # a subcommand is required; argparse prints the usage
     assert main(["--help"]) == 0
+
+
+def _save_word_tokenizer(folder: Path, vocab_size: int) -> None:
+    """A word-level tokenizer over the tiny vocabulary: token i is the word ``w{i}``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, **{f"w{i}": i for i in range(1, vocab_size)}}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>").save_pretrained(folder)
+
+
+@pytest.mark.slow
+def test_generate_streams_text_from_a_prompt_and_samples_the_tokens_of_one_process(tmp_path: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tests._tiny import save_tiny
+
+    folder = save_tiny("llama", tmp_path / "ckpt", seed=0, num_hidden_layers=2)
+    _save_word_tokenizer(folder, 128)
+    reference = AutoModelForCausalLM.from_pretrained(folder).eval()
+    torch.manual_seed(3)
+    with torch.no_grad():
+        expected = reference.generate(torch.tensor([[5, 17, 99]]), max_new_tokens=4, do_sample=True, top_k=50,
+                                      temperature=1.0, top_p=1.0)[0, 3:].tolist()
+    proc = _run("generate", str(folder), "--tp", "2", "--prompt", "w5 w17 w99", "--max-new-tokens", "4",
+                "--do-sample", "--seed", "3", timeout=900)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "all 2 ranks produced the same tokens: yes" in proc.stdout
+    assert f"generated ids: {expected}" in proc.stdout, proc.stdout
+    words = " ".join(f"w{t}" for t in expected)
+    assert f"text: {words}" in proc.stdout
+    assert words in proc.stdout.split("text:")[0]  # streamed before the summary
+    assert "tokens/s" in proc.stdout
+
+
+def test_generate_needs_exactly_one_prompt(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    assert main(["generate", str(tmp_path), "--tp", "1"]) == 2
+    assert "exactly one of them" in capsys.readouterr().err

@@ -7,6 +7,8 @@ q ``(B, Hq, L, E)``, k ``(B, Hk, S, E)``, v ``(B, Hk, S, Ev)``, optional mask br
 * q, k, v all ``S(1)`` (heads) -> output ``S(1)``. With GQA (``Hk < Hq``) contiguous chunks still
   pair up — rank r's query heads ``[r*Hq/N, (r+1)*Hq/N)`` use kv heads ``[r*Hk/N, (r+1)*Hk/N)`` —
   because both head counts divide by N (they are sharded);
+* multi-query (one kv head, ``Hk == 1``): q ``S(1)`` with k, v Replicate -> ``S(1)``: the kv
+  projection is replicated (``tp > kv heads``) and each rank's query heads share the one kv head;
 * q, k, v all ``S(0)`` (batch) -> ``S(0)``;
 * the mask (and the math kernel's dropout mask) must be sharded like q where it has that dim at
   full size, and Replicate where it broadcasts (size 1 or missing);
@@ -95,7 +97,10 @@ def sdpa_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate]
     else:
         if q.ndim != 4 or pq.dim not in (0, 1):
             return reject(f"q sharded on dim {pq.dim}: only batch (0) or heads (1) shards are exact")
-        if pk != pq or pv != pq:
+        single_kv = pq.dim == 1 and k.shape[1] == 1 and v.shape[1] == 1
+        if single_kv and isinstance(pk, Replicate) and isinstance(pv, Replicate):
+            pass  # multi-query: the one kv head serves every rank's query heads (enable_gqa)
+        elif pk != pq or pv != pq:
             return reject(f"q, k, v must be sharded alike, got {pq}, {pk}, {pv}")
         for name, i in extras:
             need = _mask_need(op.tensor_inputs[i], pq.dim)

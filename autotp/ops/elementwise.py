@@ -9,17 +9,32 @@ Placement algebra (dims align from the right, as broadcasting does):
   Replicate and the result floating: ``add(P, P)``, ``sub(P, P)``, ``mul(P, R)``, ``div(P, R)``,
   ``neg(P)``, ``clone(P)``, ``_to_copy(P)`` to a floating dtype, ``where(c, P, P)``,
   ``masked_fill(P, m, 0)``. Adding a non-zero scalar or any nonlinear op on a Partial is infeasible.
+* Partial plus Replicate (``add(P, R)``, ``sub(R, P)``: a residual added to a row-parallel result)
+  is Partial with the local rewrite ``replicated_share``: each rank adds ``R / N``, so the ranks'
+  results sum to ``P + R``. Exact in value for N a power of 2 (dividing by N is exact in binary
+  floating point); otherwise ``R / N`` rounds, ~1 ulp of ``R`` per rank.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
+from torch.utils import _pytree as pytree
 
 from autotp.ops._common import P, aten_ops, broadcast_shard, is_zero, out_is_float, out_spec
-from autotp.ops.registry import Candidate, OpCall, Rejected, TensorSpec, register, reject
-from autotp.placement import Partial, Placement, Shard
+from autotp.ops.registry import (
+    POINTWISE,
+    Candidate,
+    OpCall,
+    Rejected,
+    TensorSpec,
+    register,
+    register_local,
+    reject,
+)
+from autotp.placement import Partial, Placement, Replicate, Shard
 
 # A predicate on which tensor inputs are Partial (all others are Replicate): True if the op is
 # linear in exactly those inputs, so per-rank results add up to the global result.
@@ -75,6 +90,44 @@ def _copy(op: OpCall, pm: list[bool]) -> bool:
     return len(pm) == 2 and pm[1]
 
 
+REPLICATED_SHARE = "replicated_share"
+_ADDITIVE_TARGETS = set(aten_ops("add.Tensor", "sub.Tensor", "rsub.Tensor", "add_.Tensor", "sub_.Tensor"))
+
+
+def _replicated_share_ok(op: OpCall, inputs: Sequence[Placement | None]) -> bool:
+    """``add``/``sub`` of Partial and Replicate tensors (no Shard, no scalar operand): Partial if
+    each rank adds its ``1/N`` share of the Replicate terms."""
+    return (op.target in _ADDITIVE_TARGETS and len(inputs) == 2
+            and all(isinstance(p, (Partial, Replicate)) for p in inputs)
+            and all(isinstance(s, TensorSpec) for s in (op.arg(0, "self"), op.arg(1, "other"))))
+
+
+@register_local(REPLICATED_SHARE)
+def replicated_share_local(target: Any, args: tuple, kwargs: dict, in_placements: Sequence[Any],
+                           out_placement: Any, rank: int, world_size: int) -> Any:
+    """Run ``target`` with each additive Replicate term divided by ``world_size``
+    (:func:`additive_terms` says which tensor inputs are additive)."""
+    flat, tree = pytree.tree_flatten((args, kwargs))
+    positions = [i for i, a in enumerate(flat) if isinstance(a, torch.Tensor)]
+    for k in additive_terms(target, len(positions)):
+        i = positions[k]
+        if isinstance(in_placements[k], Replicate) and flat[i].is_floating_point():
+            flat[i] = flat[i] / world_size
+    args, kwargs = pytree.tree_unflatten(flat, tree)
+    return target(*args, **kwargs)
+
+
+def additive_terms(target: Any, n_tensors: int) -> list[int]:
+    """Which tensor inputs (in ``tensor_inputs`` order) enter ``target``'s result as a plain
+    summand: both operands of add/sub, the bias of addmm/baddbmm (first) and linear (third)."""
+    name = str(target)
+    if "linear" in name:
+        return [2] if n_tensors == 3 else []
+    if "addmm" in name or "baddbmm" in name:
+        return [0]
+    return list(range(n_tensors))
+
+
 def elementwise(op: OpCall, inputs: Sequence[Placement | None], partial_ok: PartialCheck) -> list[Candidate]:
     """The shared rule of the family: broadcast Shard/Replicate, or Partial where linear."""
     specs = op.tensor_inputs
@@ -90,6 +143,8 @@ def elementwise(op: OpCall, inputs: Sequence[Placement | None], partial_ok: Part
         if not out_is_float(op):
             return reject("a non-floating result cannot be Partial")
         if not partial_ok(op, partial):
+            if _replicated_share_ok(op, inputs):
+                return [Candidate(P, local=REPLICATED_SHARE)]
             return reject(f"{op.target} is not linear in its Partial inputs {partial} "
                           f"(args {op.args})")
         return [Candidate(P)]
@@ -105,7 +160,7 @@ def _family(partial_ok: PartialCheck, *names: str) -> None:
 
     rule.__name__ = f"elementwise_{partial_ok.__name__.lstrip('_')}"
     rule.__doc__ = f"Elementwise rule; Partial inputs accepted by {partial_ok.__name__}."
-    register(*aten_ops(*names))(rule)
+    register(*aten_ops(*names), strided=POINTWISE)(rule)
 
 
 UNARY_NONLINEAR = (

@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from autotp.ops._common import P, R, aten_ops, out_len, out_spec, same, shift_after_removal
-from autotp.ops.registry import Candidate, OpCall, TensorSpec, register, reject
-from autotp.placement import Partial, Placement, Replicate, Shard, normalize_dim
+from autotp.ops.registry import OWN, Candidate, OpCall, TensorSpec, register, register_local, reject
+from autotp.placement import Partial, Placement, Replicate, Shard, StridedShard, normalize_dim
 
 
 @register(*aten_ops("select.int", "select_copy.int"))
@@ -43,9 +44,46 @@ def _full_range(size: int, start: int | None, end: int | None, step: int = 1) ->
     return step == 1 and start <= 0 and end >= size
 
 
-@register(*aten_ops("slice.Tensor", "slice_copy.Tensor", "narrow.default", "narrow_copy.default"))
+SPLIT_SIZES, SLICE_BOUNDS = "split_sizes", "slice_bounds"
+
+
+def _segment_bounds(segments: Sequence[int]) -> list[tuple[int, int]]:
+    out, offset = [], 0
+    for size in segments:
+        out.append((offset, offset + size))
+        offset += size
+    return out
+
+
+@register_local(SLICE_BOUNDS)
+def slice_bounds_local(target: Any, args: tuple, kwargs: dict, in_placements: Sequence[Any],
+                       out_placement: Any, rank: int, world_size: int) -> Any:
+    """``slice(x, dim, start, end)`` of one segment of a fused shard: bounds divided by N (every
+    segment divides by N, so its global offset does too; an end past the tensor stays as is)."""
+    x = args[0]
+    dim = normalize_dim(args[1] if len(args) > 1 else kwargs.get("dim", 0), x.ndim)
+    start = args[2] if len(args) > 2 else kwargs.get("start")
+    end = args[3] if len(args) > 3 else kwargs.get("end")
+    local_start, local_end = localize_bounds(start, end, x.shape[dim] * world_size, world_size)
+    return target(x, dim, local_start, local_end, *args[4:])
+
+
+def localize_bounds(start: int | None, end: int | None, size: int, world_size: int
+                    ) -> tuple[int | None, int | None]:
+    """Global slice bounds of one fused segment -> this rank's bounds in its local shard."""
+    start = None if start is None else (start + size if start < 0 else start) // world_size
+    if end is not None:
+        end = end + size if end < 0 else end
+        end = None if end >= size else end // world_size
+    return start, end
+
+
+@register(*aten_ops("slice.Tensor", "slice_copy.Tensor", "narrow.default", "narrow_copy.default"), strided=OWN)
 def slice_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate]:
-    """slice/narrow along ``dim``: a Shard there survives only if the slice is the whole dim."""
+    """slice/narrow along ``dim``: a Shard there survives only if the slice is the whole dim.
+
+    A fused shard (``StridedShard``) sliced along its dim to exactly one segment gives a plain
+    Shard with the local rewrite ``slice_bounds`` (Phi-3's ``qkv[..., :q_size]``)."""
     p = inputs[0]
     if not isinstance(p, Shard):
         return same(p)
@@ -53,6 +91,15 @@ def slice_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate
     dim = normalize_dim(op.arg(1, "dim", 0), x.ndim)
     if p.dim != dim:
         return same(p)
+    if isinstance(p, StridedShard):
+        size = x.shape[dim]
+        start, end = op.arg(2, "start"), op.arg(3, "end")
+        start = 0 if start is None else (start + size if start < 0 else start)
+        end = size if end is None else min(end + size if end < 0 else end, size)
+        if "narrow" not in str(op.target) and op.arg(4, "step", 1) == 1 \
+                and (start, end) in _segment_bounds(p.segments):
+            return [Candidate(Shard(dim), local=SLICE_BOUNDS)]
+        return reject(f"slice [{start}, {end}) of fused dim {dim} is not one of its segments {p.segments}")
     if "narrow" in str(op.target):
         # even a full-length narrow would ask each rank for the global length
         return reject(f"narrow along sharded dim {dim}")
@@ -169,10 +216,30 @@ def stack_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate
     return same(Shard(p.dim + 1 if dim <= p.dim else p.dim))
 
 
+@register_local(SPLIT_SIZES)
+def split_sizes_local(target: Any, args: tuple, kwargs: dict, in_placements: Sequence[Any],
+                      out_placement: Any, rank: int, world_size: int) -> Any:
+    """split / split_with_sizes of a fused shard into its segments: every size divided by N."""
+    sizes = args[1]
+    local = sizes // world_size if isinstance(sizes, int) else [s // world_size for s in sizes]
+    return target(args[0], local, *args[2:], **kwargs)
+
+
+def split_pieces(op: OpCall, size: int) -> tuple[int, ...]:
+    """The piece sizes of a split / split_with_sizes of a dim of ``size``."""
+    sizes = op.arg(1, "split_size", op.kwargs.get("split_sizes"))
+    if isinstance(sizes, int):
+        return tuple(min(sizes, size - k) for k in range(0, size, sizes)) if sizes > 0 else ()
+    return tuple(sizes)
+
+
 @register(*aten_ops("split.Tensor", "split_copy.Tensor", "split_with_sizes.default",
-                    "split_with_sizes_copy.default", "unbind.int", "unbind_copy.int"))
+                    "split_with_sizes_copy.default", "unbind.int", "unbind_copy.int"), strided=OWN)
 def split_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate]:
-    """split/unbind along ``dim``: every piece keeps a Shard on another dim (unbind drops ``dim``)."""
+    """split/unbind along ``dim``: every piece keeps a Shard on another dim (unbind drops ``dim``).
+
+    A fused shard (``StridedShard``) split along its dim into exactly its segments gives plain
+    Shards with the local rewrite ``split_sizes`` (GPT-2's ``c_attn(x).split(H, dim=2)``)."""
     p = inputs[0]
     n = out_len(op)
     if not isinstance(p, Shard):
@@ -180,6 +247,13 @@ def split_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate
     x = op.tensor_inputs[0]
     unbind = "unbind" in str(op.target)
     dim = normalize_dim(op.arg(1 if unbind else 2, "dim", 0), x.ndim)
+    if isinstance(p, StridedShard):
+        if p.dim != dim:
+            d = shift_after_removal(p.dim, [dim]) if unbind else p.dim
+            return same(tuple(StridedShard(d, p.segments) for _ in range(n)))
+        if not unbind and split_pieces(op, x.shape[dim]) == p.segments:
+            return [Candidate(tuple(Shard(dim) for _ in range(n)), local=SPLIT_SIZES)]
+        return reject(f"split of fused dim {dim} into pieces other than its segments {p.segments}")
     if p.dim == dim:
         if not unbind and n == 1:
             return same((p,))  # a single piece is the whole tensor

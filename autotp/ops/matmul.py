@@ -12,7 +12,9 @@ placements:
 
 The additive term of ``addmm``/``baddbmm``/``linear`` (bias) is valid only if its placement matches
 the product's: Replicate for a Replicate product, Shard on the same output dim when it has that dim
-at full size (else Replicate, it broadcasts), and Partial only with a Partial product.
+at full size (else Replicate, it broadcasts), and Partial with a Partial product. A Replicate bias on
+a Partial product (a row-parallel layer with a bias) gives Partial with the local rewrite
+``replicated_share`` (each rank adds ``bias / N``; see ``autotp/ops/elementwise.py``).
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ import string
 from collections.abc import Sequence
 
 from autotp.ops._common import P, R, aten_ops, out_is_float, out_spec
-from autotp.ops.registry import Candidate, OpCall, Rejected, TensorSpec, register, reject
+from autotp.ops.elementwise import REPLICATED_SHARE
+from autotp.ops.registry import POINTWISE, Candidate, OpCall, Rejected, TensorSpec, register, reject
 from autotp.placement import Partial, Placement, Replicate, Shard
 
 
@@ -52,7 +55,7 @@ def einsum_placement(labels: Sequence[str], shapes: Sequence[tuple[int, ...]], o
 def with_bias(product: Placement, bias: TensorSpec, pb: Placement, out_ndim: int) -> Placement | Rejected:
     """Placement of ``bias + product`` (bias broadcast to the product, dims aligned right)."""
     if isinstance(product, Partial) or isinstance(pb, Partial):
-        if isinstance(product, Partial) and isinstance(pb, Partial):
+        if isinstance(product, Partial) and isinstance(pb, (Partial, Replicate)):
             return P
         return reject(f"bias {pb} cannot be added to a product that is {product}: "
                       "each rank would add its own copy")
@@ -74,49 +77,52 @@ def _einsum_rule(op: OpCall, inputs: Sequence[Placement], labels: Sequence[str],
     if isinstance(product, Rejected):
         return product
     if bias_index is not None:
+        share = isinstance(product, Partial) and isinstance(inputs[bias_index], Replicate)
         product = with_bias(product, specs[bias_index], inputs[bias_index], len(out_labels))
         if isinstance(product, Rejected):
             return product
+        if share:
+            return [Candidate(product, local=REPLICATED_SHARE)]
     return [Candidate(product)]
 
 
-@register(*aten_ops("mm.default"))
+@register(*aten_ops("mm.default"), strided=POINTWISE)
 def mm_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate]:
     """mm: ik,kj->ij."""
     return _einsum_rule(op, inputs, ["ik", "kj"], "ij")
 
 
-@register(*aten_ops("bmm.default"))
+@register(*aten_ops("bmm.default"), strided=POINTWISE)
 def bmm_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate]:
     """bmm: bik,bkj->bij."""
     return _einsum_rule(op, inputs, ["bik", "bkj"], "bij")
 
 
-@register(*aten_ops("mv.default"))
+@register(*aten_ops("mv.default"), strided=POINTWISE)
 def mv_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate]:
     """mv: ik,k->i."""
     return _einsum_rule(op, inputs, ["ik", "k"], "i")
 
 
-@register(*aten_ops("dot.default"))
+@register(*aten_ops("dot.default"), strided=POINTWISE)
 def dot_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate]:
     """dot: k,k->."""
     return _einsum_rule(op, inputs, ["k", "k"], "")
 
 
-@register(*aten_ops("addmm.default"))
+@register(*aten_ops("addmm.default"), strided=POINTWISE)
 def addmm_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate]:
     """addmm(bias, a, b) = beta*bias + alpha*(a @ b): mm plus a matching bias."""
     return _einsum_rule(op, inputs, ["ik", "kj"], "ij", bias_index=0)
 
 
-@register(*aten_ops("baddbmm.default"))
+@register(*aten_ops("baddbmm.default"), strided=POINTWISE)
 def baddbmm_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate]:
     """baddbmm(bias, a, b) = beta*bias + alpha*bmm(a, b): bmm plus a matching bias."""
     return _einsum_rule(op, inputs, ["bik", "bkj"], "bij", bias_index=0)
 
 
-@register(*aten_ops("linear.default"))
+@register(*aten_ops("linear.default"), strided=POINTWISE)
 def linear_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate]:
     """linear(x, w, b) = x @ w.T + b: ...k,jk->...j, bias over j."""
     x = op.tensor_inputs[0]
@@ -137,7 +143,7 @@ def matmul_labels(a_ndim: int, b_ndim: int) -> tuple[list[str], str]:
     return [a, b], out
 
 
-@register(*aten_ops("matmul.default"))
+@register(*aten_ops("matmul.default"), strided=POINTWISE)
 def matmul_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate]:
     """matmul with numpy semantics; size-1 broadcast batch dims may stay Replicate."""
     a, b = op.tensor_inputs

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from autotp.placement import Partial, Placement, Replicate, Shard
+from autotp.placement import Partial, Placement, Replicate, Shard, StridedShard
 
 PlacementOut = Placement | tuple[Placement | None, ...] | None
 
@@ -109,16 +109,29 @@ _RULES: dict[Any, Rule] = {}
 _LOCALS: dict[str, LocalImpl] = {}
 
 
-def register(*targets: Any, single_placements: bool = True) -> Callable[[Rule], Rule]:
+#: ``register(..., strided=POINTWISE)``: the op treats the sharded dim position by position (the
+#: same function of every index, as elementwise ops, matmuls and dim shuffles do), so a fused
+#: :class:`~autotp.placement.StridedShard` input may be read as a plain ``Shard`` and the output
+#: Shard on a dim of the same size is strided the same way.
+POINTWISE = "pointwise"
+#: ``register(..., strided=OWN)``: the rule handles StridedShard inputs itself (views, split, slice).
+OWN = "own"
+
+
+def register(*targets: Any, single_placements: bool = True, strided: str | None = None
+             ) -> Callable[[Rule], Rule]:
     """Register ``rule`` for each ATen overload in ``targets``; a second registration raises.
 
     With ``single_placements`` (the default) the registry rejects, before the rule runs, a call
     where some tensor input has no single placement (None, or a tuple from a multi-output op), so
-    rules only ever see R / S / P. The returned function is the rule itself, wrapped the same way.
+    rules only ever see R / S / P. ``strided`` says how the rule meets a fused
+    :class:`~autotp.placement.StridedShard` input: ``None`` rejects it (the safe default: a rule
+    that moves data along the sharded dim would silently mix up the segments), :data:`POINTWISE`
+    or :data:`OWN`. The returned function is the rule itself, wrapped the same way.
     """
 
     def deco(fn: Rule) -> Rule:
-        rule = _checked(fn) if single_placements else fn
+        rule = _checked(fn, strided) if single_placements else fn
         for t in targets:
             if t in _RULES:
                 raise ValueError(f"duplicate placement rule for {t}: {_RULES[t].__name__} and {fn.__name__}")
@@ -128,15 +141,54 @@ def register(*targets: Any, single_placements: bool = True) -> Callable[[Rule], 
     return deco
 
 
-def _checked(fn: Rule) -> Rule:
+def _checked(fn: Rule, strided: str | None = None) -> Rule:
     @functools.wraps(fn)
     def rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate]:
         for i, p in enumerate(inputs):
             if not isinstance(p, (Replicate, Shard, Partial)):
                 return reject(f"tensor input {i} has no single placement ({p!r})")
+        if strided != OWN and any(isinstance(p, StridedShard) for p in inputs):
+            if strided != POINTWISE:
+                return reject(f"a fused (strided) shard reaches {op.target}, which moves data along "
+                              "the sharded dim")
+            return _pointwise_strided(fn, op, inputs)
         return fn(op, inputs)
 
     return rule
+
+
+def _pointwise_strided(fn: Rule, op: OpCall, inputs: Sequence[Placement]) -> list[Candidate]:
+    """Run a :data:`POINTWISE` rule on StridedShard inputs read as plain Shards, then mark each
+    Shard result strided again (its dim must have the fused size)."""
+    strided = {p for p in inputs if isinstance(p, StridedShard)}
+    segments = {p.segments for p in strided}
+    if len(segments) > 1 or any(isinstance(p, Shard) and not isinstance(p, StridedShard) for p in inputs):
+        return reject(f"inputs mix differently fused shards: {list(inputs)}")
+    (segs,) = segments
+    cands = fn(op, [Shard(p.dim) if isinstance(p, StridedShard) else p for p in inputs])
+    if not cands:
+        return cands
+    outs = op.out if isinstance(op.out, (tuple, list)) else (op.out,)
+
+    def restride(p: Any, spec: Any) -> Any:
+        if not isinstance(p, Shard):
+            return p
+        if not isinstance(spec, TensorSpec) or spec.shape[p.dim] != sum(segs):
+            return None
+        return StridedShard(p.dim, segs)
+
+    out: list[Candidate] = []
+    for c in cands:
+        if isinstance(c.output, tuple):
+            placed = tuple(restride(p, spec) for p, spec in zip(c.output, outs, strict=False))
+            if any(q is None and p is not None for p, q in zip(c.output, placed, strict=False)):
+                continue
+        else:
+            placed = restride(c.output, outs[0])
+            if placed is None and c.output is not None:
+                continue
+        out.append(Candidate(placed, c.local))
+    return out if out else reject(f"a fused shard {segs} does not survive {op.target}")
 
 
 def register_local(name: str) -> Callable[[LocalImpl], LocalImpl]:

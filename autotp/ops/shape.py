@@ -20,8 +20,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from autotp.ops._common import P, R, aten_ops, out_spec, same, shift_after_removal
-from autotp.ops.registry import Candidate, OpCall, register, register_local, reject
-from autotp.placement import Partial, Placement, Replicate, Shard, normalize_dim
+from autotp.ops.registry import OWN, POINTWISE, Candidate, OpCall, register, register_local, reject
+from autotp.placement import Partial, Placement, Replicate, Shard, StridedShard, normalize_dim
 
 
 def localize_sizes(sizes: Sequence[Any], out_placement: Any, world_size: int) -> list[Any]:
@@ -76,7 +76,7 @@ for _t in VIEW_OPS:
     SIZE_ARG[_t] = (1, "shape" if "reshape" in str(_t) else "size")
 
 
-@register(*VIEW_OPS)
+@register(*VIEW_OPS, strided=OWN)
 def view_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate]:
     """A reshape keeps R and P; a Shard survives if its dim is the outermost factor of an out dim."""
     p = inputs[0]
@@ -85,6 +85,13 @@ def view_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate]
     x = op.tensor_inputs[0]
     out = _resolved_out_shape(op, x.numel, op.arg(1, "size", op.kwargs.get("shape")))
     n = op.world_size
+    if isinstance(p, StridedShard):
+        # a fused dim survives only whole: (B*S, 192) S(1|64+64+64) -> (B, S, 192) S(2|64+64+64)
+        suffix = math.prod(x.shape[p.dim:])
+        for o in range(len(out)):
+            if out[o] == x.shape[p.dim] and math.prod(out[o:]) == suffix:
+                return [Candidate(StridedShard(o, p.segments), local="shape")]
+        return reject(f"a view splits or merges the fused dim {p.dim} of {x.shape} (segments {p.segments})")
     suffix = math.prod(x.shape[p.dim:])  # elements per index of the dims before d
     for o in range(len(out)):
         if math.prod(out[o:]) == suffix and out[o] >= n and out[o] % n == 0:
@@ -99,7 +106,7 @@ for _t in EXPAND_OPS:
     SIZE_ARG[_t] = (1, "size")
 
 
-@register(*EXPAND_OPS)
+@register(*EXPAND_OPS, strided=POINTWISE)
 def expand_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate]:
     """Shard follows its dim (shifted by new leading dims); R may also shard a broadcast dim."""
     p = inputs[0]
@@ -124,7 +131,7 @@ def expand_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidat
     return cands
 
 
-@register(*aten_ops("permute.default", "permute_copy.default"))
+@register(*aten_ops("permute.default", "permute_copy.default"), strided=POINTWISE)
 def permute_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate]:
     """Shard(d) -> Shard(position of d in dims)."""
     p = inputs[0]
@@ -135,7 +142,8 @@ def permute_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candida
     return same(Shard(dims.index(p.dim)))
 
 
-@register(*aten_ops("transpose.int", "transpose_copy.int", "t.default", "t_copy.default"))
+@register(*aten_ops("transpose.int", "transpose_copy.int", "t.default", "t_copy.default"),
+          strided=POINTWISE)
 def transpose_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate]:
     """Swap two dims (``t`` swaps 0 and 1 of a 2-D tensor and is a no-op below 2-D)."""
     p = inputs[0]
@@ -150,7 +158,7 @@ def transpose_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candi
     return same(Shard(d))
 
 
-@register(*aten_ops("unsqueeze.default", "unsqueeze_copy.default"))
+@register(*aten_ops("unsqueeze.default", "unsqueeze_copy.default"), strided=POINTWISE)
 def unsqueeze_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate]:
     """A new size-1 dim at ``dim`` shifts shard dims at or after it by one."""
     p = inputs[0]
@@ -161,7 +169,7 @@ def unsqueeze_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candi
 
 
 @register(*aten_ops("squeeze.default", "squeeze.dim", "squeeze.dims", "squeeze_copy.default",
-                    "squeeze_copy.dim", "squeeze_copy.dims"))
+                    "squeeze_copy.dim", "squeeze_copy.dims"), strided=POINTWISE)
 def squeeze_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate]:
     """Size-1 dims disappear (dims listed but not of size 1 stay); a shard dim shifts left."""
     p = inputs[0]

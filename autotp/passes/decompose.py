@@ -21,6 +21,7 @@ ATen node carries ``from_node`` / ``stack_trace`` back to its Dynamo origin.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -74,6 +75,9 @@ class ShadowGraph:
     marks: dict[tuple[int, int], torch.fx.Node] = field(default_factory=dict)
     # ATen placeholder i <-> Dynamo placeholder i (same order as example_inputs)
     placeholders: list[tuple[torch.fx.Node, torch.fx.Node]] = field(default_factory=list)
+    # edges into an argument that their Dynamo node writes in place: the solver keeps them
+    # identity, so the write lands in the tensor later readers see
+    inplace_edges: set[torch.fx.Node] = field(default_factory=set)
 
 
 def decomposition_table() -> dict:
@@ -116,6 +120,19 @@ class _Bracketing(torch.fx.Interpreter):
 
 
 def decompose(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> ShadowGraph:
+    """Decompose ``gm`` into a bracketed core-ATen shadow graph (see the module docstring).
+
+    Node by node with memoization (:func:`decompose_by_node`) when every node is functional, which
+    makes a model of ``L`` repeated blocks cost one block's tracing plus ``L`` cheap graph copies;
+    the whole graph in one functionalized trace (:func:`decompose_whole`) when some node mutates
+    a tensor or global state, because only a whole-graph trace sees the aliasing."""
+    try:
+        return decompose_by_node(gm, example_inputs)
+    except NotNodeLocal:
+        return decompose_whole(gm, example_inputs)
+
+
+def decompose_whole(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> ShadowGraph:
     """Trace ``gm`` on fake copies of ``example_inputs`` into a bracketed core-ATen graph."""
     interpreter = _Bracketing(gm)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
@@ -158,6 +175,233 @@ def decompose(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> ShadowGrap
             else:
                 pending.append(n)
     return shadow
+
+
+# --------------------------------------------------------------------------------------------------
+# Node by node, memoized
+# --------------------------------------------------------------------------------------------------
+
+
+class NotNodeLocal(Exception):
+    """A node whose decomposition is not a function of its own inputs (it mutates)."""
+
+
+#: Dynamo-graph targets that change global state for the nodes after them.
+_GLOBAL_STATE = ("_set_grad_enabled", "_enter_autocast", "_exit_autocast", "set_grad_enabled",
+                 "_enter_inference_mode", "_exit_inference_mode", "manual_seed")
+
+
+@dataclass
+class _NodeTrace:
+    """One Dynamo node decomposed in isolation: an ATen graph over its flat tensor inputs, and how
+    its flat outputs rebuild the node's value (``None`` in ``spec_values`` = the next graph output)."""
+
+    graph: torch.fx.GraphModule
+    spec: Any
+    values: list[Any]
+    mutated: frozenset[int] = frozenset()  # positions (among tensor inputs) the node writes in place
+
+
+class _Ref:
+    """A tensor in the node-by-node walk: the ATen node that holds it and its (fake) value, which is
+    only read for metadata and shared by every copy of the same trace."""
+
+    __slots__ = ("node", "val")
+
+    def __init__(self, node: torch.fx.Node, val: Tensor) -> None:
+        self.node, self.val = node, val
+
+
+def _tensor_key(t: Tensor) -> tuple:
+    return (tuple(t.shape), tuple(t.stride()), t.dtype, t.device.type, t.requires_grad)
+
+
+def _node_key(n: torch.fx.Node, flat: list[Any], spec: Any) -> tuple | None:
+    """What a node's decomposition depends on: op, target, argument structure, tensor metadata,
+    constants. (Arguments never alias: every tensor argument is its own edge.) None when a constant
+    is unhashable."""
+    parts: list[Any] = []
+    for v in flat:
+        if isinstance(v, _Ref):
+            parts.append(("T", _tensor_key(v.val)))
+        else:
+            try:
+                hash(v)
+            except TypeError:
+                return None
+            parts.append((type(v), v))
+    return (n.op, n.target, spec, tuple(parts), torch.is_grad_enabled())
+
+
+def _call(n: torch.fx.Node, args: tuple, kwargs: dict) -> Any:
+    if n.op == "call_method":
+        return getattr(args[0], n.target)(*args[1:], **kwargs)
+    return n.target(*args, **kwargs)
+
+
+def _trace_node(n: torch.fx.Node, flat: list[Any], spec: Any, fake_mode: FakeTensorMode,
+                table: dict) -> _NodeTrace:
+    tensor_positions = [i for i, v in enumerate(flat) if isinstance(v, _Ref)]
+    holder: dict[str, Any] = {}
+
+    def run(*tensors: Tensor) -> list[Tensor]:
+        leaves = list(flat)
+        for i, t in zip(tensor_positions, tensors, strict=True):
+            leaves[i] = t
+        args, kwargs = pytree.tree_unflatten(leaves, spec)
+        out = _call(n, args, kwargs)
+        out_flat, out_spec = pytree.tree_flatten(out)
+        holder["spec"] = out_spec
+        holder["values"] = [None if isinstance(v, Tensor) else v for v in out_flat]
+        return [v for v in out_flat if isinstance(v, Tensor)]
+
+    with fake_mode:
+        metas = [flat[i].val for i in tensor_positions]
+        fakes = [torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device).requires_grad_(v.requires_grad)
+                 for v in metas]
+        graph = make_fx(torch.func.functionalize(run, remove="mutations_and_views"),
+                        decomposition_table=table)(*fakes)
+    inputs = [m for m in graph.graph.nodes if m.op == "placeholder"]
+    mutated = set()
+    for m in graph.graph.nodes:
+        if m.op == "call_function" and m.target is torch.ops.aten.copy_.default and m.args[0] in inputs:
+            mutated.add(inputs.index(m.args[0]))  # functionalization writes the new value back
+        elif m.op == "call_function" and isinstance(m.target, torch._ops.OpOverload) and m.target._schema.is_mutable:
+            raise NotNodeLocal(f"{n.format_node()} mutates through {m.target}")
+    return _NodeTrace(graph=graph, spec=holder["spec"], values=holder["values"], mutated=frozenset(mutated))
+
+
+def decompose_by_node(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> ShadowGraph:
+    """Build the shadow graph by decomposing each Dynamo node on its own and copying the result.
+
+    Each node's decomposition depends only on its target, its constants and its inputs' metadata
+    (shape, stride, dtype, device, requires_grad, aliasing among its arguments), so nodes with equal
+    keys share one trace: the cost is one trace per *distinct* node plus a copy per node. A node
+    that writes one of its inputs in place (``add_``, ``index_copy_``) is traced functionally and
+    its edge into that input is recorded in ``inplace_edges``: the solver may not redistribute it,
+    so the local write lands in the very tensor later readers of that value see, with the
+    placement they expect. A node that mutates otherwise, or changes global state, raises
+    :class:`NotNodeLocal` and :func:`decompose` falls back to the whole-graph trace."""
+    return _NodeByNode(gm, example_inputs).build()
+
+
+class _NodeByNode:
+    """The state of :func:`decompose_by_node`: the ATen graph being built, the traces by key, and
+    the value of every Dynamo node seen so far (tensors as :class:`_Ref`)."""
+
+    def __init__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> None:
+        self.fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
+        self.table = decomposition_table()
+        self.memo: dict[tuple, _NodeTrace] = {}
+        self.graph = torch.fx.Graph()
+        self.root = torch.nn.Module()
+        self.constants = itertools.count()
+        self.env: dict[torch.fx.Node, Any] = {}
+        self.shadow = ShadowGraph(dynamo=gm, aten=None, dynamo_nodes=list(gm.graph.nodes),  # type: ignore[arg-type]
+                                  example_inputs=list(example_inputs))
+
+    def build(self) -> ShadowGraph:
+        shadow = self.shadow
+        for dst, n in enumerate(shadow.dynamo_nodes):
+            if n.op == "placeholder":
+                x = shadow.example_inputs[len(shadow.placeholders)]
+                ph = self.graph.placeholder(n.name)
+                ph.meta["stack_trace"] = n.meta.get("stack_trace")
+                shadow.placeholders.append((ph, n))
+                self.env[n] = _produced(ph, self.fake_mode.from_tensor(x)) if isinstance(x, Tensor) else _concrete(x)
+                continue
+            if n.op not in ("call_function", "call_method", "output"):
+                raise NotNodeLocal(f"{n.op} node {n.name}")
+            if n.op == "call_function" and any(name in str(getattr(n.target, "__name__", n.target))
+                                               for name in _GLOBAL_STATE):
+                raise NotNodeLocal(f"{n.name} changes global state")
+            args, kwargs = self.bracket_inputs(n, dst)
+            if n.op == "output":
+                flat_out, spec_out = pytree.tree_flatten(args[0])
+                self.graph.output(pytree.tree_unflatten(
+                    [v.node if isinstance(v, _Ref) else v for v in flat_out], spec_out))
+                break
+            flat, spec = pytree.tree_flatten((args, kwargs))
+            if not any(isinstance(v, _Ref) for v in flat) and not _makes_tensor(n):
+                self.env[n] = _call(n, args, kwargs)  # Python arithmetic on sizes, getattr on a tuple, ...
+                continue
+            key = _node_key(n, flat, spec)
+            traced = self.memo.get(key) if key is not None else None
+            if traced is None:
+                traced = _trace_node(n, flat, spec, self.fake_mode, self.table)
+                if key is not None:
+                    self.memo[key] = traced
+            self.env[n] = self.copy_trace(n, dst, traced, [v.node for v in flat if isinstance(v, _Ref)])
+        shadow.aten = torch.fx.GraphModule(self.root, self.graph)
+        return shadow
+
+    def bracket_inputs(self, n: torch.fx.Node, dst: int) -> tuple[Any, Any]:
+        """``n``'s arguments with an edge on every tensor leaf of every Node argument (map_arg order)."""
+        leaf_counter = itertools.count()
+
+        def fetch(m: torch.fx.Node) -> Any:
+            leaf = next(leaf_counter)
+            flat_in, spec_in = pytree.tree_flatten(self.env[m])
+            out = []
+            for sub, v in enumerate(flat_in):
+                if isinstance(v, _Ref):
+                    e = self.graph.call_function(EDGE, (v.node, dst, leaf, sub))
+                    self.shadow.edges[(dst, leaf, sub)] = e
+                    self.shadow.owner[e] = dst
+                    v = _produced(e, v.val)
+                out.append(v)
+            return pytree.tree_unflatten(out, spec_in)
+
+        return torch.fx.node.map_arg(n.args, fetch), torch.fx.node.map_arg(n.kwargs, fetch)
+
+    def copy_trace(self, n: torch.fx.Node, dst: int, traced: _NodeTrace, edges: list[torch.fx.Node]) -> Any:
+        """Copy ``traced`` into the graph with its inputs bound to ``edges``; mark every tensor
+        output; return the node's value."""
+        self.shadow.inplace_edges.update(edges[k] for k in traced.mutated)
+        inputs = iter(edges)
+        mapping: dict[torch.fx.Node, torch.fx.Node] = {}
+        outputs: list[torch.fx.Node] = []
+        stack = n.meta.get("stack_trace")
+        for m in traced.graph.graph.nodes:
+            if m.op == "placeholder":
+                mapping[m] = next(inputs)
+            elif m.op == "output":
+                outputs = list(m.args[0])
+            elif m.target is torch.ops.aten.copy_.default and m.args[0].op == "placeholder":
+                continue  # an in-place write-back: the edge is pinned instead (see inplace_edges)
+            elif m.op == "get_attr":
+                name = f"_constant{next(self.constants)}"
+                setattr(self.root, name, getattr(traced.graph, m.target))
+                mapping[m] = self.graph.get_attr(name)
+                mapping[m].meta = dict(m.meta)
+            else:
+                copy = self.graph.node_copy(m, mapping.__getitem__)
+                copy.meta = {"val": m.meta.get("val"), "stack_trace": stack}
+                self.shadow.owner[copy] = dst
+                mapping[m] = copy
+        result, k = [], 0
+        for sub, v in enumerate(traced.values):
+            if v is None:
+                src = outputs[k]
+                k += 1
+                mk = self.graph.call_function(MARK, (mapping[src], dst, sub))
+                self.shadow.marks[(dst, sub)] = mk
+                self.shadow.owner[mk] = dst
+                mk.meta["stack_trace"] = stack
+                v = _produced(mk, mapping[src].meta["val"] if src.op == "placeholder" else src.meta["val"])
+            result.append(v)
+        return pytree.tree_unflatten(result, traced.spec)
+
+
+def _produced(node: torch.fx.Node, val: Tensor) -> _Ref:
+    node.meta["val"] = val
+    return _Ref(node, val)
+
+
+def _makes_tensor(n: torch.fx.Node) -> bool:
+    value = n.meta.get("example_value")
+    flat, _ = pytree.tree_flatten(value)
+    return any(isinstance(v, Tensor) for v in flat)
 
 
 def _concrete(x: Any) -> Any:

@@ -13,7 +13,7 @@ import re
 import torch
 import torch.fx
 
-from autotp.context import TPContext, meta_of
+from autotp.context import TPContext, attach_meta, meta_of
 from autotp.passes.annotate import Annotation
 from autotp.passes.rewrite import LocalParam
 from autotp.placement import Shard
@@ -40,6 +40,7 @@ def materialize(annotation: Annotation, param_inputs: dict[torch.fx.Node, torch.
             else:
                 local = meta.shard_from(value.detach(), rank, world)
             meta.local = torch.nn.Parameter(local, requires_grad=value.requires_grad)
+            attach_meta(meta.local, meta)  # the shard knows its placement (gathering grads, checkpoints)
         start = 0
         if isinstance(meta.placement, Shard) and meta.placement.dim == 0:
             start = (meta.index_range(rank, world) or (0, 0))[0]

@@ -3,6 +3,7 @@ failing pass (and the ones that ran before it) when something breaks inside auto
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -16,8 +17,11 @@ class PassRunner:
     def __init__(self, debug_folder: Path | None = None) -> None:
         self.done: list[str] = []
         self.debug_folder = debug_folder
+        #: wall seconds per pass name (summed if a pass runs twice)
+        self.timings: dict[str, float] = {}
 
     def run(self, name: str, fn: Callable[..., Any], *args: Any, lint: torch.fx.GraphModule | None = None) -> Any:
+        start = time.perf_counter()
         try:
             result = fn(*args)
             if lint is not None:
@@ -30,4 +34,5 @@ class PassRunner:
                 f"{type(e).__name__}: {e}"
             ) from e
         self.done.append(name)
+        self.timings[name] = self.timings.get(name, 0.0) + time.perf_counter() - start
         return result

@@ -11,9 +11,10 @@
   identity-forward / all-reduce-backward ``Redistribute(R, R)`` when it requires grad, because its
   gradient from that consumer is a partial sum.
 * Local rewrites named by the solver: ``shape`` divides the constant size on the sharded dim of
-  view / reshape / expand calls; ``vocab_parallel`` swaps ``F.embedding`` for
-  :class:`~autotp.layers.VocabParallelEmbedding`. A local rewrite autotp cannot apply to a node is
-  an error, never silently skipped.
+  view / reshape / expand calls (or a runtime size tuple, by a node that divides it);
+  ``vocab_parallel`` swaps ``F.embedding`` for :class:`~autotp.layers.VocabParallelEmbedding`;
+  ``replicated_share`` divides the Replicate summands of an add / bias whose result is Partial by
+  N; ``split_sizes`` / ``slice_bounds`` cut a fused (strided) shard into its segments locally. A local rewrite autotp cannot apply to a node is an error, never silently skipped.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ import torch.nn.functional as F
 from autotp.collectives import Comm, kind_of
 from autotp.errors import PassError
 from autotp.layers import Redistribute, VocabParallelEmbedding
+from autotp.ops.elementwise import REPLICATED_SHARE
+from autotp.ops.indexing import SLICE_BOUNDS, SPLIT_SIZES, localize_bounds
 from autotp.ops.shape import localize_sizes
 from autotp.passes.annotate import Annotation
 from autotp.placement import Replicate, Shard
@@ -133,6 +136,18 @@ def rewrite(gm: torch.fx.GraphModule, annotation: Annotation, params: dict[torch
         if _globalize_size_query(n, plan, comm.world_size):
             report.local_rewrites["global_size"] += 1
         for tag in sorted(plan.local):
+            if tag == REPLICATED_SHARE:
+                _share_replicated_terms(n, plan, comm.world_size)
+                report.local_rewrites[tag] += 1
+                continue
+            if tag == SPLIT_SIZES:
+                _localize_split(n, comm.world_size)
+                report.local_rewrites[tag] += 1
+                continue
+            if tag == SLICE_BOUNDS:
+                _localize_segment_slice(n, plan, comm.world_size)
+                report.local_rewrites[tag] += 1
+                continue
             _apply_local(gm, n, tag, plan.output(), params, attr_nodes, comm, report)
 
     for ph in params:
@@ -205,10 +220,119 @@ def _apply_local(gm: torch.fx.GraphModule, n: torch.fx.Node, tag: str, out: Any,
     raise PassError(f"unknown local rewrite {tag!r} requested for node {n.name}")
 
 
+#: Dynamo targets whose tensor arguments are all plain summands of the result
+ADD_LIKE_FUNCTIONS = {operator.add, operator.sub, operator.iadd, operator.isub, torch.add, torch.sub,
+                      torch.Tensor.add, torch.Tensor.sub}
+ADD_LIKE_METHODS = {"add", "sub", "add_", "sub_", "__add__", "__radd__", "__sub__", "__rsub__", "__iadd__",
+                    "__isub__"}
+#: Dynamo targets with one additive argument (position, keyword): a bias
+BIAS_ARGUMENT: dict[Any, tuple[int, str]] = {
+    F.linear: (2, "bias"), torch._C._nn.linear: (2, "bias"), torch.addmm: (0, "input"),
+    torch.baddbmm: (0, "input"), torch.Tensor.addmm: (0, "self"), "addmm": (0, "self"), "baddbmm": (0, "self"),
+}
+
+
+def _share_replicated_terms(n: torch.fx.Node, plan: Any, world_size: int) -> None:
+    """Local rewrite ``replicated_share`` (``autotp/ops/elementwise.py``): the node's result is
+    Partial, so each Replicate summand (a residual added to a row-parallel result, the bias of a
+    row-parallel layer) is divided by N on every rank; the ranks' results then sum to the true one."""
+    if n.op == "call_function" and n.target in ADD_LIKE_FUNCTIONS or n.op == "call_method" and n.target in ADD_LIKE_METHODS:
+        additive = None  # every argument
+    elif n.target in BIAS_ARGUMENT and n.op in ("call_function", "call_method"):
+        additive = set(BIAS_ARGUMENT[n.target])
+    else:
+        raise PassError(f"node {n.name} ({n.target}) needs its Replicate summands divided by the world size "
+                        "(replicated_share), but autotp only knows the summands of add/sub, linear and addmm")
+    counter = itertools.count()
+    graph = n.graph
+
+    def visit(position: int | str) -> Any:
+        def swap(m: torch.fx.Node) -> Any:
+            edge = plan.edges.get((next(counter), 0))
+            if (additive is None or position in additive) and edge is not None and isinstance(edge.dst, Replicate):
+                with graph.inserting_before(n):
+                    return graph.call_function(operator.truediv, (m, world_size))  # this rank's share
+            return m
+        return swap
+
+    n.args = tuple(torch.fx.node.map_arg(a, visit(i)) for i, a in enumerate(n.args))
+    n.kwargs = {k: torch.fx.node.map_arg(v, visit(k)) for k, v in n.kwargs.items()}
+
+
+SPLIT_FUNCTIONS = {torch.split, torch.functional.split, torch.Tensor.split, torch.Tensor.split_with_sizes}
+CHUNK_LIKE = {torch.chunk, torch.Tensor.chunk, "chunk"}
+
+
+def _localize_split(n: torch.fx.Node, world_size: int) -> None:
+    """Local rewrite ``split_sizes``: a fused shard split into its segments; each rank splits its
+    own chunks, so the piece sizes are divided by N (``chunk(k)`` keeps its count)."""
+    if n.target in CHUNK_LIKE:
+        return
+    if not (n.op == "call_method" and n.target in ("split", "split_with_sizes")
+            or n.op == "call_function" and n.target in SPLIT_FUNCTIONS):
+        raise PassError(f"node {n.name} ({n.target}) splits a fused shard, but autotp only knows how to "
+                        "divide the sizes of split / split_with_sizes / chunk")
+    args, kwargs = list(n.args), dict(n.kwargs)
+    key = next((k for k in ("split_size_or_sections", "split_size", "split_sizes") if k in kwargs), None)
+    sizes = args[1] if key is None else kwargs[key]
+    if isinstance(sizes, torch.fx.Node):
+        with n.graph.inserting_before(n):
+            sizes = n.graph.call_function(_divide_sizes, (sizes, world_size))
+    else:
+        sizes = _divide_sizes(sizes, world_size)
+    if key is None:
+        args[1] = sizes
+    else:
+        kwargs[key] = sizes
+    n.args, n.kwargs = tuple(args), kwargs
+
+
+def _divide_sizes(sizes: Any, world_size: int) -> Any:
+    """A split size (int) or list of sizes, divided by N."""
+    return sizes // world_size if isinstance(sizes, int) else [s // world_size for s in sizes]
+
+
+def _localize_segment_slice(n: torch.fx.Node, plan: Any, world_size: int) -> None:
+    """Local rewrite ``slice_bounds``: ``x[..., a:b]`` takes one segment of a fused shard; each rank
+    takes its chunk of it, at bounds divided by N."""
+    edge = plan.edges.get((0, 0))
+    value = n.args[0].meta.get("example_value") if n.args and isinstance(n.args[0], torch.fx.Node) else None
+    if not (n.op == "call_function" and n.target is operator.getitem and isinstance(edge.dst if edge else None, Shard)
+            and isinstance(value, torch.Tensor)):
+        raise PassError(f"node {n.name} ({n.target}) slices a fused shard, but autotp only knows how to "
+                        "rewrite the bounds of x[..., a:b]")
+    dim, ndim = edge.dst.dim, value.dim()
+    index = n.args[1]
+    items = list(index) if isinstance(index, tuple) else [index]
+    consuming = sum(1 for it in items if it is not None and it is not Ellipsis)
+    d = 0
+    for i, it in enumerate(items):
+        if it is None:
+            continue
+        if it is Ellipsis:
+            d += ndim - consuming
+            continue
+        if d == dim:
+            if not isinstance(it, slice) or not all(isinstance(b, (int, type(None))) for b in (it.start, it.stop)):
+                raise PassError(f"node {n.name}: the fused dim {dim} is indexed by {it!r}, not a constant slice")
+            start, stop = localize_bounds(it.start, it.stop, int(value.shape[dim]), world_size)
+            items[i] = slice(start, stop, it.step)
+            n.args = (n.args[0], tuple(items) if isinstance(index, tuple) else items[0])
+            return
+        d += 1
+    raise PassError(f"node {n.name}: could not find the fused dim {dim} in the index {index!r}")
+
+
 def _localize_shape_args(n: torch.fx.Node, out: Shard, world_size: int) -> None:
     """Divide the size on the output's sharded dim: constants directly, a symbolic size (a Node
     computed from global sizes, see :func:`_globalize_size_query`) by a floordiv node."""
     args = list(n.args)
+    if len(args) == 2 and isinstance(args[1], torch.fx.Node):
+        # the whole size is one runtime value (``x.view(x.size()[:-1] + (nf,))``): divide it at run time
+        with n.graph.inserting_before(n):
+            args[1] = n.graph.call_function(_divide_size_at, (args[1], out.dim, world_size))
+        n.args = tuple(args)
+        return
     packed = n.target in ("new_empty", "new_zeros", "new_ones") or (
         len(args) == 2 and isinstance(args[1], (tuple, list, torch.Size)))
     sizes = list(args[1]) if packed else args[1:]
@@ -222,6 +346,12 @@ def _localize_shape_args(n: torch.fx.Node, out: Shard, world_size: int) -> None:
     else:
         args[1:] = sizes
     n.args = tuple(args)
+
+
+def _divide_size_at(sizes: Any, dim: int, world_size: int) -> tuple:
+    """A size list computed at run time (in global sizes), with the size at ``dim`` divided by N
+    (``-1`` stays ``-1``)."""
+    return tuple(localize_sizes(list(sizes), Shard(dim), world_size))
 
 
 def _global_size(size: torch.Size, dim: int, world_size: int) -> torch.Size:

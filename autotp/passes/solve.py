@@ -8,7 +8,10 @@ Constraints: each op node's placement is one of the candidates its rule returns 
 placements (no rule: every input must be ``R`` and the output is ``R`` — the op is replicated, and
 the trace says so); marks copy their input; edges (tensors crossing a Dynamo-node boundary) may
 change placement by a collective, except that a parameter is never redistributed (an edge from a
-parameter keeps its storage placement) and graph outputs must be ``R``. A value that several edges
+parameter keeps its storage placement), nor is a value its consumer writes in place
+(``ShadowGraph.inplace_edges``) and graph outputs must be ``R`` — unless
+``SolverOptions.sharded_outputs``, where an output may also stay ``Shard`` at no cost (the caller
+keeps KV caches sharded and gathers what the user reads, paying the same gather there). A value that several edges
 redistribute the same way pays for the collective once (the rewrite shares it).
 Objective: ``sum(comm_bytes(edge) + latency) / tokens + memory_weight * sum(replicated parameter
 bytes * (N-1)/N)``, with ring-model bytes from ``collectives.cost_bytes``. Communication is
@@ -59,7 +62,7 @@ from autotp.collectives import cost_bytes, kind_of
 from autotp.errors import SolverError
 from autotp.ops.registry import Candidate, OpCall, TensorSpec, lookup
 from autotp.passes.decompose import EDGE, MARK, ShadowGraph
-from autotp.placement import Partial, Placement, R, Replicate, Shard, shard_candidates
+from autotp.placement import Partial, Placement, R, Replicate, Shard, StridedShard, shard_candidates
 
 LATENCY_BYTES = 4096.0  # one collective's fixed cost, in byte-equivalents
 NARROW_EPSILON = 1e-6  # a collective-free R->S edge is preferred only when it is needed
@@ -71,6 +74,8 @@ class SolverOptions:
     tokens: int = 1
     memory_weight: float = 1.0
     beam_width: int = 32
+    #: graph outputs may keep a Shard placement (KV caches stay sharded); otherwise they must be R
+    sharded_outputs: bool = False
 
 
 @dataclass
@@ -159,6 +164,8 @@ def _tensor_input_nodes(n: torch.fx.Node) -> list[torch.fx.Node]:
 def edge_targets(p: Placement, spec: TensorSpec, world_size: int) -> list[Placement]:
     """Placements an edge may move a tensor to from ``p`` (identity first)."""
     out: list[Placement] = [p]
+    if isinstance(p, StridedShard):  # a fused layout is consumed in place, never redistributed
+        return out
     floating = spec.dtype.is_floating_point or spec.dtype.is_complex
     if isinstance(p, Partial):
         out.append(R)
@@ -241,6 +248,7 @@ def solve(shadow: ShadowGraph, opts: SolverOptions, fixed: dict[torch.fx.Node, P
     fixed_idx = {index[n]: p for n, p in fixed.items()}
     free_idx = {index[n]: c for n, c in free_params.items()}
     param_idx = {index[n] for n in param_nodes} | set(free_idx)
+    pinned_edges = {index[n] for n in shadow.inplace_edges}
     for n in nodes:
         if n.op in ("placeholder", "get_attr") and index[n] not in fixed_idx and index[n] not in free_idx:
             fixed_idx[index[n]] = R
@@ -248,7 +256,7 @@ def solve(shadow: ShadowGraph, opts: SolverOptions, fixed: dict[torch.fx.Node, P
     width = opts.beam_width
     while True:  # a beam can lose every feasible plan; widen it before giving up
         search = _Search(steps, position, last_use, fixed_idx, free_idx, param_idx,
-                         dataclasses.replace(opts, beam_width=width), trace)
+                         dataclasses.replace(opts, beam_width=width), trace, pinned_edges)
         try:
             states = search.run()
             break
@@ -313,8 +321,9 @@ class _Search:
 
     def __init__(self, steps: list[_Step], position: dict[int, int], last_use: dict[int, int],
                  fixed: dict[int, Placement], free: dict[int, ParamChoice], params: set[int],
-                 opts: SolverOptions, trace: SolveTrace) -> None:
+                 opts: SolverOptions, trace: SolveTrace, pinned_edges: set[int] = frozenset()) -> None:
         self.steps, self.position, self.last_use = steps, position, last_use
+        self.pinned_edges = pinned_edges  # edges into in-place writes: never redistributed
         self.fixed, self.free, self.params, self.opts, self.trace = fixed, free, params, opts, trace
         self.spec_of = {s.index: s.spec for s in steps}
         self.producer = {s.index: s.inputs[0] for s in steps if s.kind == "edge" and s.inputs}
@@ -382,7 +391,8 @@ class _Search:
                     externals.append(j)
                 refs.append(("e", externals.index(j), j in self.params, repr(self.free[j].options) if j in self.free
                              else None, repr(self.fixed.get(j)), self.relative_use(j, k0, k1)))
-            body = (step.kind, str(step.node.target), repr(step.spec), step.is_output_edge)
+            body = (step.kind, str(step.node.target), repr(step.spec), step.is_output_edge,
+                    step.index in self.pinned_edges)
             if step.kind == "op":
                 body += (repr(step.opcall.args), repr(step.opcall.kwargs))
             elif step.kind == "getitem":
@@ -534,11 +544,18 @@ class _Search:
                 return [_Option(src)]
             return [_Option(p, mem=m, param=(src_idx, p)) for p, m in self.free[src_idx].options
                     if not (step.is_output_edge and p != R)]
+        if step.index in self.pinned_edges:
+            return [_Option(src)]
         paid = frozenset(q for (m, q) in ready if m == src_idx)
         if step.is_output_edge:
             if step.spec is None:
                 return [_Option(src)]
-            return [_Option(R, cost=0.0 if R in paid else edge_cost(src, R, step.spec, self.opts))]
+            if isinstance(src, StridedShard):
+                return []  # a fused layout cannot be gathered in order
+            gathered = _Option(R, cost=0.0 if R in paid else edge_cost(src, R, step.spec, self.opts))
+            if self.opts.sharded_outputs and isinstance(src, Shard):
+                return [_Option(src), gathered]
+            return [gathered]
         if step.spec is None or not self.alive_after(step.index, here):
             return [_Option(src)]
         return [_Option(Pending(src, paid))]

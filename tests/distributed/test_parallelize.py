@@ -94,8 +94,10 @@ def test_llama_plan_is_megatron_with_two_all_reduces_per_block(tmp_path: Path) -
         assert styles[block + "input_layernorm.weight"] == "replicate"
     assert styles["model.embed_tokens.weight"] == "vocab"
     assert styles["lm_head.weight"] == "colwise"
-    # 2 all-reduces per decoder block + 1 for the vocab-parallel embedding; one gather of logits
-    assert plan["collectives"] == {"all_gather": 1, "all_reduce": 2 * 3 + 1}
+    # 2 all-reduces per decoder block + 1 for the vocab-parallel embedding; the logits leave the
+    # graph sharded and are gathered once at the model boundary
+    assert plan["collectives"] == {"all_reduce": 2 * 3 + 1}
+    assert plan["sharded_outputs"] == 1
     on_disk = json.loads((trace / "rank0" / "graph000" / "plan.json").read_text())
     assert on_disk == plan
     for name in ("dynamo_graph.py", "aten_graph.py", "decisions.jsonl", "backtracks.json", "rewritten_graph.py"):

@@ -438,6 +438,8 @@ compute(aten._scaled_dot_product_flash_attention_for_cpu.default, _q, _k, _v, 0.
 compute(aten._scaled_dot_product_flash_attention_for_cpu.default, f(2, 6, 5, 4), f(2, 3, 7, 4),
         f(2, 3, 7, 4), 0.0, False, attn_mask=f(5, 7))  # GQA 6/3 heads; 2-D mask
 compute(aten._scaled_dot_product_attention_math.default, _q, _k, _v, f(1, 6, 5, 5))
+compute(aten.scaled_dot_product_attention.default, f(2, 6, 5, 4), f(2, 1, 5, 4), f(2, 1, 5, 4),
+        is_causal=True, enable_gqa=True)  # multi-query: one kv head, Replicate on every rank
 
 # --- creation and random ------------------------------------------------------------------------
 sample(aten.arange.start_step, 0, 6, 2)
@@ -658,7 +660,7 @@ def test_every_registered_rule_has_a_ground_truth_sample() -> None:
 
 
 def test_local_rewrites_named_by_rules_are_registered() -> None:
-    for name in ("shape", "vocab_parallel"):
+    for name in ("shape", "vocab_parallel", "replicated_share"):
         assert callable(registry.local_impl(name))
 
 
@@ -708,7 +710,6 @@ def test_the_rules_find_the_tensor_parallel_layouts() -> None:
 @pytest.mark.parametrize(("target", "args", "placements", "kwargs"), [
     (aten._softmax.default, (f(6, 4), -1, False), [Shard(1)], {}),
     (aten._softmax.default, (f(6, 4), 0, False), [P], {}),
-    (aten.add.Tensor, (f(6, 4), f(6, 4)), [P, R], {}),
     (aten.add.Tensor, (f(6, 4), 1e-6), [P], {}),
     (aten.add.Tensor, (f(6, 4), f(4)), [Shard(1), R], {}),
     (aten.mul.Tensor, (f(6, 4), f(6, 4)), [P, P], {}),
@@ -723,7 +724,6 @@ def test_the_rules_find_the_tensor_parallel_layouts() -> None:
     (aten._to_copy.default, (f(6, 4),), [P], {"dtype": torch.int64}),
     (aten.mm.default, (f(6, 12), f(12, 10)), [R, Shard(0)], {}),
     (aten.mm.default, (f(6, 12), f(12, 10)), [Shard(0), Shard(1)], {}),
-    (aten.addmm.default, (f(10), f(6, 12), f(12, 10)), [R, Shard(1), Shard(0)], {}),
     (aten.addmm.default, (f(10), f(6, 12), f(12, 10)), [R, R, Shard(1)], {}),
     (aten.view.default, (f(2, 6, 12), [2, 6, 3, 4]), [Shard(2)], {}),
     (aten.view.default, (f(2, 6, 12), [12, 12]), [Shard(1)], {}),
@@ -808,3 +808,124 @@ def test_vocab_parallel_embedding_adds_up_and_remaps_the_padding_row() -> None:
     torch.nn.functional.embedding(ids, ref, padding_idx=5).sum().backward()
     torch.testing.assert_close(w.grad, ref.grad, rtol=0, atol=0)
     assert math.isclose(float(w.grad[5].abs().sum()), 0.0)
+
+
+def test_a_replicated_summand_of_a_partial_is_shared_out_one_nth_per_rank() -> None:
+    # row-parallel layer with a bias, residual added to a row-parallel result: P + R stays P
+    share = "replicated_share"
+    assert outputs(ask(aten.add.Tensor, (f(6, 4), f(6, 4)), [P, R])) == [(P, share)]
+    assert outputs(ask(aten.sub.Tensor, (f(6, 4), f(4)), [R, P])) == [(P, share)]
+    assert outputs(ask(aten.addmm.default, (f(10), f(6, 12), f(12, 10)), [R, Shard(1), Shard(0)])) == [(P, share)]
+    assert outputs(ask(aten.linear.default, (f(2, 6, 12), f(10, 12), f(10)), [Shard(2), Shard(1), R])) == [(P, share)]
+    # a Replicate factor of the product is not a summand: addmm(R, P, R) shares only the bias
+    assert outputs(ask(aten.addmm.default, (f(10), f(6, 12), f(12, 10)), [R, P, R])) == [(P, share)]
+    # exactness: over 2 and 4 ranks R / N is exact, so the only error is the reordered sum (fp32)
+    bias, a, w = f(10), f(6, 12), f(12, 10)
+    for n in (2, 4):
+        impl = registry.local_impl(share)
+        outs = [impl(aten.addmm.default, (bias, xa, xw), {}, [R, Shard(1), Shard(0)], P, r, n)
+                for r, (xa, xw) in enumerate(zip(a.chunk(n, 1), w.chunk(n, 0), strict=True))]
+        torch.testing.assert_close(sum(outs), torch.addmm(bias, a, w), rtol=RTOL, atol=ATOL)
+
+
+# ---------------------------------------------------------------------------------------------
+# Fused projections: StridedShard (rank r holds chunk r of each segment)
+# ---------------------------------------------------------------------------------------------
+
+def strided_pieces(t: torch.Tensor, p: Any, world_size: int) -> list[torch.Tensor]:
+    """The N local tensors of ``t`` under a StridedShard ``p``."""
+    return [torch.cat([t.narrow(p.dim, a, b - a) for a, b in p.pieces(r, world_size)], p.dim)
+            for r in range(world_size)]
+
+
+def _simulate(target: Any, args: tuple, placements: list[Any], world_size: int) -> tuple[Any, list[Any]]:
+    """Ask the rule, then run its single candidate on every rank (strided inputs cut by
+    :func:`strided_pieces`, Shard by chunk, R whole); returns (candidate, per-rank outputs)."""
+    from autotp.placement import StridedShard
+
+    (cand,) = ask(target, args, placements, world_size)
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    per_rank = []
+    for r in range(world_size):
+        it = iter(placements)
+        local = []
+        for a in args:
+            if not isinstance(a, torch.Tensor):
+                local.append(a)
+                continue
+            p = next(it)
+            if isinstance(p, StridedShard):
+                local.append(strided_pieces(a, p, world_size)[r])
+            elif isinstance(p, Shard):
+                local.append(a.chunk(world_size, p.dim)[r])
+            else:
+                local.append(a)
+        if cand.local is None:
+            per_rank.append(target(*local))
+        else:
+            per_rank.append(registry.local_impl(cand.local)(target, tuple(local), {}, placements, cand.output, r,
+                                                            world_size))
+    assert tensors
+    return cand, per_rank
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_a_fused_projection_sharded_strided_splits_into_plain_head_shards(world_size: int) -> None:
+    # GPT-2's c_attn: addmm(bias, x, W (in, q|k|v)) then split(64) along the fused dim
+    from autotp.placement import StridedShard
+
+    segs = (16, 8, 8)  # q | k | v of different sizes (GQA), each divisible by 2 and 4
+    bias, x, w = f(32), f(6, 12), f(12, 32)
+    cand, outs = _simulate(aten.addmm.default, (bias, x, w), [StridedShard(0, segs), R, StridedShard(1, segs)],
+                           world_size)
+    assert cand.output == StridedShard(1, segs) and cand.local is None
+    full = torch.addmm(bias, x, w)
+    # exact: each rank computes whole dot products for its own output columns
+    for r, o in enumerate(outs):
+        torch.testing.assert_close(o, strided_pieces(full, StridedShard(1, segs), world_size)[r], rtol=0, atol=0)
+    cand, pieces = _simulate(aten.split_with_sizes.default, (full, list(segs), 1), [StridedShard(1, segs)],
+                             world_size)
+    assert cand.output == (Shard(1),) * 3 and cand.local == "split_sizes"
+    for j, whole in enumerate(full.split(list(segs), 1)):
+        torch.testing.assert_close(torch.cat([p[j] for p in pieces], 1), whole, rtol=0, atol=0)
+    # Phi-3 cuts with slices instead: qkv[..., 16:24] is the k segment
+    cand, ks = _simulate(aten.slice.Tensor, (full, 1, 16, 24), [StridedShard(1, segs)], world_size)
+    assert cand.output == Shard(1) and cand.local == "slice_bounds"
+    torch.testing.assert_close(torch.cat(ks, 1), full[:, 16:24], rtol=0, atol=0)
+
+
+def test_a_fused_shard_survives_only_ops_that_keep_its_dim_whole() -> None:
+    from autotp.placement import StridedShard
+
+    fused = StridedShard(2, (8, 8, 8))
+    x = f(2, 3, 24)
+    assert outputs(ask(aten.view.default, (x, [6, 24]), [fused])) == [(StridedShard(1, (8, 8, 8)), "shape")]
+    assert outputs(ask(aten.gelu.default, (x,), [fused])) == [(fused, None)]
+    # splitting the fused dim into heads would mix q, k and v rows: rejected, with a reason
+    for target, args in ((aten.view.default, (x, [2, 3, 6, 4])), (aten.split.Tensor, (x, 12, 2)),
+                         (aten.slice.Tensor, (x, 2, 0, 12)), (aten._softmax.default, (x, 2, False)),
+                         (aten.cat.default, ([x, x], 0))):
+        placements = [fused] * (2 if target is aten.cat.default else 1)
+        cands = ask(target, args, placements)
+        assert cands == [] and cands.reason, f"{target} accepted a fused shard: {cands}"
+    # a fused shard never mixes with a plain one or another fusion
+    assert ask(aten.add.Tensor, (x, x), [fused, Shard(2)]) == []
+    assert ask(aten.add.Tensor, (x, x), [fused, StridedShard(2, (12, 12))]) == []
+
+
+def test_fused_segmentations_are_read_off_splits_and_tiling_slices() -> None:
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from autotp.ops.fused import fused_segmentations, strided_candidates
+    from autotp.placement import StridedShard
+
+    def program(qkv: torch.Tensor, gate_up: torch.Tensor) -> tuple:
+        q, k, v = qkv[..., :16], qkv[..., 16:24], qkv[..., 24:]
+        gate, up = gate_up.chunk(2, dim=-1)
+        return q, k, v, gate * up
+
+    gm = make_fx(program)(torch.randn(2, 32), torch.randn(2, 40))
+    found = fused_segmentations(gm.graph, 2)
+    assert found == {32: {(16, 8, 8)}, 40: {(20, 20)}}
+    assert fused_segmentations(gm.graph, 16) == {}  # 8 does not divide by 16
+    assert strided_candidates((32, 12), found) == [StridedShard(0, (16, 8, 8))]

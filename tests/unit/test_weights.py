@@ -145,17 +145,19 @@ def test_hub_download_fetches_small_files_then_exactly_the_indexed_shards(
     assert second["allow_patterns"] == [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
 
 
-def test_hub_repo_without_safetensors_suggests_a_conversion(tmp_path, llama_dir, monkeypatch):
+def test_hub_repo_without_loadable_weights_suggests_a_conversion(tmp_path, llama_dir, monkeypatch):
+    """A repo with neither safetensors nor pytorch_model*.bin (here a .pt file) gets the hint;
+    .bin-only repos load (tests/unit/test_bin_checkpoints.py)."""
     offline_hub(monkeypatch)
-    source = tmp_path / "bin_only"
+    source = tmp_path / "pt_only"
     source.mkdir()
     shutil.copy(llama_dir / "config.json", source / "config.json")
-    (source / "pytorch_model.bin").write_bytes(b"pickle")
-    make_hf_cache(tmp_path / "hub", "tiny-org/bin-only", source)
+    (source / "weights.pt").write_bytes(b"pickle")
+    make_hf_cache(tmp_path / "hub", "tiny-org/pt-only", source)
     with pytest.raises(
-        CheckpointError, match=r"no safetensors files in Hub repo 'tiny-org/bin-only'.*refs/pr/1"
+        CheckpointError, match=r"no safetensors files \(nor pytorch_model\*\.bin\) in Hub repo 'tiny-org/pt-only'.*refs/pr/1"
     ):
-        resolve_checkpoint("tiny-org/bin-only", cache_dir=tmp_path / "hub")
+        resolve_checkpoint("tiny-org/pt-only", cache_dir=tmp_path / "hub")
 
 
 def test_hub_id_missing_from_offline_cache_names_repo_and_fix(tmp_path, monkeypatch):
@@ -165,20 +167,25 @@ def test_hub_id_missing_from_offline_cache_names_repo_and_fix(tmp_path, monkeypa
 
 
 def test_local_folder_checks(tmp_path, llama_dir):
-    """A folder is returned as is; config-only folders need require_weights=False; .bin-only
-    folders get a conversion hint; non-existent paths are named."""
+    """A folder is returned as is; config-only folders need require_weights=False; folders with
+    only other formats (.pt) get a conversion hint; non-existent paths are named."""
     assert resolve_checkpoint(llama_dir) == llama_dir.resolve()
 
     config_only = tmp_path / "config_only"
     config_only.mkdir()
     shutil.copy(llama_dir / "config.json", config_only / "config.json")
     assert resolve_checkpoint(config_only, require_weights=False) == config_only.resolve()
-    with pytest.raises(CheckpointError, match="no safetensors files in folder .*require_weights=False"):
+    with pytest.raises(CheckpointError, match=r"no safetensors files \(nor pytorch_model\*\.bin\) in folder "
+                                              ".*require_weights=False"):
         resolve_checkpoint(config_only)
 
-    (config_only / "pytorch_model.bin").write_bytes(b"not really")
-    with pytest.raises(CheckpointError, match=r"pytorch_model\.bin.*save_pretrained"):
+    (config_only / "weights.pt").write_bytes(b"not really")
+    with pytest.raises(CheckpointError, match=r"weights\.pt instead.*save_pretrained"):
         resolve_checkpoint(os.fspath(config_only))
+    (config_only / "pytorch_model.bin").write_bytes(b"not really")
+    assert resolve_checkpoint(config_only) == config_only.resolve()  # .bin weights are loadable
+    with pytest.raises(CheckpointError, match=r"pytorch_model\.bin is not a readable PyTorch checkpoint"):
+        Checkpoint(config_only)
 
     with pytest.raises(CheckpointError, match="does not exist"):
         resolve_checkpoint(tmp_path / "nowhere")

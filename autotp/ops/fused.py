@@ -1,0 +1,96 @@
+"""Fused projections: which fused layouts (``StridedShard``) a parameter may be stored in.
+
+A fused projection (GPT-2's ``c_attn``, Phi-3's ``qkv_proj`` and ``gate_up_proj``) computes several
+logical outputs in one matmul and cuts them apart afterwards, by ``split`` / ``chunk`` or by slices
+along the output dim. A plain column split of its weight gives rank 0 all of q and part of k, so the
+cut would need the whole tensor. Stored *strided* — rank ``r`` holds chunk ``r`` of q, of k and of
+v — the cut is local: each rank cuts its own chunks with sizes divided by N.
+
+The solver cannot see that from the parameter alone (its frontier search runs forward), so the
+candidate layouts are read off the graph beforehand: every split and every set of slices that tiles
+a dim gives a *segmentation* (the piece sizes) for tensors whose dim has that size. A parameter dim
+of that size may then also be stored as ``StridedShard(dim, segments)``; the rules check that the
+fused layout reaches a split into exactly those segments (see ``autotp/ops/registry.py``:
+``strided=``), and the cost model chooses. Nothing here looks at names.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+import torch.fx
+
+from autotp.ops._common import aten_ops
+from autotp.placement import StridedShard, normalize_dim
+
+_SPLITS = set(aten_ops("split.Tensor", "split_copy.Tensor", "split_with_sizes.default",
+                       "split_with_sizes_copy.default"))
+_SLICES = set(aten_ops("slice.Tensor", "slice_copy.Tensor"))
+
+Segmentations = dict[int, set[tuple[int, ...]]]
+
+
+def _shape(node: object) -> tuple[int, ...] | None:
+    val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    if isinstance(val, torch.Tensor) and all(isinstance(s, int) for s in val.shape):
+        return tuple(int(s) for s in val.shape)
+    return None
+
+
+def _root(node: torch.fx.Node) -> torch.fx.Node:
+    """The value behind identity brackets (``autotp.edge``), so slices taken by different Dynamo
+    nodes of one tensor are grouped together."""
+    while node.op == "call_function" and "autotp" in str(node.target) and node.args \
+            and isinstance(node.args[0], torch.fx.Node):
+        node = node.args[0]
+    return node
+
+
+def fused_segmentations(graph: torch.fx.Graph, world_size: int) -> Segmentations:
+    """Dim size -> the segmentations (piece sizes, each divisible by ``world_size``) found in
+    ``graph``: ``split`` calls, and slices of one tensor along one dim that tile it exactly."""
+    found: Segmentations = defaultdict(set)
+    slices: dict[tuple[torch.fx.Node, int], set[tuple[int, int]]] = defaultdict(set)
+    for n in graph.nodes:
+        if n.op != "call_function" or not n.args or not isinstance(n.args[0], torch.fx.Node):
+            continue
+        shape = _shape(n.args[0])
+        if shape is None:
+            continue
+        if n.target in _SPLITS:
+            dim = normalize_dim(n.args[2] if len(n.args) > 2 else n.kwargs.get("dim", 0), len(shape))
+            size, sizes = shape[dim], n.args[1]
+            pieces = tuple(min(sizes, size - k) for k in range(0, size, sizes)) if isinstance(sizes, int) \
+                else tuple(sizes)
+            _add(found, size, pieces, world_size)
+        elif n.target in _SLICES:
+            dim = normalize_dim(n.args[1] if len(n.args) > 1 else 0, len(shape))
+            size = shape[dim]
+            start = n.args[2] if len(n.args) > 2 else None
+            end = n.args[3] if len(n.args) > 3 else None
+            step = n.args[4] if len(n.args) > 4 else 1
+            if step != 1 or not all(isinstance(b, (int, type(None))) for b in (start, end)):
+                continue
+            start = 0 if start is None else (start + size if start < 0 else start)
+            end = size if end is None else min(end + size if end < 0 else end, size)
+            if 0 <= start < end:
+                slices[(_root(n.args[0]), dim)].add((start, end))
+    for (node, dim), bounds in slices.items():
+        size = _shape(node)[dim] if _shape(node) else None
+        ordered = sorted(bounds)
+        if size is None or ordered[0][0] != 0 or ordered[-1][1] != size:
+            continue
+        if all(a[1] == b[0] for a, b in zip(ordered, ordered[1:], strict=False)):
+            _add(found, size, tuple(e - s for s, e in ordered), world_size)
+    return dict(found)
+
+
+def _add(found: Segmentations, size: int, pieces: tuple[int, ...], world_size: int) -> None:
+    if len(pieces) >= 2 and sum(pieces) == size and all(p > 0 and p % world_size == 0 for p in pieces):
+        found[size].add(pieces)
+
+
+def strided_candidates(shape: tuple[int, ...], segmentations: Segmentations) -> list[StridedShard]:
+    """The fused layouts a parameter of ``shape`` may be stored in (one per dim and segmentation)."""
+    return [StridedShard(d, segs) for d, size in enumerate(shape) for segs in sorted(segmentations.get(size, ()))]

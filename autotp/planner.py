@@ -1,0 +1,652 @@
+"""Plan a model without weights or ranks: the library behind ``autotp plan``.
+
+:func:`plan_model` builds the architecture from its config on the **meta** device (no weight is
+read; a folder holding only ``config.json`` is enough), gives every parameter a zero-memory
+global-shaped stand-in carrying its :class:`~autotp.weights.ParameterMeta` (as
+``parallelize_model`` does), and compiles ``forward`` with the real autotp backend over
+:meth:`Comm.simulated_group(tp) <autotp.collectives.Comm.simulated_group>`: the same decompose ->
+solve -> annotate -> materialize -> rewrite as on ``tp`` ranks, in one process. The rewritten graph
+runs on meta tensors; its collectives are counted exactly (count and payload bytes per rank) and
+return shape-correct stand-ins.
+
+Two calls, as in generation:
+
+1. **prefill**: ``input_ids`` of shape ``(B, S)`` and no KV cache. This graph fixes every
+   parameter's placement (the plan). The default shape ``(1, 2N+1)`` is ``parallelize_model``'s
+   warm-up, so the plan is the one ``parallelize_model`` would pick.
+2. **decode** (``decode=True``): one new token per sequence with a KV cache of ``S`` positions,
+   solved with every parameter pinned, as a real decode step is: the collectives per generated
+   token and the KV-cache bytes each rank holds. If it cannot be compiled, the report says why and
+   has forward numbers only.
+
+What the report holds beyond the plan: per-graph timings (Dynamo trace, decompose, solve, the
+rest), where each collective sits (the module whose output it redistributes, read off the
+solution's edges), the solver record of the prefill graph (:class:`autotp.backend.SolveRecord`),
+which :func:`explain` uses to say why a parameter got its placement by re-solving with that
+parameter pinned to each alternative, and :func:`to_tp_plan` for transformers' ``tp_plan``.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import re
+import time
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.fx
+
+from autotp.backend import SolveRecord, check_override_styles, compile_graph, matching_overrides
+from autotp.collectives import Comm, kind_of
+from autotp.config import AutoTPConfig, parse_dtype
+from autotp.context import TPContext, attach_meta, meta_of, standin
+from autotp.errors import AutoTPError, SolverError
+from autotp.passes.decompose import EDGE, MARK
+from autotp.passes.solve import ParamChoice, solve
+from autotp.placement import Placement, R, Shard, local_shape
+from autotp.plan import style_of
+
+__all__ = ["GraphReport", "PlanReport", "explain", "load_config", "plan_model", "to_tp_plan"]
+
+_LAYER = re.compile(r"\.(\d+)(?=\.)")
+
+
+# ---------------------------------------------------------------------------------------------
+# The report
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class GraphReport:
+    """One compiled graph: what it is, its collectives and where they sit, and its timings."""
+
+    name: str
+    input_shape: tuple[int, ...]
+    collectives: dict[str, int]
+    collective_bytes: dict[str, int]
+    #: one row per collective of the solution: kind, placements, the module whose output it moves
+    sites: list[dict[str, Any]]
+    timings: dict[str, float]
+    cost: float | None = None
+    extra_cost_of_overrides: float | None = None
+
+
+@dataclass
+class PlanReport:
+    """Everything ``autotp plan`` prints; :meth:`to_json` is the ``--json`` object."""
+
+    model: str
+    architecture: str
+    tp: int
+    dtype: str
+    batch: int
+    seq_len: int
+    num_layers: int | None
+    #: fqn -> style, placement, shard_dim, global_shape, global_numel, local_shape, bytes_per_rank
+    parameters: dict[str, dict[str, Any]]
+    param_bytes_per_rank: int
+    param_bytes_total: int
+    forward: GraphReport
+    decode: GraphReport | None
+    decode_note: str | None
+    kv_cache_bytes_per_rank: int | None
+    kv_cache_bytes_total: int | None
+    timings: dict[str, float]
+    tp_plan: dict[str, str]
+    overrides: dict[str, str] = field(default_factory=dict)
+    record: SolveRecord | None = field(default=None, repr=False)
+
+    @property
+    def collectives(self) -> dict[str, int]:
+        """Collectives of one forward (the prefill graph), by kind."""
+        return self.forward.collectives
+
+    def block_collectives(self, graph: str = "forward") -> dict[int, dict[str, int]]:
+        """Collectives per decoder block: layer index -> kind -> count, from the solution's sites
+        (a collective belongs to the block whose module produced the value it moves)."""
+        g = self.forward if graph == "forward" else self.decode
+        out: dict[int, Counter] = {}
+        for site in g.sites if g else []:
+            if site["layer"] is not None:
+                out.setdefault(site["layer"], Counter())[site["kind"]] += 1
+        return {k: dict(v) for k, v in sorted(out.items())}
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "model": self.model, "architecture": self.architecture, "tp": self.tp, "dtype": self.dtype,
+            "batch": self.batch, "seq_len": self.seq_len, "num_layers": self.num_layers,
+            "parameters": self.parameters,
+            "collectives": self.forward.collectives,
+            "collective_bytes_per_rank": self.forward.collective_bytes,
+            "collectives_per_token": self.decode.collectives if self.decode else None,
+            "collective_bytes_per_token_per_rank": self.decode.collective_bytes if self.decode else None,
+            "decode_note": self.decode_note,
+            "param_bytes_per_rank": self.param_bytes_per_rank,
+            "param_bytes_total": self.param_bytes_total,
+            "kv_cache_bytes_per_rank": self.kv_cache_bytes_per_rank,
+            "kv_cache_bytes_total": self.kv_cache_bytes_total,
+            "timings": self.timings,
+            "graphs": [asdict(g) for g in (self.forward, self.decode) if g is not None],
+            "overrides": self.overrides,
+            "tp_plan": self.tp_plan,
+        }
+
+
+# ---------------------------------------------------------------------------------------------
+# Config and model
+# ---------------------------------------------------------------------------------------------
+
+
+def load_config(model: Any, *, revision: str | None = None, cache_dir: str | os.PathLike | None = None,
+                local_files_only: bool = False, token: str | bool | None = None) -> Any:
+    """A transformers config from a config object, a folder (``config.json`` alone is enough) or a
+    Hub id (only ``config.json`` is fetched; weights never are)."""
+    from transformers import AutoConfig, PretrainedConfig
+
+    if isinstance(model, PretrainedConfig):
+        return model
+    from autotp.weights import _hub_error, _looks_like_path, resolve_checkpoint
+
+    text = os.fspath(model)
+    if Path(text).expanduser().is_dir() or isinstance(model, os.PathLike) or _looks_like_path(text):
+        folder = resolve_checkpoint(text, require_weights=False)
+        return AutoConfig.from_pretrained(folder)
+    from huggingface_hub import hf_hub_download
+
+    try:
+        path = hf_hub_download(text, "config.json", revision=revision, cache_dir=cache_dir, token=token,
+                               local_files_only=local_files_only)
+    except Exception as e:  # every Hub failure becomes one actionable error
+        raise _hub_error(text, revision, cache_dir, e) from e
+    return AutoConfig.from_pretrained(Path(path).parent)
+
+
+def _build(config: Any, dtype: torch.dtype | None) -> torch.nn.Module:
+    """The architecture on meta (buffers too: rotary tables are computed on meta, their values are
+    never needed), each parameter replaced by a meta stand-in carrying its ParameterMeta."""
+    from autotp.weights import ParameterMeta, build_meta_model, tied_groups
+
+    module = build_meta_model(config, dtype=dtype).to("meta")
+    groups = {fqn: tuple(g) for g in tied_groups(module) for fqn in g}
+    seen: dict[int, torch.nn.Parameter] = {}
+    for fqn, param in list(module.named_parameters(remove_duplicate=False)):
+        owner_name, _, name = fqn.rpartition(".")
+        owner = module.get_submodule(owner_name) if owner_name else module
+        if id(param) not in seen:
+            stand = standin(tuple(param.shape), param.dtype, "meta", False)
+            attach_meta(stand, ParameterMeta(fqn=fqn, global_shape=tuple(param.shape), dtype=param.dtype,
+                                             tied=groups.get(fqn, (fqn,))))
+            seen[id(param)] = stand
+        owner._parameters[name] = seen[id(param)]
+    return module.eval()
+
+
+def _decode_cache(config: Any, module: torch.nn.Module, batch: int, length: int) -> Any:
+    """A DynamicCache holding ``length`` positions per layer, on meta."""
+    from transformers import DynamicCache
+
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = text.num_attention_heads
+    kv = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    dtype = next(module.parameters()).dtype
+    cache = DynamicCache(config=config)
+    for i in range(text.num_hidden_layers):
+        k = torch.zeros(batch, kv, length, head_dim, dtype=dtype, device="meta")  # (B, KV, S, D)
+        cache.update(k, k.clone(), i)
+    return cache
+
+
+# ---------------------------------------------------------------------------------------------
+# Planning
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Compiled:
+    """What the recording backend saw of one graph."""
+
+    gm: torch.fx.GraphModule
+    example_inputs: list[Any]
+    backend_s: float
+    backend_cpu_s: float
+
+
+def _module_path(node: torch.fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return node.name
+    path = list(stack.values())[-1][0]
+    if not isinstance(path, str):
+        return node.name
+    path = re.sub(r"^[A-Z]\['[^']*'\]\.?", "", path)  # L['self'].model.layers.0.mlp -> model.layers.0.mlp
+    return re.sub(r"\._(?:modules|parameters)\['([^']+)'\]|\[(\d+)\]", lambda m: "." + (m.group(1) or m.group(2)), path)
+
+
+def _origin(node: torch.fx.Node, placement: Any, placements: dict) -> torch.fx.Node:
+    """Walk back from ``node`` through values that already had ``placement`` to the op that
+    created it (a partial sum is born in a matmul, and may pass through copies and casts before
+    the solver reduces it)."""
+    seen = {node}
+    while True:
+        prev = next((a for a in node.all_input_nodes if placements.get(a) == placement and a not in seen), None)
+        if prev is None:
+            return node
+        seen.add(prev)
+        node = prev
+
+
+def _sites(record: SolveRecord) -> list[dict[str, Any]]:
+    """The collectives of a solution: each edge whose placement differs from its producer's by a
+    collective, shared redistributions once (the rewrite shares them). ``after`` is the module
+    whose output the collective moves (where it sits); ``origin`` the module whose op created the
+    moved placement (``layer`` is read off it: a partial sum born in block 3 belongs to block 3
+    even when the solver reduces it inside block 4's norm)."""
+    shadow, placements = record.shadow, record.solution.placements
+    dyn = shadow.dynamo_nodes
+    seen: set[tuple[torch.fx.Node, str]] = set()
+    out: list[dict[str, Any]] = []
+
+    def module_of(n: torch.fx.Node) -> str:
+        return _module_path(dyn[shadow.owner[n]]) if n in shadow.owner else n.name
+
+    for n in shadow.aten.graph.nodes:
+        if n.target is not EDGE or not isinstance(n.args[0], torch.fx.Node):
+            continue
+        src_node = n.args[0]
+        src, dst = placements.get(src_node), placements.get(n)
+        if src is None or dst is None or src == dst or not isinstance(src, Placement):
+            continue
+        kind = kind_of(src, dst)
+        if kind is None or (src_node, str(dst)) in seen:
+            continue
+        seen.add((src_node, str(dst)))
+        consumer = dyn[shadow.owner[n]] if n in shadow.owner else None
+        origin = module_of(_origin(src_node, src, placements))
+        layer = _LAYER.search("." + origin + ".")
+        val = n.meta.get("val")
+        out.append({
+            "kind": kind, "src": str(src), "dst": str(dst), "after": module_of(src_node), "origin": origin,
+            "into": consumer.name if consumer is not None else "?",
+            "layer": int(layer.group(1)) if layer else None,
+            "global_shape": list(val.shape) if isinstance(val, torch.Tensor) else None,
+        })
+    return out
+
+
+def plan_model(model: Any, tp: int, *, dtype: str | torch.dtype | None = None, batch: int = 1,
+               seq_len: int | None = None, decode: bool = True, overrides: Mapping[str, str] | None = None,
+               memory_weight: float = 1.0, beam_width: int = 32, revision: str | None = None,
+               cache_dir: str | os.PathLike | None = None, local_files_only: bool = False) -> PlanReport:
+    """Plan ``model`` (a Hub id, a folder, or a transformers config) for ``tp`` ranks, in this
+    process, on the meta device (see the module docstring). ``seq_len`` defaults to ``2*tp+1``.
+    ``overrides`` are ``parallelize_model``'s (pattern -> style).
+
+    Resets Dynamo's caches first (``torch._dynamo.reset()``): every plan compiles the same
+    ``forward`` code object, and planning several models in one process would otherwise run into
+    Dynamo's recompile limit. Refuses (``AutoTPError``) a ``tp`` that does not divide the config,
+    and overrides that name nothing or use an unknown style, before tracing anything."""
+    from autotp.api import check_divisible
+
+    if not isinstance(tp, int) or tp < 1:
+        raise AutoTPError(f"tp must be a positive integer, got {tp!r}")
+    if batch < 1 or (seq_len is not None and seq_len < 1):
+        raise AutoTPError(f"batch and seq_len must be positive, got batch={batch}, seq_len={seq_len}")
+    seq_len = seq_len or 2 * tp + 1
+    t_start, cpu_start = time.perf_counter(), time.process_time()
+    config = load_config(model, revision=revision, cache_dir=cache_dir, local_files_only=local_files_only)
+    check_divisible(config, tp)
+    torch_dtype = parse_dtype(dtype)
+    module = _build(config, torch_dtype)
+    build_s = time.perf_counter() - t_start
+    overrides = dict(overrides or {})
+    _check_override_names(module, overrides)
+
+    comm = Comm.simulated_group(tp)
+    ctx = TPContext(comm=comm, config=AutoTPConfig(tp_size=tp, dtype=torch_dtype, overrides=overrides,
+                                                   memory_weight=memory_weight, beam_width=beam_width))
+    seen: list[_Compiled] = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        t, c = time.perf_counter(), time.process_time()
+        fn = compile_graph(gm, example_inputs, ctx)
+        seen.append(_Compiled(gm, list(example_inputs), time.perf_counter() - t, time.process_time() - c))
+        return fn
+
+    torch._dynamo.reset()
+    forward = torch.compile(type(module).forward.__get__(module), backend=backend)
+    ids = torch.zeros((batch, seq_len), dtype=torch.long, device="meta")  # (B, S)
+    fwd = _run_graph("forward", forward, {"input_ids": ids, "use_cache": False}, comm, seen)
+    record = getattr(seen[0].gm, "autotp_solve", None) if seen else None
+
+    dec, note, kv_rank, kv_total = None, None, None, None
+    if decode:
+        try:
+            cache = _decode_cache(config, module, batch, seq_len)
+            new = torch.zeros((batch, 1), dtype=torch.long, device="meta")  # (B, 1)
+            first = len(seen)
+            dec = _run_graph("decode", forward, {"input_ids": new, "past_key_values": cache, "use_cache": True},
+                             comm, seen)
+            kv_rank, kv_total = _kv_bytes(seen[first:], tp)
+        except (AutoTPError, SolverError):
+            raise
+        except Exception as e:  # a model whose decode step does not trace on meta: say so, don't guess
+            note = f"decode step not planned ({type(e).__name__}: {str(e).splitlines()[0][:300]})"
+            dec = None
+    else:
+        note = "decode step not planned (decode=False)"
+
+    styles: dict[str, str] = {}
+    for c in seen:
+        for name, e in (getattr(c.gm, "autotp_plan", None) or {}).get("parameters", {}).items():
+            styles.setdefault(name, e["style"])
+    params, bytes_rank, bytes_total = _parameter_table(module, tp, styles)
+    timings = {"build_s": build_s}
+    for key in ("trace_s", "decompose_s", "solve_s", "annotate_s", "rewrite_s"):
+        timings[key] = sum(g.timings.get(key, 0.0) for g in (fwd, dec) if g is not None)
+    timings["forward_s"] = fwd.timings["total_s"]
+    if dec is not None:
+        timings["decode_s"] = dec.timings["total_s"]
+    timings["total_s"] = time.perf_counter() - t_start
+    for key in ("trace_cpu_s", "decompose_cpu_s", "solve_cpu_s"):
+        timings[key] = sum(g.timings.get(key, 0.0) for g in (fwd, dec) if g is not None)
+    timings["total_cpu_s"] = time.process_time() - cpu_start
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return PlanReport(
+        model=os.fspath(model) if isinstance(model, (str, os.PathLike))
+        else (getattr(config, "name_or_path", "") or f"{type(config).__name__}()"),
+        architecture=type(module).__name__, tp=tp, dtype=str(next(module.parameters()).dtype).replace("torch.", ""),
+        batch=batch, seq_len=seq_len, num_layers=getattr(text, "num_hidden_layers", None),
+        parameters=params, param_bytes_per_rank=bytes_rank, param_bytes_total=bytes_total,
+        forward=fwd, decode=dec, decode_note=note, kv_cache_bytes_per_rank=kv_rank, kv_cache_bytes_total=kv_total,
+        timings=timings, tp_plan=to_tp_plan(params, module), overrides=overrides, record=record,
+    )
+
+
+def _check_override_names(module: torch.nn.Module, overrides: Mapping[str, str]) -> None:
+    check_override_styles(overrides)
+    names = tuple(n for n, _ in module.named_parameters(remove_duplicate=False))
+    unknown = [pat for pat in overrides if not matching_overrides(names, {pat: ""})]
+    if unknown:
+        raise AutoTPError(
+            f"override pattern(s) {unknown} match no parameter or module of {type(module).__name__} "
+            "(patterns are fnmatch on names such as 'model.layers.*.mlp.down_proj' or 'lm_head')."
+        )
+
+
+def _run_graph(name: str, forward: Any, kwargs: dict[str, Any], comm: Comm, seen: list[_Compiled]) -> GraphReport:
+    """One compiled call; the graphs it compiled (normally one) make up its report."""
+    comm.reset_counts()
+    first = len(seen)
+    t, cpu = time.perf_counter(), time.process_time()
+    try:
+        with torch.no_grad():
+            forward(**kwargs)
+    except torch._dynamo.exc.BackendCompilerFailed as e:  # Dynamo wraps what the backend raised
+        inner = e.inner_exception
+        if isinstance(inner, AutoTPError):  # keep its own cause (a PassError names the failing pass)
+            raise inner from inner.__cause__
+        raise
+    wall, cpu = time.perf_counter() - t, time.process_time() - cpu
+    new = seen[first:]
+    if not new:
+        raise AutoTPError(f"the {name} call compiled no graph (was it already compiled for this shape?)")
+    backend_s = sum(c.backend_s for c in new)
+    timings = {"trace_s": wall - backend_s, "total_s": wall,
+               "trace_cpu_s": cpu - sum(c.backend_cpu_s for c in new), "total_cpu_s": cpu}
+    sites: list[dict[str, Any]] = []
+    cost, extra = 0.0, None
+    for c in new:
+        rec: SolveRecord | None = getattr(c.gm, "autotp_solve", None)
+        if rec is None:  # tp == 1: nothing solved
+            continue
+        for key in ("decompose_s", "solve_s", "annotate_s", "decompose_cpu_s", "solve_cpu_s"):
+            timings[key] = timings.get(key, 0.0) + rec.timings.get(key, 0.0)
+        sites += _sites(rec)
+        cost += rec.solution.cost
+        if rec.free_cost is not None:
+            extra = (extra or 0.0) + rec.solution.cost - rec.free_cost
+    timings["rewrite_s"] = backend_s - sum(timings.get(k, 0.0) for k in ("decompose_s", "solve_s", "annotate_s"))
+    shape = tuple(kwargs["input_ids"].shape)
+    return GraphReport(name=name, input_shape=shape, collectives=dict(sorted(comm.counts.items())),
+                       collective_bytes=dict(sorted(comm.bytes.items())), sites=sites, timings=timings,
+                       cost=cost if any(hasattr(c.gm, "autotp_solve") for c in new) else None,
+                       extra_cost_of_overrides=extra)
+
+
+def _kv_bytes(compiled: list[_Compiled], tp: int) -> tuple[int | None, int | None]:
+    """KV-cache bytes (global and per rank) the decode graph reads: its ``past_key_values`` inputs,
+    with the placement the solver held them at."""
+    per_rank = total = 0
+    found = False
+    for c in compiled:
+        rec: SolveRecord | None = getattr(c.gm, "autotp_solve", None)
+        aten_of = {dyn: aten for aten, dyn in rec.shadow.placeholders} if rec else {}
+        phs = [n for n in c.gm.graph.nodes if n.op == "placeholder"]
+        for ph, value in zip(phs, c.example_inputs, strict=True):
+            arg = ph.meta.get("grapharg")
+            source = arg.source.name if arg is not None and hasattr(arg, "source") else ph.name
+            if "past_key_values" not in source or not isinstance(value, torch.Tensor):
+                continue
+            found = True
+            placement = rec.fixed.get(aten_of.get(ph), R) if rec else R
+            shape = tuple(value.shape)
+            total += value.numel() * value.element_size()
+            per_rank += _numel(local_shape(shape, placement, tp)) * value.element_size()
+    return (per_rank, total) if found else (None, None)
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+def _parameter_table(module: torch.nn.Module, tp: int, styles: Mapping[str, str]
+                     ) -> tuple[dict[str, dict[str, Any]], int, int]:
+    """Every named parameter (tied names point at one tensor, counted once) with its placement;
+    ``styles`` are the compiled plans' (a style is read off the consumer op)."""
+    rows: dict[str, dict[str, Any]] = {}
+    per_rank = total = 0
+    counted: set[int] = set()
+    for fqn, p in module.named_parameters(remove_duplicate=False):
+        meta = meta_of(p)
+        placement = meta.placement if meta.placement is not None else R  # untouched: loaded replicated
+        shape = tuple(meta.global_shape)
+        local = local_shape(shape, placement, tp)
+        nbytes = _numel(local) * p.element_size()
+        rows[fqn] = {
+            "style": styles.get(meta.fqn, "replicate"),
+            "placement": str(placement),
+            "shard_dim": placement.dim if isinstance(placement, Shard) else None,
+            "global_shape": list(shape),
+            "global_numel": _numel(shape),
+            "local_shape": list(local),
+            "bytes_per_rank": nbytes,
+            "tied_to": meta.fqn if meta.fqn != fqn else None,
+            "used": meta.placement is not None,
+        }
+        if id(meta) not in counted:
+            counted.add(id(meta))
+            per_rank += nbytes
+            total += _numel(shape) * p.element_size()
+    return rows, per_rank, total
+
+
+# ---------------------------------------------------------------------------------------------
+# transformers tp_plan
+# ---------------------------------------------------------------------------------------------
+
+#: autotp style -> transformers' name (``transformers.distributed.tensor_parallel``)
+_HF_STYLE = {"colwise": "colwise", "rowwise": "rowwise", "vocab": "embedding_rowwise"}
+
+
+def to_tp_plan(parameters: Mapping[str, Mapping[str, Any]], module: torch.nn.Module | None = None) -> dict[str, str]:
+    """The plan as a transformers ``tp_plan`` (``from_pretrained(tp_plan=...)``): module name ->
+    style, layer indices as ``*`` where every layer agrees. A module's style is its weight's
+    (biases follow their weight). Replicated modules are left out (transformers replicates what its
+    plan does not name); the output embedding, whose logits autotp gathers, is
+    ``colwise_gather_output``; a column-split embedding is ``embedding_colwise``."""
+    out_emb = None
+    embeddings: set[str] = set()
+    if module is not None:
+        emb = module.get_output_embeddings() if hasattr(module, "get_output_embeddings") else None
+        out_emb = next((n for n, m in module.named_modules() if m is emb), None) if emb is not None else None
+        embeddings = {n for n, m in module.named_modules() if isinstance(m, torch.nn.Embedding)}
+    by_module: dict[str, str] = {}
+    for fqn, e in parameters.items():
+        if e.get("tied_to"):
+            continue
+        mod = fqn.rpartition(".")[0]
+        ndim = len(e["global_shape"])
+        if mod in by_module and ndim < 2:
+            continue  # the weight decides
+        style = e["style"]
+        if style == "colwise" and mod == out_emb:
+            hf = "colwise_gather_output"
+        elif style == "colwise" and mod in embeddings:
+            hf = "embedding_colwise"
+        else:
+            hf = _HF_STYLE.get(style)
+        if hf is not None and (ndim >= 2 or mod not in by_module):
+            by_module[mod] = hf
+        elif ndim >= 2:
+            by_module.pop(mod, None)
+    groups: dict[str, dict[str, str]] = {}
+    for mod, hf in by_module.items():
+        groups.setdefault(re.sub(r"(?<=\.)\d+(?=\.|$)", "*", mod), {})[mod] = hf
+    plan: dict[str, str] = {}
+    for key, members in groups.items():
+        if len(set(members.values())) == 1:
+            plan[key] = next(iter(members.values()))
+        else:
+            plan.update(members)
+    return dict(sorted(plan.items()))
+
+
+# ---------------------------------------------------------------------------------------------
+# Explanations
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Explanation:
+    """Why one parameter got its placement."""
+
+    fqn: str
+    placement: str
+    style: str
+    chain: list[str]
+    alternatives: list[dict[str, Any]]
+
+    def text(self) -> str:
+        lines = [f"{self.fqn}: {self.style} ({self.placement})", "  chain of rule decisions:"]
+        lines += [f"    {c}" for c in self.chain]
+        lines.append("  alternatives (the whole graph re-solved with this parameter pinned; cost = "
+                     "communicated bytes per token + memory weight x replicated bytes per rank):")
+        for a in self.alternatives:
+            if a.get("infeasible"):
+                lines.append(f"    {a['style']:<10} {a['placement']:<5} infeasible: {a['infeasible']}")
+            else:
+                tag = "chosen" if a["chosen"] else f"rejected, +{a['extra_cost']:.1f}"
+                lines.append(f"    {a['style']:<10} {a['placement']:<5} cost {a['cost']:.1f} "
+                             f"(comm {a['comm_cost']:.1f}, memory {a['memory_cost']:.1f}) {tag}")
+        return "\n".join(lines)
+
+
+def explain(report: PlanReport, fqn: str) -> Explanation:
+    """Why ``fqn`` got its placement: the decisions of the rules on the path from the parameter to
+    its consumers' outputs (from the solver trace of the prefill graph, ``SolveTrace.decisions``;
+    the decode graph only sees it pinned), and every alternative storage placement, costed by
+    re-solving the whole graph with the parameter pinned to it."""
+    entry = report.parameters.get(fqn)
+    if entry is None:
+        close = [n for n in report.parameters if fnmatch.fnmatchcase(n, f"*{fqn}*")][:5]
+        raise AutoTPError(f"no parameter {fqn!r} in {report.architecture}."
+                          f"{f' Did you mean one of {close}?' if close else ''}")
+    fqn = entry.get("tied_to") or fqn
+    rec = report.record
+    if rec is None:
+        return Explanation(fqn, entry["placement"], entry["style"],
+                           ["tp=1: nothing is solved, every placement is R"], [])
+    node = next((n for n, name in rec.fqn_of_aten.items() if name == fqn), None)
+    if node is None or node not in rec.free:
+        return Explanation(fqn, entry["placement"], entry["style"],
+                           ["the forward graph does not use this parameter: it is loaded replicated"], [])
+    return Explanation(fqn, entry["placement"], entry["style"], _chain(rec, node),
+                       _alternatives(rec, node, entry))
+
+
+def _chain(rec: SolveRecord, param: torch.fx.Node) -> list[str]:
+    shadow, sol = rec.shadow, rec.solution
+    dyn = shadow.dynamo_nodes
+    decisions = {d.node: d for d in sol.trace.decisions}
+    chosen = sol.placements.get(param)
+    options = ", ".join(f"{p}" + (f" (memory cost {m:.0f})" if m else "") for p, m in rec.free[param].options)
+    lines = [f"storage: {chosen}, chosen among {options}"
+             + (f"; narrowed by overrides {[p for p, hits in rec.overrides.items() if rec.fqn_of_aten[param] in hits]}"
+                if rec.overrides else "")]
+    edges = [u for u in param.users if u.target is EDGE]
+    for e in edges:
+        owner = shadow.owner.get(e)
+        if owner is None:
+            continue
+        consumer = dyn[owner]
+        lines.append(f"consumer {consumer.name} ({consumer.target if not callable(consumer.target) else getattr(consumer.target, '__name__', consumer.target)}"
+                     f", in {_module_path(consumer)}):")
+        frontier, seen = list(e.users), set()
+        marks = []
+        while frontier:
+            n = frontier.pop(0)
+            if n in seen or shadow.owner.get(n) != owner and n.target is not MARK:
+                continue
+            seen.add(n)
+            if n.target is MARK:
+                marks.append(n)
+                continue
+            d = decisions.get(n.name)
+            if d is not None:
+                lines.append(f"  {d.target}: inputs ({', '.join(d.inputs)}) -> candidates "
+                             f"[{', '.join(d.candidates)}] -> {d.chosen}" + (f" [{d.local}]" if d.local else "")
+                             + (f" ({d.note})" if d.note else ""))
+            frontier.extend(n.users)
+        for m in marks:
+            out = sol.placements.get(m)
+            moves = []
+            for u in m.users:
+                if u.target is EDGE and u in sol.placements and sol.placements[u] != out:
+                    kind = kind_of(out, sol.placements[u]) if isinstance(out, Placement) else None
+                    into = dyn[shadow.owner[u]].name if u in shadow.owner else "?"
+                    moves.append(f"{kind or 'local'} {out} -> {sol.placements[u]} into {into}")
+            lines.append(f"  output {out}" + (f"; then {'; '.join(sorted(set(moves)))}" if moves
+                                               else "; consumed as is (no collective)"))
+    return lines
+
+
+def _alternatives(rec: SolveRecord, param: torch.fx.Node, entry: Mapping[str, Any]) -> list[dict[str, Any]]:
+    dyn_consumer = rec.consumers.get(param)
+    chosen = rec.solution.placements.get(param)
+    ndim = len(entry["global_shape"])
+    out = []
+    for p, mem in rec.free[param].options:
+        style = style_of(p, dyn_consumer, ndim)
+        if p == chosen:
+            sol = rec.solution
+        else:
+            free = dict(rec.free)
+            free[param] = ParamChoice([(p, mem)])
+            try:
+                sol = solve(rec.shadow, rec.opts, rec.fixed, free, rec.param_nodes)
+            except SolverError as e:
+                out.append({"placement": str(p), "style": style, "infeasible": str(e).splitlines()[0]})
+                continue
+        out.append({"placement": str(p), "style": style, "cost": sol.cost, "comm_cost": sol.comm_cost,
+                    "memory_cost": sol.memory_cost, "extra_cost": sol.cost - rec.solution.cost,
+                    "chosen": p == chosen})
+    return out

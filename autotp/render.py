@@ -1,0 +1,228 @@
+"""Show a :class:`~autotp.planner.PlanReport` to people: :func:`render_text` (what ``autotp plan``
+prints) and :func:`render_html` (``autotp plan --html FILE``: one self-contained page, no scripts,
+no external assets, inline CSS only).
+
+The text lists every parameter of the first decoder layer and the non-layer ones, then says
+which other layers differ from layer 0 (none, for a uniform decoder). The HTML page shows the model as a column of blocks in forward order: the non-layer parameters, then
+one card per group of identical decoder layers (layers whose parameters have the same styles and
+whose collectives are the same are drawn once, as "layers 0-31"), then the rest. Inside a card,
+each parameter is a bar coloured by its style (column-parallel, row-parallel, vocab-parallel,
+replicated), with its global and local shapes; each collective of the solution is drawn as a
+red marker right after the module whose output it moves. A summary table gives collectives per
+forward and per generated token, and bytes per rank.
+"""
+
+from __future__ import annotations
+
+import html
+import re
+from collections import Counter
+from typing import Any
+
+from autotp.planner import PlanReport
+
+__all__ = ["render_html", "render_text"]
+
+_COLORS = {"colwise": "#2b7bb9", "rowwise": "#e08b1f", "vocab": "#6a3d9a", "replicate": "#9e9e9e"}
+_LAYER = re.compile(r"^(.*?\.)(\d+)\.(.*)$")
+
+_CSS = """
+body{font-family:system-ui,sans-serif;margin:24px;color:#222;max-width:1100px}
+h1{font-size:20px} h2{font-size:16px;margin-top:28px}
+table{border-collapse:collapse;margin:8px 0} td,th{border:1px solid #ddd;padding:3px 8px;font-size:13px}
+.card{border:1px solid #bbb;border-radius:6px;padding:8px 12px;margin:10px 0;background:#fafafa}
+.card h3{font-size:14px;margin:2px 0 6px}
+.p{display:flex;align-items:center;margin:2px 0;font-size:12px;font-family:monospace}
+.bar{display:inline-block;height:14px;border-radius:3px;margin-right:8px}
+.name{width:430px;overflow:hidden;text-overflow:ellipsis;white-space:nowrap}
+.shape{color:#555;width:300px}
+.coll{margin:3px 0 3px 24px;font-size:12px;color:#b2182b;font-family:monospace}
+.legend span{display:inline-block;margin-right:14px;font-size:12px}
+.sw{display:inline-block;width:12px;height:12px;border-radius:2px;vertical-align:middle;margin-right:4px}
+"""
+
+
+def _esc(x: Any) -> str:
+    return html.escape(str(x))
+
+
+def _group_key(fqn: str) -> tuple[str, int | None, str]:
+    m = _LAYER.match(fqn)
+    if m and ".layers." in "." + m.group(1):
+        return m.group(1), int(m.group(2)), m.group(3)
+    return "", None, fqn
+
+
+def _param_row(name: str, e: dict[str, Any]) -> str:
+    color = _COLORS.get(e["style"], "#1b9e77")
+    width = 24 if e["style"] == "replicate" else 24 + int(56 * (1 - _fraction(e)))
+    return (f'<div class="p"><span class="bar" style="width:{width}px;background:{color}"></span>'
+            f'<span class="name" title="{_esc(name)}">{_esc(name)}</span>'
+            f'<span class="shape">{_esc(tuple(e["global_shape"]))} &rarr; {_esc(tuple(e["local_shape"]))}</span>'
+            f'<span>{_esc(e["style"])}</span></div>')
+
+
+def _fraction(e: dict[str, Any]) -> float:
+    n = 1
+    for s in e["local_shape"]:
+        n *= s
+    return n / max(e["global_numel"], 1)
+
+
+def _sites_by_module(report: PlanReport) -> dict[str, list[dict[str, Any]]]:
+    out: dict[str, list[dict[str, Any]]] = {}
+    for s in report.forward.sites:
+        out.setdefault(s["after"], []).append(s)
+    return out
+
+
+def _norm(after: str) -> str:
+    return re.sub(r"\.\d+(?=\.|$)", ".*", after)
+
+
+def render_html(report: PlanReport) -> str:
+    """The plan as an HTML page (a string; ``autotp plan --html FILE`` writes it)."""
+    params = {k: v for k, v in report.parameters.items() if not v.get("tied_to")}
+    sites = _sites_by_module(report)
+    # Parameters in forward order: non-layer ones before the first layer (embeddings), layers, rest.
+    head, layers, tail = [], {}, []
+    for fqn, e in params.items():
+        prefix, idx, rest = _group_key(fqn)
+        if idx is None:
+            (tail if layers else head).append((fqn, e))
+        else:
+            layers.setdefault(idx, []).append((rest, e, prefix))
+    # Identical consecutive layers (same styles and shapes, same collectives) are drawn once.
+    groups: list[tuple[list[int], list]] = []
+    for idx in sorted(layers):
+        sig = (tuple((r, e["style"], tuple(e["local_shape"])) for r, e, _ in layers[idx]),
+               tuple(sorted(Counter((_norm(s["after"]), s["kind"]) for a, ss in sites.items() for s in ss
+                                    if s["layer"] == idx).items())))
+        if groups and groups[-1][1][0] == sig:
+            groups[-1][0].append(idx)
+        else:
+            groups.append(([idx], [sig, layers[idx]]))
+
+    def collectives_after(module: str, layer: int | None) -> str:
+        rows = [s for s in sites.get(module, []) if s["layer"] == layer]
+        return "".join(f'<div class="coll">&#9650; {_esc(s["kind"])} {_esc(s["src"])}&rarr;{_esc(s["dst"])} '
+                       f'of {_esc(tuple(s["global_shape"] or ()))} after {_esc(module)}</div>' for s in rows)
+
+    def card(title: str, rows: list[tuple[str, dict[str, Any]]], layer: int | None, prefix: str = "") -> str:
+        body, done = [], set()
+        for name, e in rows:
+            body.append(_param_row(name, e))
+            owner = name.rpartition(".")[0]
+            module = f"{prefix}{layer}.{owner}" if layer is not None else owner
+            if module not in done:
+                done.add(module)
+                body.append(collectives_after(module, layer))
+        if layer is not None:  # collectives after a module that holds no parameter (e.g. the block)
+            for module in sorted(sites):
+                if module not in done and any(s["layer"] == layer for s in sites[module]):
+                    body.append(collectives_after(module, layer))
+        return f'<div class="card"><h3>{_esc(title)}</h3>{"".join(body)}</div>'
+
+    cards = [card(name.rpartition(".")[0] or name, [(name, e)], None) for name, e in head]
+    for idxs, (_, members) in groups:
+        first, prefix = idxs[0], members[0][2]
+        title = f"{prefix}{first}" if len(idxs) == 1 else f"{prefix}{{{idxs[0]}..{idxs[-1]}}} ({len(idxs)} identical blocks, layer {first} shown)"
+        cards.append(card(title, [(r, e) for r, e, _ in members], first, prefix))
+    cards += [card(name.rpartition(".")[0] or name, [(name, e)], None) for name, e in tail]
+
+    def counts(d: dict[str, int] | None) -> str:
+        return ", ".join(f"{k} {v}" for k, v in sorted((d or {}).items())) or "none"
+
+    dec = report.decode
+    summary = [
+        ("model", f"{report.model} ({report.architecture}, {report.num_layers} layers, {report.dtype})"),
+        ("tensor-parallel size", report.tp),
+        ("collectives per forward", f"{counts(report.forward.collectives)} "
+                                    f"(input {tuple(report.forward.input_shape)})"),
+        ("collectives per generated token", counts(dec.collectives) if dec else report.decode_note),
+        ("parameter bytes per rank", f"{_human(report.param_bytes_per_rank)} of {_human(report.param_bytes_total)}"),
+        ("KV-cache bytes per rank", f"{_human(report.kv_cache_bytes_per_rank)} of {_human(report.kv_cache_bytes_total)} "
+                                    f"(batch {report.batch}, {report.seq_len} positions)"),
+        ("timings (seconds)", ", ".join(f"{k} {v:.1f}" for k, v in report.timings.items())),
+    ]
+    legend = "".join(f'<span><i class="sw" style="background:{c}"></i>{_esc(s)}</span>' for s, c in _COLORS.items())
+    rows = "".join(f"<tr><th>{_esc(k)}</th><td>{_esc(v)}</td></tr>" for k, v in summary)
+    return (
+        "<!DOCTYPE html><html><head><meta charset='utf-8'>"
+        f"<title>autotp plan: {_esc(report.model)} tp={report.tp}</title><style>{_CSS}</style></head><body>"
+        f"<h1>autotp plan: {_esc(report.model)} at tp={report.tp}</h1><table>{rows}</table>"
+        f"<div class='legend'>{legend}<span style='color:#b2182b'>&#9650; collective (forward)</span>"
+        "<span>bar length: the share of the parameter a rank does not hold</span></div>"
+        f"<h2>Blocks, in forward order</h2>{''.join(cards)}</body></html>\n"
+    )
+
+
+def _human(n: int | None) -> str:
+    """Bytes in the largest binary unit that keeps the number >= 1 (``0.2 MiB`` reads badly)."""
+    if n is None:
+        return "n/a"
+    value, unit = float(n), "B"
+    for u in ("KiB", "MiB", "GiB", "TiB"):
+        if value < 1024:
+            break
+        value, unit = value / 1024, u
+    return f"{value:,.0f} {unit}" if unit == "B" else f"{value:,.2f} {unit}"
+
+
+def _counts_bytes(counts: dict[str, int], nbytes: dict[str, int]) -> str:
+    if not counts:
+        return "none"
+    return ", ".join(f"{k} {v} ({_human(nbytes.get(k, 0))})" for k, v in sorted(counts.items()))
+
+
+def render_text(report: PlanReport) -> str:
+    """The per-layer table and the totals ``autotp plan`` prints."""
+    lines = [f"autotp plan: {report.model} ({report.architecture}, {report.num_layers} layers, {report.dtype}) "
+             f"at tp={report.tp}, on meta (no weights, no process group)"]
+    if report.overrides:
+        extra = report.forward.extra_cost_of_overrides
+        lines.append(f"overrides: {report.overrides}"
+                     + (f" (cost +{extra:.1f} byte-equivalents per token over the unconstrained plan)"
+                        if extra is not None else " (the unconstrained plan already satisfies them)"))
+    params = {k: v for k, v in report.parameters.items()}
+    shown = [(k, v) for k, v in params.items() if _group_key(k)[1] in (None, 0)]
+    width = max((len(k) for k, _ in shown), default=10)
+    lines.append(f"  {'parameter':<{width}}  {'style':<9} {'dim':>3}  {'global shape':<16} local shape")
+    for fqn, e in shown:
+        style = f"tied to {e['tied_to']}" if e.get("tied_to") else e["style"]
+        dim = "-" if e["shard_dim"] is None else str(e["shard_dim"])
+        lines.append(f"  {fqn:<{width}}  {style:<9} {dim:>3}  {str(tuple(e['global_shape'])):<16} "
+                     f"{tuple(e['local_shape'])}")
+    layer0 = {_group_key(k)[2]: (v["style"], v["placement"]) for k, v in params.items() if _group_key(k)[1] == 0}
+    differ = sorted({idx for k, v in params.items() for _, idx, rest in [_group_key(k)]
+                     if idx not in (None, 0) and layer0.get(rest) != (v["style"], v["placement"])})
+    others = sorted({idx for k in params for _, idx, _ in [_group_key(k)] if idx not in (None, 0)})
+    if others:
+        lines.append(f"  layers {others[0]}..{others[-1]}: "
+                     + ("same styles as layer 0" if not differ else f"differ from layer 0 in layers {differ}"))
+    f, d = report.forward, report.decode
+    lines.append(f"collectives per forward (input {tuple(f.input_shape)}, bytes per rank): "
+                 f"{_counts_bytes(f.collectives, f.collective_bytes)}")
+    blocks = report.block_collectives()
+    if blocks:
+        kinds = {str(v) for v in blocks.values()}
+        per = next(iter(kinds)) if len(kinds) == 1 else "varies"
+        lines.append(f"  per decoder block: {per}; outside blocks: "
+                     + (", ".join(f"{s['kind']} after {s['after']}" for s in f.sites if s["layer"] is None) or "none"))
+    if d is not None:
+        lines.append(f"collectives per generated token (input {tuple(d.input_shape)}, KV cache of {report.seq_len} "
+                     f"positions, bytes per rank): {_counts_bytes(d.collectives, d.collective_bytes)}")
+    else:
+        lines.append(f"collectives per generated token: not available: {report.decode_note}")
+    lines.append(f"parameter bytes per rank: {_human(report.param_bytes_per_rank)} of {_human(report.param_bytes_total)}")
+    if report.kv_cache_bytes_total is not None:
+        lines.append(f"KV-cache bytes per rank (batch {report.batch}, {report.seq_len} positions): "
+                     f"{_human(report.kv_cache_bytes_per_rank)} of {_human(report.kv_cache_bytes_total)}")
+    t = report.timings
+    phases = [k for k in ("trace", "decompose", "solve", "total") if f"{k}_s" in t]
+    lines.append("timings, wall / CPU seconds (CPU excludes time other processes took): "
+                 + ", ".join(f"{k} {t[f'{k}_s']:.1f} / {t.get(f'{k}_cpu_s', float('nan')):.1f}" for k in phases)
+                 + "; " + ", ".join(f"{k.removesuffix('_s')} {v:.1f}" for k, v in t.items()
+                                    if k.endswith("_s") and not k.endswith("cpu_s")
+                                    and k.removesuffix("_s") not in phases) + " (wall)")
+    return "\n".join(lines)

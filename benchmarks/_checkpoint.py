@@ -1,0 +1,83 @@
+"""One shared benchmark checkpoint: a ~150M-parameter Llama-family model with seeded random weights.
+
+``make_checkpoint(folder, dtype)`` writes it once (``save_pretrained`` layout: ``config.json``,
+``generation_config.json``, ``model.safetensors``) into ``folder/<name>`` and returns that path;
+later calls (from this or any other benchmark) find it there and return at once. The write goes to
+a temporary sibling folder that is renamed into place, so an interrupted run never leaves a
+half-written checkpoint that a later run would trust.
+
+Sizes (``CONFIG``): hidden 768, 14 layers, 12 heads over 4 key/value heads (head_dim 64), MLP
+2560, vocabulary 32000, untied embeddings: 153.8M parameters, 615 MB in fp32. Every split size is
+even, so tp 2 and 4 are valid.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["CONFIG", "SEED", "checkpoint_bytes", "make_checkpoint"]
+
+#: LlamaConfig fields of the benchmark model.
+CONFIG: dict[str, Any] = dict(
+    hidden_size=768,
+    num_hidden_layers=14,
+    num_attention_heads=12,
+    num_key_value_heads=4,
+    intermediate_size=2560,
+    vocab_size=32000,
+    max_position_embeddings=2048,
+    tie_word_embeddings=False,
+)
+SEED = 0
+
+
+def _name(dtype: torch.dtype) -> str:
+    return f"llama-150m-{str(dtype).removeprefix('torch.')}-seed{SEED}"
+
+
+def make_checkpoint(folder: str | os.PathLike[str], dtype: torch.dtype = torch.float32) -> Path:
+    """The benchmark checkpoint in ``dtype`` under ``folder`` (written on first use); its path."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    root = Path(folder).expanduser()
+    target = root / _name(dtype)
+    if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    config = LlamaConfig(**CONFIG, architectures=["LlamaForCausalLM"])
+    torch.manual_seed(SEED)
+    model = LlamaForCausalLM(config).to(dtype).eval()
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=root))
+    try:
+        model.save_pretrained(tmp)
+        del model
+        if target.exists():  # a concurrent writer finished first: keep theirs
+            shutil.rmtree(tmp)
+        else:
+            tmp.rename(target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
+
+
+def checkpoint_bytes(path: str | os.PathLike[str]) -> int:
+    """Bytes of tensor data in the folder's safetensors files (headers excluded)."""
+    from safetensors import safe_open
+
+    total = 0
+    for f in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(os.fspath(f), framework="pt") as st:
+            for key in st.keys():
+                sl = st.get_slice(key)
+                n = 1
+                for s in sl.get_shape():
+                    n *= int(s)
+                total += n * {"F32": 4, "BF16": 2, "F16": 2}[sl.get_dtype()]
+    return total

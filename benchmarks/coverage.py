@@ -1,0 +1,139 @@
+"""Architecture coverage: run the matrix of tests/distributed/test_architectures.py and write the
+README table (architecture, tp sizes, status, plan of one block, collectives per block).
+
+    python benchmarks/coverage.py --out coverage.jsonl [--readme README.md] [--case gpt2 --case opt]
+                                  [--no-per-block]
+    python benchmarks/coverage.py --rows coverage.jsonl --readme README.md   # table from saved rows
+
+For every case and tp size: save the tiny checkpoint, run ``parallelize_model`` on N gloo ranks and
+compare with one process (:func:`tests.distributed.test_architectures.run_case`, same tolerance as
+the test). *Collectives per block* is the difference between the warm-up forward's in-graph
+collectives with 3 and with 2 layers (T5: 3 and 2 encoder *and* decoder layers), so the embedding
+and head collectives drop out. *Plan* lists the matmul weights of layer 0 by style (``fused``:
+stored strided, each rank holds its chunk of every segment). One JSON line per run goes to
+``--out``; the README section between the ``coverage`` markers is replaced.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import tempfile
+import traceback
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tests._tiny import ARCHS  # noqa: E402
+from tests.distributed.test_architectures import BY_ID, CASES, KNOWN_FAILURES, Case, run_case, save_case  # noqa: E402
+
+BEGIN, END = "<!-- coverage:begin -->", "<!-- coverage:end -->"
+DEEPER = {"t5": {"num_layers": 3, "num_decoder_layers": 3}}
+BLOCK = re.compile(r"^(.*?\.)0\.(.+)\.weight$")  # the first layer's weights: "<stack>.0.<rest>.weight"
+
+
+def plan_summary(plan: dict[str, Any]) -> str:
+    """``colwise: attn.c_attn (fused), mlp.c_fc; rowwise: ...; replicated: ...`` for layer 0."""
+    by_style: dict[str, list[str]] = {}
+    seen_stacks: set[str] = set()
+    for fqn, entry in plan["parameters"].items():
+        m = BLOCK.match(fqn)
+        if not m or len(entry["global_shape"]) < 2:
+            continue
+        stack = m.group(1)
+        if seen_stacks and stack not in seen_stacks and len(seen_stacks) >= 2:
+            continue
+        seen_stacks.add(stack)
+        name = m.group(2) + (" (fused)" if "|" in entry["placement"] else "")
+        by_style.setdefault(entry["style"], []).append(name)
+    return "; ".join(f"{style}: {', '.join(sorted(set(names)))}" for style, names in sorted(by_style.items()))
+
+
+def per_block(case: Case, world: int, tmp: Path, shallow_plan: dict[str, Any]) -> str:
+    """Collectives of one block: (3 layers) - (2 layers) of the warm-up forward."""
+    deeper = DEEPER.get(case.arch, {"num_hidden_layers": 3})
+    folder = save_case(case, tmp / f"{case.id}-deep", **deeper)
+    deep_plan = run_case(case, world, folder)["plan"]
+    diff = Counter(deep_plan["collectives"])
+    diff.subtract(shallow_plan["collectives"])
+    return ", ".join(f"{n} {k.replace('_', '-')}" for k, n in sorted(diff.items()) if n) or "none"
+
+
+def run(cases: list[Case], out: Path, measure_blocks: bool = True) -> list[dict[str, Any]]:
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp_name, out.open("w") as sink:
+        tmp = Path(tmp_name)
+        for case in cases:
+            folder = save_case(case, tmp / case.id)
+            for world in case.worlds:
+                row: dict[str, Any] = {"case": case.id, "tp": world}
+                try:
+                    result = run_case(case, world, folder)
+                    row.update(status="pass", seconds=round(result["seconds"], 1),
+                               plan=plan_summary(result["plan"]), collectives=result["plan"]["collectives"])
+                    if measure_blocks and world == case.worlds[0]:
+                        row["per_block"] = per_block(case, world, tmp, result["plan"])
+                except Exception as e:  # noqa: BLE001 - a failing architecture is a table row
+                    last = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+                    row.update(status="xfail" if case.id in KNOWN_FAILURES else "fail",
+                               reason=KNOWN_FAILURES.get(case.id, last[:200]))
+                    traceback.print_exc()
+                rows.append(row)
+                sink.write(json.dumps(row) + "\n")
+                sink.flush()
+                print(json.dumps(row), flush=True)
+    return rows
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    by_case: dict[str, list[dict[str, Any]]] = {}
+    for row in rows:
+        by_case.setdefault(row["case"], []).append(row)
+    lines = ["| architecture | entry point | tp: status | plan (layer 0) | collectives, whole 2-layer forward "
+             "| collectives per block |", "|---|---|---|---|---|---|"]
+    for case_id, runs in by_case.items():
+        case = BY_ID[case_id]
+        entry = "parallelize_model" if case.path == "load" else "torch.compile"
+        tps = ", ".join(f"{r['tp']}: {r['status']}" for r in runs)
+        first = runs[0]
+        plan = first.get("plan") or first.get("reason", "")
+        total = ", ".join(f"{n} {k.replace('_', '-')}" for k, n in sorted(first.get("collectives", {}).items()))
+        lines.append(f"| {ARCHS[case.arch][1]} | {entry} | {tps} | {plan} | {total or '-'} | "
+                     f"{first.get('per_block', 'not measured')} |")
+    return "\n".join(lines)
+
+
+def write_readme(readme: Path, rows: list[dict[str, Any]]) -> None:
+    text = readme.read_text()
+    body = f"{BEGIN}\n{table(rows)}\n{END}"
+    if BEGIN in text and END in text:
+        text = text[: text.index(BEGIN)] + body + text[text.index(END) + len(END):]
+    else:
+        text = text.rstrip("\n") + "\n\n" + body + "\n"
+    readme.write_text(text)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=Path("coverage.jsonl"))
+    ap.add_argument("--readme", type=Path, default=None)
+    ap.add_argument("--case", action="append", help="only these case ids (default: all)")
+    ap.add_argument("--no-per-block", action="store_true", help="skip the 3-layer runs")
+    ap.add_argument("--rows", type=Path, help="write the table from saved JSON rows instead of running")
+    args = ap.parse_args()
+    if args.rows:
+        rows = [json.loads(line) for line in args.rows.read_text().splitlines() if line.strip()]
+    else:
+        cases = [c for c in CASES if not args.case or c.id in args.case]
+        rows = run(cases, args.out, measure_blocks=not args.no_per_block)
+    if args.readme:
+        write_readme(args.readme, rows)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,237 @@
+"""Prefill and decode speed, side by side: autotp vs transformers' ``tp_plan="auto"`` vs one process.
+
+    python benchmarks/generation.py --cache /tmp/autotp-bench --tp 2 --dtype float32 \\
+        --prefill 256 --decode 32 --rounds 2 --out generation.json [--png generation.png]
+
+Same checkpoint for every engine (``benchmarks/_checkpoint.py``: 154M-parameter Llama family,
+615 MB in fp32). Engines:
+
+* ``one_process``: plain transformers, one process, all the threads the ranks share;
+* ``transformers_tp``: ``from_pretrained(..., tp_plan="auto")`` on ``--tp`` ranks (gloo, CPU);
+* ``autotp``: ``parallelize_model`` on ``--tp`` ranks.
+
+Every engine runs in its own launch (torch's elastic launcher, ``--standalone``); launches
+alternate A B C A B C for ``--rounds`` rounds, so drift on a shared machine hits all engines alike.
+Each launch loads once, warms up (one prefill and a few decode steps: autotp compiles its prefill
+and decode graphs there), then measures ``--reps`` times: *prefill* = one forward of 1 x P tokens
+into an empty ``DynamicCache``; *decode* = P-token prefill, then ``--decode`` greedy steps of one
+token each through the cache, timed per step (ms/token is the median step). Medians are over all
+rounds and reps; ratios are autotp / transformers_tp and autotp / one_process.
+
+Each rank uses ``cores // ranks`` threads unless ``OMP_NUM_THREADS`` is set. For autotp the
+output also has the collectives one decode step issued (from ``Comm.counts``) next to what the
+decode graph's plan says (its in-graph collectives plus one all-gather per sharded output the
+user reads: the logits).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, os.fspath(Path(__file__).resolve().parent))
+
+ENGINES = ("one_process", "transformers_tp", "autotp")
+
+
+def _worker(engine: str, folder: str, prefill: int, decode: int, reps: int, result: str) -> None:
+    """One launch: load with ``engine``, warm up, time prefill and decode; rank 0 writes JSON."""
+    import torch
+    import torch.distributed as dist
+    import transformers
+    from transformers import DynamicCache
+
+    transformers.logging.set_verbosity_error()
+    distributed = engine != "one_process"
+    if distributed:
+        dist.init_process_group("gloo")
+    rank = dist.get_rank() if distributed else 0
+    world = dist.get_world_size() if distributed else 1
+    t0 = time.perf_counter()
+    if engine == "autotp":
+        from autotp import parallelize_model
+
+        model = parallelize_model(folder, tp_size=world)
+    elif engine == "transformers_tp":
+        model = transformers.AutoModelForCausalLM.from_pretrained(folder, tp_plan="auto").eval()
+    else:
+        model = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    load_s = time.perf_counter() - t0
+    vocab = model.config.vocab_size
+    ids = (torch.arange(prefill) * 7919 % (vocab - 1) + 1).unsqueeze(0)  # (1, P), deterministic
+
+    def barrier() -> None:
+        if distributed:
+            dist.barrier()
+
+    def run_prefill() -> tuple[float, Any, torch.Tensor]:
+        cache = DynamicCache(config=model.config)
+        barrier()
+        start = time.perf_counter()
+        out = model(input_ids=ids, past_key_values=cache, use_cache=True)
+        return time.perf_counter() - start, out.past_key_values, out.logits[:, -1:].argmax(-1)
+
+    def run_decode(steps: int) -> tuple[list[float], list[int]]:
+        _, cache, token = run_prefill()
+        times, tokens = [], []
+        for i in range(steps):
+            position = torch.tensor([[prefill + i]])
+            barrier()
+            start = time.perf_counter()
+            out = model(input_ids=token, past_key_values=cache, use_cache=True, position_ids=position)
+            times.append(time.perf_counter() - start)
+            cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+            tokens.append(int(token))
+        return times, tokens
+
+    with torch.no_grad():
+        t = time.perf_counter()
+        run_decode(4)  # warm-up: compiles prefill, first decode and the dynamic-length decode graph
+        warmup_s = time.perf_counter() - t
+        comm = model.autotp.context.comm if engine == "autotp" else None
+        step_collectives: dict[str, Any] = {}
+        if comm is not None:  # one decode step's collectives, counted as they are issued
+            _, cache, token = run_prefill()
+            comm.reset_counts()
+            model(input_ids=token, past_key_values=cache, use_cache=True,
+                  position_ids=torch.tensor([[prefill]]))
+            plan = model.autotp.plans[-1]
+            step_collectives = {
+                "issued": dict(comm.counts), "bytes_per_rank": dict(comm.bytes),
+                "plan_in_graph": plan["collectives"], "plan_sharded_outputs": plan["sharded_outputs"],
+                "graphs_compiled": model.autotp.context.graphs_compiled,
+            }
+        prefill_s, decode_s, tokens = [], [], []
+        for _ in range(reps):
+            prefill_s.append(run_prefill()[0])
+            times, tokens = run_decode(decode)
+            decode_s.extend(times)
+    if rank == 0:
+        Path(result).write_text(json.dumps({
+            "engine": engine, "world_size": world, "threads": torch.get_num_threads(), "load_s": load_s,
+            "warmup_s": warmup_s, "prefill_s": prefill_s, "decode_step_s": decode_s, "tokens": tokens,
+            "decode_collectives": step_collectives,
+        }))
+    if distributed:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def _launch(engine: str, folder: Path, args: argparse.Namespace, result: Path) -> dict[str, Any]:
+    ranks = 1 if engine == "one_process" else args.tp
+    env = dict(os.environ)
+    cores = os.cpu_count() or 1
+    env.setdefault("OMP_NUM_THREADS", str(max(cores // ranks, 1)))
+    worker = [os.fspath(Path(__file__).resolve()), "--worker", engine, os.fspath(folder),
+              str(args.prefill), str(args.decode), str(args.reps), os.fspath(result)]
+    if engine == "one_process":
+        cmd = [sys.executable, *worker]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", *worker]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{engine}: exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return json.loads(result.read_text())
+
+
+def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    prefill = [t for r in runs for t in r["prefill_s"]]
+    decode = [t for r in runs for t in r["decode_step_s"]]
+    return {
+        "prefill_ms": 1000 * statistics.median(prefill),
+        "decode_ms_per_token": 1000 * statistics.median(decode),
+        "load_s": statistics.median(r["load_s"] for r in runs),
+        "warmup_s": statistics.median(r["warmup_s"] for r in runs),
+        "threads_per_rank": runs[0]["threads"],
+        "tokens": runs[0]["tokens"],
+        "samples": {"prefill": len(prefill), "decode_steps": len(decode)},
+        **({"decode_collectives": runs[0]["decode_collectives"]} if runs[0]["decode_collectives"] else {}),
+    }
+
+
+def _plot(report: dict[str, Any], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no PNG (pip install matplotlib)")
+        return
+    engines = [e for e in ENGINES if e in report["engines"]]
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
+    for ax, metric, label in ((axes[0], "prefill_ms", f"prefill 1x{report['prefill']} (ms)"),
+                              (axes[1], "decode_ms_per_token", "decode (ms/token)")):
+        values = [report["engines"][e][metric] for e in engines]
+        ax.bar(engines, values, color=["#999999", "#d08030", "#3070c0"][: len(engines)])
+        ax.set_title(label)
+        for i, v in enumerate(values):
+            ax.text(i, v, f"{v:.1f}", ha="center", va="bottom")
+    fig.suptitle(f"tp={report['tp']}, {report['dtype']}, medians")
+    fig.tight_layout()
+    fig.savefig(path)
+    print(f"wrote {path}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--worker", nargs=6, metavar=("ENGINE", "FOLDER", "PREFILL", "DECODE", "REPS", "RESULT"),
+                        help=argparse.SUPPRESS)
+    parser.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "autotp-bench"),
+                        help="folder for the benchmark checkpoint (written once)")
+    parser.add_argument("--tp", type=int, default=2)
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--prefill", type=int, default=256)
+    parser.add_argument("--decode", type=int, default=32)
+    parser.add_argument("--reps", type=int, default=2, help="timed repetitions per launch")
+    parser.add_argument("--rounds", type=int, default=2, help="alternating launches per engine")
+    parser.add_argument("--engines", default=",".join(ENGINES))
+    parser.add_argument("--out", default="generation.json")
+    parser.add_argument("--png", default=None)
+    args = parser.parse_args(argv)
+    if args.worker:
+        engine, folder, prefill, decode, reps, result = args.worker
+        _worker(engine, folder, int(prefill), int(decode), int(reps), result)
+        return 0
+
+    import torch
+    from _checkpoint import make_checkpoint
+
+    folder = make_checkpoint(args.cache, getattr(torch, args.dtype))
+    engines = [e for e in args.engines.split(",") if e]
+    runs: dict[str, list[dict[str, Any]]] = {e: [] for e in engines}
+    with tempfile.TemporaryDirectory(prefix="autotp-gen-") as tmp:
+        for round_ in range(args.rounds):
+            for engine in engines:  # A B C A B C ...
+                t = time.perf_counter()
+                runs[engine].append(_launch(engine, folder, args, Path(tmp) / f"{engine}-{round_}.json"))
+                print(f"round {round_} {engine}: {time.perf_counter() - t:.0f} s", flush=True)
+    summary = {e: _summary(r) for e, r in runs.items()}
+    report: dict[str, Any] = {"checkpoint": os.fspath(folder), "tp": args.tp, "dtype": args.dtype,
+                              "prefill": args.prefill, "decode": args.decode, "cores": os.cpu_count(),
+                              "engines": summary, "ratios": {}}
+    for metric in ("prefill_ms", "decode_ms_per_token"):
+        for base in ("transformers_tp", "one_process"):
+            if "autotp" in summary and base in summary:
+                report["ratios"][f"autotp/{base}:{metric}"] = summary["autotp"][metric] / summary[base][metric]
+    tokens = {e: s["tokens"] for e, s in summary.items()}
+    report["same_greedy_tokens"] = len({tuple(t) for t in tokens.values()}) == 1
+    Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    print(json.dumps({k: v for k, v in report.items() if k != "engines"}, indent=1))
+    for e, s in summary.items():
+        print(f"{e:>16}: prefill {s['prefill_ms']:.1f} ms, decode {s['decode_ms_per_token']:.2f} ms/token")
+    if args.png:
+        _plot(report, Path(args.png))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,159 @@
+"""How planning time grows with depth: Dynamo trace, decompose and solve time against layer count.
+
+Question: does ``autotp plan`` stay linear in the number of decoder layers (the solver reuses the
+solution of repeated blocks), so that a Llama-3-70B-shaped model (80 layers) plans in about 80/32
+of the 8B-shaped time?
+
+Method: for each layer count (default 8, 16, 32, 80) a fresh Python process builds a
+Llama-3-8B-shaped config (hidden 4096, 32 heads / 8 kv heads, MLP 14336, vocab 128256, bf16) with
+that many layers and runs :func:`autotp.planner.plan_model` at ``--tp`` (default 8) on the meta
+device, forward only unless ``--decode``. A fresh process per point keeps Dynamo's caches and the
+allocator out of the comparison. Each child reports the planner's phase timings (wall seconds)
+and its own CPU seconds (``time.process_time``): on a shared machine the wall clock also counts
+time other processes took, CPU seconds do not. ``--extra llama3-70b mixtral-8x7b`` adds the real
+70B shape (hidden 8192, 64 heads, MLP 28672, 80 layers) and a Mixtral-8x7B shape.
+
+The plot shows CPU seconds per phase (and the whole process's CPU and wall time).
+
+Output: one JSON line per point on stdout, ``solver_scaling.json`` (all points plus the machine)
+and ``solver_scaling.png`` (matplotlib, if installed; otherwise a message says it was skipped) in
+``--out`` (default ``benchmarks/results``).
+
+    python benchmarks/solver_scaling.py [--layers 8 16 32 80] [--tp 8] [--decode] [--extra llama3-70b]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+SHAPES: dict[str, dict[str, Any]] = {
+    "llama3-8b": dict(cls="LlamaConfig", arch="LlamaForCausalLM", hidden_size=4096, intermediate_size=14336,
+                      num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                      max_position_embeddings=8192, rope_theta=500000.0, num_hidden_layers=32),
+    "llama3-70b": dict(cls="LlamaConfig", arch="LlamaForCausalLM", hidden_size=8192, intermediate_size=28672,
+                       num_attention_heads=64, num_key_value_heads=8, vocab_size=128256,
+                       max_position_embeddings=8192, rope_theta=500000.0, num_hidden_layers=80),
+    "mixtral-8x7b": dict(cls="MixtralConfig", arch="MixtralForCausalLM", hidden_size=4096,
+                         intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8, vocab_size=32000,
+                         num_local_experts=8, num_experts_per_tok=2, num_hidden_layers=32),
+}
+
+
+def make_config(shape: str, layers: int | None = None) -> Any:
+    import transformers
+
+    spec = dict(SHAPES[shape])
+    cls, arch = spec.pop("cls"), spec.pop("arch")
+    if layers is not None:
+        spec["num_hidden_layers"] = layers
+    config = getattr(transformers, cls)(**spec, dtype="bfloat16", tie_word_embeddings=False)
+    config.architectures = [arch]
+    return config
+
+
+def child(shape: str, layers: int | None, tp: int, decode: bool) -> dict[str, Any]:
+    """One point, in this (fresh) process."""
+    cpu0, wall0 = time.process_time(), time.perf_counter()
+    from autotp.planner import plan_model
+
+    import_s = time.perf_counter() - wall0
+    config = make_config(shape, layers)
+    report = plan_model(config, tp, decode=decode)
+    return {
+        "shape": shape, "layers": config.num_hidden_layers, "tp": tp, "decode": decode,
+        "timings": report.timings, "import_s": import_s,
+        "process_wall_s": time.perf_counter() - wall0, "process_cpu_s": time.process_time() - cpu0,
+        "collectives": report.collectives,
+        "collectives_per_token": report.decode.collectives if report.decode else None,
+        "decode_note": report.decode_note,
+        "block_collectives": sorted({json.dumps(v, sort_keys=True) for v in report.block_collectives().values()}),
+        "param_bytes_per_rank": report.param_bytes_per_rank,
+    }
+
+
+def run_point(shape: str, layers: int | None, tp: int, decode: bool, timeout: float) -> dict[str, Any]:
+    cmd = [sys.executable, __file__, "--child", shape, str(layers or 0), "--tp", str(tp)] + (["--decode"] if decode else [])
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"shape": shape, "layers": layers, "tp": tp, "error": f"timed out after {timeout:.0f} s"}
+    wall = time.perf_counter() - start
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+        return {"shape": shape, "layers": layers, "tp": tp, "error": " | ".join(tail), "command_wall_s": wall}
+    point = json.loads(lines[-1])
+    point["command_wall_s"] = wall
+    return point
+
+
+def plot(points: list[dict[str, Any]], path: Path) -> str:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed: no PNG written (pip install matplotlib to get one)"
+    ok = sorted((p for p in points if "error" not in p and p["shape"] == "llama3-8b"), key=lambda p: p["layers"])
+    if not ok:
+        return "no successful point to plot"
+    xs = [p["layers"] for p in ok]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for key, label in (("trace", "Dynamo trace"), ("decompose", "decompose"), ("solve", "solve")):
+        ax.plot(xs, [p["timings"][f"{key}_cpu_s"] for p in ok], marker="o", label=f"{label} (CPU)")
+    ax.plot(xs, [p["process_cpu_s"] for p in ok], marker="s", linestyle="--", label="whole process (CPU)")
+    ax.plot(xs, [p["process_wall_s"] for p in ok], marker="x", linestyle=":", label="whole process (wall)")
+    ax.set_xlabel("decoder layers (Llama-3-8B shape)")
+    ax.set_ylabel("seconds")
+    ax.set_title(f"autotp plan time against depth, tp={ok[0]['tp']}")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return f"plot written to {path}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, nargs="+", default=[8, 16, 32, 80])
+    parser.add_argument("--tp", type=int, default=8)
+    parser.add_argument("--decode", action="store_true", help="also plan a decode step (two graphs per point)")
+    parser.add_argument("--extra", nargs="*", default=[], choices=[s for s in SHAPES if s != "llama3-8b"],
+                        help="also plan these full-size shapes")
+    parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per point")
+    parser.add_argument("--child", nargs=2, metavar=("SHAPE", "LAYERS"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        shape, layers = args.child[0], int(args.child[1]) or None
+        print(json.dumps(child(shape, layers, args.tp, args.decode)), flush=True)
+        return 0
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    points = []
+    todo = [("llama3-8b", n) for n in args.layers] + [(s, None) for s in args.extra]
+    for shape, layers in todo:
+        point = run_point(shape, layers, args.tp, args.decode, args.timeout)
+        print(json.dumps(point), flush=True)
+        points.append(point)
+    machine = {"python": platform.python_version(), "platform": platform.platform(), "cpus": os.cpu_count(),
+               "load_average_at_end": os.getloadavg() if hasattr(os, "getloadavg") else None}
+    (out / "solver_scaling.json").write_text(json.dumps({"machine": machine, "points": points}, indent=1) + "\n")
+    print(f"results written to {out / 'solver_scaling.json'}")
+    print(plot(points, out / "solver_scaling.png"))
+    return 0 if all("error" not in p for p in points) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,179 @@
+"""``autotp plan``: a model planned from its config alone, in one process, on the meta device.
+
+Counts are exact: the planner runs the real backend over a simulated group whose collectives are
+counted, so every number below is what ``tp`` real ranks would issue. Tiny configs keep this file
+at a handful of plans (each compiles a 2-layer model once or twice).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from autotp.cli import main
+from autotp.planner import PlanReport, explain, plan_model
+from autotp.render import render_html, render_text
+from tests._tiny import tiny_config
+
+#: the tiny Llama at tp=2: one all-reduce after the vocab-parallel embedding, two per block
+#: (after o_proj and after down_proj), one all-gather of the column-parallel logits
+FORWARD = {"all_gather": 1, "all_reduce": 5}
+#: a decode step adds an all-gather of the new keys and one of the new values per layer (the KV
+#: cache is replicated, see docs/architecture.md)
+DECODE = {"all_gather": 5, "all_reduce": 5}
+
+
+@pytest.fixture(scope="module")
+def config_only(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("config-only")
+    tiny_config("llama").save_pretrained(folder)
+    assert sorted(p.name for p in folder.iterdir()) == ["config.json"]
+    return folder
+
+
+@pytest.fixture(scope="module")
+def report(config_only: Path) -> PlanReport:
+    return plan_model(config_only, 2, batch=1, seq_len=7)
+
+
+def test_a_folder_with_only_config_json_is_planned_without_weights(report: PlanReport) -> None:
+    assert report.architecture == "LlamaForCausalLM" and report.tp == 2 and report.num_layers == 2
+    assert report.collectives == FORWARD
+    assert report.forward.input_shape == (1, 7)
+    q = report.parameters["model.layers.0.self_attn.q_proj.weight"]
+    assert q == {"style": "colwise", "placement": "S(0)", "shard_dim": 0, "global_shape": [64, 64],
+                 "global_numel": 4096, "local_shape": [32, 64], "bytes_per_rank": 32 * 64 * 4, "tied_to": None,
+                 "used": True}
+    assert report.parameters["model.layers.1.mlp.down_proj.weight"]["local_shape"] == [64, 64]
+    assert report.parameters["model.embed_tokens.weight"]["style"] == "vocab"
+    assert report.parameters["model.norm.weight"]["style"] == "replicate"
+
+
+def test_bytes_per_rank_add_up_from_the_local_shapes(report: PlanReport) -> None:
+    params = report.parameters.values()
+    assert report.param_bytes_per_rank == sum(e["bytes_per_rank"] for e in params)
+    assert report.param_bytes_total == sum(e["global_numel"] * 4 for e in params)
+    replicated = sum(e["global_numel"] * 4 for e in params if e["placement"] == "R")
+    assert report.param_bytes_per_rank == replicated + (report.param_bytes_total - replicated) // 2
+    # forward payloads per rank: 5 all-reduces of (1, 7, 64) fp32, one all-gather of a (1, 7, 64) half
+    assert report.forward.collective_bytes == {"all_reduce": 5 * 7 * 64 * 4, "all_gather": 7 * 64 * 4}
+
+
+def test_every_block_has_the_megatron_two_all_reduces(report: PlanReport) -> None:
+    assert report.block_collectives() == {0: {"all_reduce": 2}, 1: {"all_reduce": 2}}
+    outside = sorted((s["kind"], s["after"]) for s in report.forward.sites if s["layer"] is None)
+    assert outside == [("all_gather", "lm_head"), ("all_reduce", "model.embed_tokens")]
+
+
+@pytest.mark.parametrize("arch", ["mistral", "qwen2"])
+def test_other_dense_decoders_also_get_two_all_reduces_per_block(arch: str) -> None:
+    r = plan_model(tiny_config(arch), 2, decode=False)
+    assert r.block_collectives() == {0: {"all_reduce": 2}, 1: {"all_reduce": 2}}
+    assert r.collectives == FORWARD
+
+
+def test_a_decode_step_gives_collectives_per_token_and_the_kv_cache_per_rank(report: PlanReport) -> None:
+    assert report.decode is not None, report.decode_note
+    assert report.decode.input_shape == (1, 1)
+    assert report.decode.collectives == DECODE
+    # 2 layers x (keys, values) x (B=1, 4 kv heads, 7 positions, head_dim 8) fp32, replicated today
+    assert report.kv_cache_bytes_total == 2 * 2 * 4 * 7 * 8 * 4
+    assert report.kv_cache_bytes_per_rank == report.kv_cache_bytes_total
+
+
+def test_timings_cover_trace_decompose_and_solve(report: PlanReport) -> None:
+    for key in ("build_s", "trace_s", "decompose_s", "solve_s", "forward_s", "decode_s", "total_s"):
+        assert report.timings[key] >= 0.0, key
+    assert report.timings["solve_s"] > 0.0
+
+
+def test_the_tp_plan_is_what_transformers_spells(report: PlanReport) -> None:
+    assert report.tp_plan == {
+        "lm_head": "colwise_gather_output",
+        "model.embed_tokens": "embedding_rowwise",
+        "model.layers.*.mlp.down_proj": "rowwise",
+        "model.layers.*.mlp.gate_proj": "colwise",
+        "model.layers.*.mlp.up_proj": "colwise",
+        "model.layers.*.self_attn.k_proj": "colwise",
+        "model.layers.*.self_attn.o_proj": "rowwise",
+        "model.layers.*.self_attn.q_proj": "colwise",
+        "model.layers.*.self_attn.v_proj": "colwise",
+    }
+
+
+def test_explain_shows_the_rule_chain_and_costs_the_rejected_alternatives(report: PlanReport) -> None:
+    e = explain(report, "model.layers.0.mlp.down_proj.weight")
+    assert (e.style, e.placement) == ("rowwise", "S(1)")
+    assert any("aten.mm.default" in line and "-> P" in line for line in e.chain), e.chain
+    assert any("all_reduce P -> R" in line for line in e.chain), e.chain
+    by_placement = {a["placement"]: a for a in e.alternatives}
+    assert sorted(by_placement) == ["R", "S(0)", "S(1)"]
+    assert by_placement["S(1)"]["chosen"] and by_placement["S(1)"]["extra_cost"] == 0.0
+    assert by_placement["S(0)"]["extra_cost"] > 0 and by_placement["R"]["extra_cost"] > 0
+    assert "rejected" in e.text()
+
+
+def test_explain_of_an_unknown_name_says_so(report: PlanReport) -> None:
+    from autotp.errors import AutoTPError
+
+    with pytest.raises(AutoTPError, match="no parameter 'down_proj.weight'.*model.layers.0.mlp.down_proj.weight"):
+        explain(report, "down_proj.weight")
+
+
+def test_text_and_html_show_the_table_and_the_collectives(report: PlanReport, tmp_path: Path) -> None:
+    text = render_text(report)
+    assert "model.layers.0.self_attn.o_proj.weight" in text and "rowwise" in text
+    assert "layers 1..1: same styles as layer 0" in text
+    assert "per decoder block: {'all_reduce': 2}" in text
+    assert "collectives per generated token" in text and "all_gather 5" in text
+    page = render_html(report)
+    assert page.startswith("<!DOCTYPE html>") and "<script" not in page and "http" not in page
+    assert page.count("all_reduce P&rarr;R") == 5 and page.count("all_gather S(2)&rarr;R") == 1
+    assert "<h3>model.layers.0</h3>" in page and "<h3>lm_head</h3>" in page
+
+
+def test_cli_json_from_a_config_only_folder(config_only: Path, tmp_path: Path,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    page = tmp_path / "plan.html"
+    code = main(["plan", str(config_only), "--tp", "2", "--json", "--no-decode", "--html", str(page),
+                 "--explain", "lm_head.weight"])
+    out = capsys.readouterr().out
+    assert code == 0
+    data = json.loads(out)
+    assert data["collectives"] == FORWARD
+    assert data["parameters"]["lm_head.weight"]["style"] == "colwise"
+    assert data["param_bytes_per_rank"] > 0 and data["timings"]["solve_s"] > 0
+    assert data["collectives_per_token"] is None and "decode=False" in data["decode_note"]
+    assert data["explanations"]["lm_head.weight"]["alternatives"]
+    assert page.read_text().startswith("<!DOCTYPE html>")
+
+
+def test_cli_override_and_tp_plan(config_only: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["plan", str(config_only), "--tp", "2", "--tp-plan", "--no-decode", "--override", "lm_head=replicate"])
+    out = capsys.readouterr().out
+    assert code == 0
+    plan = json.loads(out)
+    assert "lm_head" not in plan  # replicated modules are left out of a transformers tp_plan
+    assert plan["model.layers.*.mlp.down_proj"] == "rowwise"
+
+
+def test_cli_bad_input_exits_2_without_a_traceback(config_only: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", str(config_only), "--tp", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "autotp: error: tp_size=3 does not divide" in err and "Traceback" not in err
+    assert main(["plan", str(config_only), "--tp", "2", "--override", "lm_head"]) == 2
+    assert "PATTERN=STYLE" in capsys.readouterr().err
+
+
+def test_a_hub_id_needs_only_its_config_json(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from autotp.planner import load_config
+    from tests._tiny import make_hf_cache, offline_hub
+
+    source = tmp_path / "src"
+    tiny_config("qwen2").save_pretrained(source)  # no weights in the "repo" at all
+    make_hf_cache(tmp_path / "cache", "org/tiny-qwen2", source)
+    offline_hub(monkeypatch)
+    config = load_config("org/tiny-qwen2", cache_dir=tmp_path / "cache", local_files_only=True)
+    assert config.model_type == "qwen2" and config.num_hidden_layers == 2
