@@ -9,6 +9,7 @@ from autotp.backend import autotp_backend
 from autotp.config import AutoTPConfig
 from autotp.errors import AutoTPError, CheckpointError, ShardingError, SolverError
 from autotp.placement import Partial, Replicate, Shard
+from autotp.training import clip_grad_norm_
 
 __all__ = [
     "AutoTPConfig",
@@ -21,5 +22,6 @@ __all__ = [
     "ShardingError",
     "SolverError",
     "autotp_backend",
+    "clip_grad_norm_",
     "parallelize_model",
 ]

@@ -103,7 +103,12 @@ class _SwappingForward:
         for module, name, stand in self.slots:
             module._parameters[name] = stand
         try:
-            return gather_user_values(self.compiled(*args, **kwargs), self.comm)
+            with _peer_failures(self.comm, "the model was running"):
+                return gather_user_values(self.compiled(*args, **kwargs), self.comm)
+        except torch._dynamo.exc.BackendCompilerFailed as e:  # Dynamo wraps what the backend raised
+            if isinstance(e.inner_exception, AutoTPError):  # the user's error, with its own cause
+                raise e.inner_exception from e.inner_exception.__cause__
+            raise
         finally:
             self.swap_out()
 
@@ -278,7 +283,7 @@ def _read_progress(checkpoint: Checkpoint, total: int, show: bool) -> Iterator[N
 
 
 @contextlib.contextmanager
-def _peer_failures(comm: Comm) -> Iterator[None]:
+def _peer_failures(comm: Comm, during: str = "the model was loading") -> Iterator[None]:
     """A collective that fails because another rank died, raised or hung becomes an AutoTPError
     that says so (gloo reports a reset or closed connection at once, a hang after the timeout)."""
     try:
@@ -289,8 +294,8 @@ def _peer_failures(comm: Comm) -> Iterator[None]:
         if comm.world_size == 1 or not _is_peer_failure(e):
             raise
         raise AutoTPError(
-            f"rank {comm.rank} of {comm.world_size}: another rank failed or stopped responding while the "
-            f"model was loading ({str(e).splitlines()[0][:300]}). The first error in the other ranks' logs "
+            f"rank {comm.rank} of {comm.world_size}: another rank failed or stopped responding while "
+            f"{during} ({str(e).splitlines()[0][:300]}). The first error in the other ranks' logs "
             "is the cause; a hang shows up after the process-group timeout (parallelize_model(timeout=...))."
         ) from e
 

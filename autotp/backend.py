@@ -123,6 +123,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: list[Any], ctx: TPCo
     locals_ = runner.run("materialize", materialize, annotation, param_inputs, ctx)
     report = runner.run("rewrite", rewrite, gm, annotation, locals_, ctx.comm, lint=gm)
     sharded_outputs = _sharded_outputs(gm, annotation)
+    gm.autotp_sharded_outputs = sharded_outputs
     plan = build_plan(world, {
         meta_of(v).fqn: parameter_entry(meta_of(v).placement, consumers[ph], tuple(v.shape), world)
         for ph, v in param_inputs.items()
@@ -369,11 +370,12 @@ def _release_after_first_call(gm: torch.fx.GraphModule, param_inputs: dict[torch
     return run
 
 
-def _sharded_outputs(gm: torch.fx.GraphModule, annotation: Any) -> list[tuple[tuple[int, ...], Shard]]:
-    """Where the graph's result leaves values sharded: (index path into the result, placement)."""
+def _sharded_outputs(gm: torch.fx.GraphModule, annotation: Any) -> list[tuple[tuple[int, ...], Shard, int, int]]:
+    """Where the graph's result leaves values sharded: (index path into the result, placement,
+    and the output edge's leaf and sub)."""
     output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     edges = annotation.plans[output].edges if output in annotation.plans else {}
-    found: list[tuple[tuple[int, ...], Shard]] = []
+    found: list[tuple[tuple[int, ...], Shard, int, int]] = []
     leaf = iter(range(1 << 30))
 
     def walk(arg: Any, path: tuple[int, ...]) -> None:
@@ -387,13 +389,13 @@ def _sharded_outputs(gm: torch.fx.GraphModule, annotation: Any) -> list[tuple[tu
             for sub in range(len(value) if multi else 1):
                 e = edges.get((k, sub))
                 if e is not None and isinstance(e.dst, Shard):
-                    found.append(((*path, sub) if multi else path, e.dst))
+                    found.append(((*path, sub) if multi else path, e.dst, k, sub))
 
     walk(output.args[0], ())
     return found
 
 
-def _bind_sharded_values(run: Callable[..., Any], wraps: list[tuple[tuple[int, ...], Shard]],
+def _bind_sharded_values(run: Callable[..., Any], wraps: list[tuple[tuple[int, ...], Shard, int, int]],
                          example_inputs: list[Any], world: int) -> Callable[..., Any]:
     """Values that cross graphs sharded (KV-cache entries, see ``TPContext.sharded_outputs``):
     a sharded input arrives as a :func:`~autotp.context.sharded_standin` and the graph gets its
@@ -414,8 +416,8 @@ def _bind_sharded_values(run: Callable[..., Any], wraps: list[tuple[tuple[int, .
                     "use_cache=False")
             args[i] = shard[0]
         out = run(*args)
-        for path, placement in wraps:
-            out = _replace_at(out, path, lambda local, p=placement: sharded_standin(local, p, world))
+        for path, placement, _, _ in wraps:
+            out = _replace_at(out, path, lambda local, p=placement, at=path: sharded_standin(local, p, world, at))
         return out
 
     return call

@@ -73,6 +73,7 @@ __all__ = [
     "is_supported",
     "kind_of",
     "redistribute",
+    "sum_over_ranks",
 ]
 
 #: The logical collective kinds that :class:`Comm` counts.
@@ -237,6 +238,13 @@ def broadcast_object(obj: Any, comm: Comm) -> Any:
     box = [obj]
     dist.broadcast_object_list(box, group=comm.group, group_src=0)
     return box[0]
+
+
+def sum_over_ranks(x: Tensor, comm: Comm) -> Tensor:
+    """The sum of ``x`` over the group's ranks, on every rank (no autograd; counted as an all-reduce)."""
+    if comm.world_size == 1:
+        return x
+    return _all_reduce(x, comm, backward=False)
 
 
 def barrier(comm: Comm) -> None:

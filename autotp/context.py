@@ -57,9 +57,11 @@ def standin(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | s
 
 
 SHARD_ATTR = "_autotp_shard"
+OUTPUT_PATH_ATTR = "_autotp_output_path"
 
 
-def sharded_standin(local: torch.Tensor, placement: Shard, world_size: int) -> torch.Tensor:
+def sharded_standin(local: torch.Tensor, placement: Shard, world_size: int,
+                    output_path: tuple[int, ...] | None = None) -> torch.Tensor:
     """A value that leaves a compiled graph sharded (a KV-cache entry), as a global-shaped,
     NaN-filled, zero-memory tensor that carries this rank's shard.
 
@@ -73,9 +75,15 @@ def sharded_standin(local: torch.Tensor, placement: Shard, world_size: int) -> t
                       device=local.device)
     out = base.expand(shape)
     setattr(out, SHARD_ATTR, (local, placement))
+    setattr(out, OUTPUT_PATH_ATTR, output_path)
     return out
 
 
 def shard_of(t: Any) -> tuple[torch.Tensor, Shard] | None:
     """``(local shard, placement)`` of a :func:`sharded_standin`, else None."""
     return getattr(t, SHARD_ATTR, None) if isinstance(t, torch.Tensor) else None
+
+
+def output_path_of(t: Any) -> tuple[int, ...] | None:
+    """Where a :func:`sharded_standin` was returned in its graph's result, else None."""
+    return getattr(t, OUTPUT_PATH_ATTR, None) if isinstance(t, torch.Tensor) else None

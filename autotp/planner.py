@@ -29,6 +29,7 @@ parameter pinned to each alternative, and :func:`to_tp_plan` for transformers' `
 from __future__ import annotations
 
 import fnmatch
+import inspect
 import os
 import re
 import time
@@ -41,10 +42,11 @@ from typing import Any
 import torch
 import torch.fx
 
+from autotp.api import gather_user_values
 from autotp.backend import SolveRecord, check_override_styles, compile_graph, matching_overrides
 from autotp.collectives import Comm, kind_of
 from autotp.config import AutoTPConfig, parse_dtype
-from autotp.context import TPContext, attach_meta, meta_of, standin
+from autotp.context import TPContext, attach_meta, meta_of, output_path_of, standin
 from autotp.errors import AutoTPError, SolverError
 from autotp.passes.decompose import EDGE, MARK
 from autotp.passes.solve import ParamChoice, solve
@@ -186,19 +188,16 @@ def _build(config: Any, dtype: torch.dtype | None) -> torch.nn.Module:
     return module.eval()
 
 
-def _decode_cache(config: Any, module: torch.nn.Module, batch: int, length: int) -> Any:
-    """A DynamicCache holding ``length`` positions per layer, on meta."""
+def _empty_cache(config: Any, dtype: torch.dtype) -> Any:
+    """An empty DynamicCache for the prefill, its layers initialized here: transformers creates a
+    layer's empty tensors lazily inside ``forward``, which Dynamo cannot do on the meta device."""
     from transformers import DynamicCache
 
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    heads = text.num_attention_heads
-    kv = getattr(text, "num_key_value_heads", None) or heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-    dtype = next(module.parameters()).dtype
     cache = DynamicCache(config=config)
-    for i in range(text.num_hidden_layers):
-        k = torch.zeros(batch, kv, length, head_dim, dtype=dtype, device="meta")  # (B, KV, S, D)
-        cache.update(k, k.clone(), i)
+    empty = torch.empty(0, dtype=dtype, device="meta")
+    for layer in getattr(cache, "layers", []):
+        if hasattr(layer, "lazy_initialization") and not getattr(layer, "is_initialized", True):
+            layer.lazy_initialization(empty, empty)
     return cache
 
 
@@ -309,7 +308,8 @@ def plan_model(model: Any, tp: int, *, dtype: str | torch.dtype | None = None, b
 
     comm = Comm.simulated_group(tp)
     ctx = TPContext(comm=comm, config=AutoTPConfig(tp_size=tp, dtype=torch_dtype, overrides=overrides,
-                                                   memory_weight=memory_weight, beam_width=beam_width))
+                                                   memory_weight=memory_weight, beam_width=beam_width),
+                    sharded_outputs=True)  # as parallelize_model: KV cache sharded, logits gathered on return
     seen: list[_Compiled] = []
 
     def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
@@ -321,19 +321,26 @@ def plan_model(model: Any, tp: int, *, dtype: str | torch.dtype | None = None, b
     torch._dynamo.reset()
     forward = torch.compile(type(module).forward.__get__(module), backend=backend)
     ids = torch.zeros((batch, seq_len), dtype=torch.long, device="meta")  # (B, S)
-    fwd = _run_graph("forward", forward, {"input_ids": ids, "use_cache": False}, comm, seen)
+    with_cache = decode and "past_key_values" in inspect.signature(type(module).forward).parameters
+    # the forward is the prefill when a decode step follows: it leaves the (sharded) KV cache
+    kwargs = {"input_ids": ids, "past_key_values": _empty_cache(config, next(module.parameters()).dtype),
+                                           "use_cache": True} if with_cache \
+        else {"input_ids": ids, "use_cache": False}
+    fwd, prefill = _run_graph("forward", forward, kwargs, comm, seen)
     record = getattr(seen[0].gm, "autotp_solve", None) if seen else None
 
     dec, note, kv_rank, kv_total = None, None, None, None
     if decode:
         try:
-            cache = _decode_cache(config, module, batch, seq_len)
+            cache = getattr(prefill, "past_key_values", None)
+            if cache is None:
+                raise AutoTPError(f"{type(module).__name__}'s forward returned no KV cache")
             new = torch.zeros((batch, 1), dtype=torch.long, device="meta")  # (B, 1)
             first = len(seen)
-            dec = _run_graph("decode", forward, {"input_ids": new, "past_key_values": cache, "use_cache": True},
-                             comm, seen)
+            dec, _ = _run_graph("decode", forward, {"input_ids": new, "past_key_values": cache, "use_cache": True},
+                                comm, seen)
             kv_rank, kv_total = _kv_bytes(seen[first:], tp)
-        except (AutoTPError, SolverError):
+        except SolverError:
             raise
         except Exception as e:  # a model whose decode step does not trace on meta: say so, don't guess
             note = f"decode step not planned ({type(e).__name__}: {str(e).splitlines()[0][:300]})"
@@ -379,14 +386,16 @@ def _check_override_names(module: torch.nn.Module, overrides: Mapping[str, str])
         )
 
 
-def _run_graph(name: str, forward: Any, kwargs: dict[str, Any], comm: Comm, seen: list[_Compiled]) -> GraphReport:
+def _run_graph(name: str, forward: Any, kwargs: dict[str, Any], comm: Comm, seen: list[_Compiled]
+               ) -> tuple[GraphReport, Any]:
     """One compiled call; the graphs it compiled (normally one) make up its report."""
     comm.reset_counts()
     first = len(seen)
     t, cpu = time.perf_counter(), time.process_time()
     try:
         with torch.no_grad():
-            forward(**kwargs)
+            out = forward(**kwargs)
+            out = gather_user_values(out, comm)  # what parallelize_model does on return (logits)
     except torch._dynamo.exc.BackendCompilerFailed as e:  # Dynamo wraps what the backend raised
         inner = e.inner_exception
         if isinstance(inner, AutoTPError):  # keep its own cause (a PassError names the failing pass)
@@ -407,7 +416,7 @@ def _run_graph(name: str, forward: Any, kwargs: dict[str, Any], comm: Comm, seen
             continue
         for key in ("decompose_s", "solve_s", "annotate_s", "decompose_cpu_s", "solve_cpu_s"):
             timings[key] = timings.get(key, 0.0) + rec.timings.get(key, 0.0)
-        sites += _sites(rec)
+        sites += _sites(rec) + _boundary_sites(c.gm, rec, out)
         cost += rec.solution.cost
         if rec.free_cost is not None:
             extra = (extra or 0.0) + rec.solution.cost - rec.free_cost
@@ -416,7 +425,35 @@ def _run_graph(name: str, forward: Any, kwargs: dict[str, Any], comm: Comm, seen
     return GraphReport(name=name, input_shape=shape, collectives=dict(sorted(comm.counts.items())),
                        collective_bytes=dict(sorted(comm.bytes.items())), sites=sites, timings=timings,
                        cost=cost if any(hasattr(c.gm, "autotp_solve") for c in new) else None,
-                       extra_cost_of_overrides=extra)
+                       extra_cost_of_overrides=extra), out
+
+
+def _boundary_sites(gm: torch.fx.GraphModule, record: SolveRecord, result: Any) -> list[dict[str, Any]]:
+    """The all-gathers ``parallelize_model`` issues when the call returns: one per sharded graph
+    output the user reads (the logits), none for the KV-cache entries kept sharded (found by the
+    output path their stand-ins carry)."""
+    cache = getattr(result, "past_key_values", None)
+    kept = {output_path_of(t) for layer in getattr(cache, "layers", []) or []
+            for t in (getattr(layer, "keys", None), getattr(layer, "values", None))}
+    shadow, placements = record.shadow, record.solution.placements
+    output_index = len(shadow.dynamo_nodes) - 1
+    out = []
+    for path, placement, leaf, sub in getattr(gm, "autotp_sharded_outputs", []):
+        if path in kept:
+            continue
+        edge = shadow.edges.get((output_index, leaf, sub))
+        if edge is None:
+            continue
+        producer = edge.args[0]
+        origin = _module_path(shadow.dynamo_nodes[shadow.owner[producer]]) if producer in shadow.owner \
+            else producer.name
+        layer = _LAYER.search("." + origin + ".")
+        val = edge.meta.get("val")
+        out.append({"kind": "all_gather", "src": str(placements.get(producer, placement)), "dst": "R",
+                    "after": origin, "origin": origin, "into": "return (gathered by parallelize_model)",
+                    "layer": int(layer.group(1)) if layer else None,
+                    "global_shape": list(val.shape) if isinstance(val, torch.Tensor) else None})
+    return out
 
 
 def _kv_bytes(compiled: list[_Compiled], tp: int) -> tuple[int | None, int | None]:

@@ -34,7 +34,8 @@ from tests.distributed.test_architectures import BY_ID, CASES, KNOWN_FAILURES, C
 
 BEGIN, END = "<!-- coverage:begin -->", "<!-- coverage:end -->"
 DEEPER = {"t5": {"num_layers": 3, "num_decoder_layers": 3}}
-BLOCK = re.compile(r"^(.*?\.)0\.(.+)\.weight$")  # the first layer's weights: "<stack>.0.<rest>.weight"
+#: the first layer's weights: "<stack>.0.<rest>.weight", where no earlier name part is a number
+BLOCK = re.compile(r"^((?:[A-Za-z_]\w*\.)+)0\.(.+)\.weight$")
 
 
 def plan_summary(plan: dict[str, Any]) -> str:

@@ -20,9 +20,9 @@ from tests._tiny import tiny_config
 #: the tiny Llama at tp=2: one all-reduce after the vocab-parallel embedding, two per block
 #: (after o_proj and after down_proj), one all-gather of the column-parallel logits
 FORWARD = {"all_gather": 1, "all_reduce": 5}
-#: a decode step adds an all-gather of the new keys and one of the new values per layer (the KV
-#: cache is replicated, see docs/architecture.md)
-DECODE = {"all_gather": 5, "all_reduce": 5}
+#: a decode step: the same reductions, and only the new token's logits gathered; the KV cache stays
+#: sharded on kv heads, so no key/value is gathered
+DECODE = {"all_gather": 1, "all_reduce": 5}
 
 
 @pytest.fixture(scope="module")
@@ -78,9 +78,9 @@ def test_a_decode_step_gives_collectives_per_token_and_the_kv_cache_per_rank(rep
     assert report.decode is not None, report.decode_note
     assert report.decode.input_shape == (1, 1)
     assert report.decode.collectives == DECODE
-    # 2 layers x (keys, values) x (B=1, 4 kv heads, 7 positions, head_dim 8) fp32, replicated today
+    # 2 layers x (keys, values) x (B=1, 4 kv heads, 7 positions, head_dim 8) fp32, half the heads per rank
     assert report.kv_cache_bytes_total == 2 * 2 * 4 * 7 * 8 * 4
-    assert report.kv_cache_bytes_per_rank == report.kv_cache_bytes_total
+    assert report.kv_cache_bytes_per_rank == report.kv_cache_bytes_total // 2
 
 
 def test_timings_cover_trace_decompose_and_solve(report: PlanReport) -> None:
@@ -127,7 +127,7 @@ def test_text_and_html_show_the_table_and_the_collectives(report: PlanReport, tm
     assert "model.layers.0.self_attn.o_proj.weight" in text and "rowwise" in text
     assert "layers 1..1: same styles as layer 0" in text
     assert "per decoder block: {'all_reduce': 2}" in text
-    assert "collectives per generated token" in text and "all_gather 5" in text
+    assert "collectives per generated token" in text and "all_gather 1" in text
     page = render_html(report)
     assert page.startswith("<!DOCTYPE html>") and "<script" not in page and "http" not in page
     assert page.count("all_reduce P&rarr;R") == 5 and page.count("all_gather S(2)&rarr;R") == 1

@@ -126,10 +126,11 @@ def decompose(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> ShadowGrap
     makes a model of ``L`` repeated blocks cost one block's tracing plus ``L`` cheap graph copies;
     the whole graph in one functionalized trace (:func:`decompose_whole`) when some node mutates
     a tensor or global state, because only a whole-graph trace sees the aliasing."""
-    try:
-        return decompose_by_node(gm, example_inputs)
-    except NotNodeLocal:
-        return decompose_whole(gm, example_inputs)
+    with torch.set_grad_enabled(torch.is_grad_enabled()):  # a traced grad-mode switch must not leak
+        try:
+            return decompose_by_node(gm, example_inputs)
+        except NotNodeLocal:
+            return decompose_whole(gm, example_inputs)
 
 
 def decompose_whole(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> ShadowGraph:
@@ -194,12 +195,15 @@ _GLOBAL_STATE = ("_set_grad_enabled", "_enter_autocast", "_exit_autocast", "set_
 @dataclass
 class _NodeTrace:
     """One Dynamo node decomposed in isolation: an ATen graph over its flat tensor inputs, and how
-    its flat outputs rebuild the node's value (``None`` in ``spec_values`` = the next graph output)."""
+    its flat outputs rebuild the node's value (:data:`_TENSOR` in ``values`` = the next graph output)."""
 
     graph: torch.fx.GraphModule
     spec: Any
     values: list[Any]
     mutated: frozenset[int] = frozenset()  # positions (among tensor inputs) the node writes in place
+
+
+_TENSOR = object()  # in _NodeTrace.values: "the next tensor output of the trace"
 
 
 class _Ref:
@@ -252,7 +256,7 @@ def _trace_node(n: torch.fx.Node, flat: list[Any], spec: Any, fake_mode: FakeTen
         out = _call(n, args, kwargs)
         out_flat, out_spec = pytree.tree_flatten(out)
         holder["spec"] = out_spec
-        holder["values"] = [None if isinstance(v, Tensor) else v for v in out_flat]
+        holder["values"] = [_TENSOR if isinstance(v, Tensor) else v for v in out_flat]
         return [v for v in out_flat if isinstance(v, Tensor)]
 
     with fake_mode:
@@ -381,7 +385,7 @@ class _NodeByNode:
                 mapping[m] = copy
         result, k = [], 0
         for sub, v in enumerate(traced.values):
-            if v is None:
+            if v is _TENSOR:
                 src = outputs[k]
                 k += 1
                 mk = self.graph.call_function(MARK, (mapping[src], dst, sub))

@@ -1,5 +1,5 @@
-"""Training at tp=2 (gloo, CPU): the loss with ignored labels, every gradient, and an AdamW loss
-curve equal one process.
+"""Training at tp=2 (gloo, CPU): the loss with ignored labels, every gradient, the clipped global
+gradient norm and an AdamW loss curve equal one process.
 
 Tolerance: gradients (gathered from the shards) within atol 1e-5 / rtol 1e-4 of one process, and
 losses within 1e-5 relative: the row-parallel all-reduces reorder fp32 sums (~1e-6 relative).
@@ -31,7 +31,7 @@ def _gathered_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     out = {}
     for name, p in model.named_parameters():
         meta = meta_of(p)
-        grad = p.grad.detach()
+        grad = p.grad.detach().clone()
         if meta is not None and isinstance(meta.placement, Shard):
             parts = [torch.empty_like(grad) for _ in range(dist.get_world_size())]
             dist.all_gather(parts, grad.contiguous())
@@ -48,6 +48,9 @@ def _rank_train(rank: int, world: int, folder: str, steps: int) -> dict:
     loss = model(input_ids=IDS, labels=LABELS).loss
     loss.backward()
     grads = _gathered_grads(model)
+    from autotp import clip_grad_norm_
+
+    norm = float(clip_grad_norm_(model, max_norm=0.5))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     curve = []
     for _ in range(steps):
@@ -56,7 +59,7 @@ def _rank_train(rank: int, world: int, folder: str, steps: int) -> dict:
         step_loss.backward()
         optimizer.step()
         curve.append(float(step_loss.detach()))
-    return {"loss": float(loss.detach()), "grads": grads, "curve": curve}
+    return {"loss": float(loss.detach()), "grads": grads, "curve": curve, "norm": norm}
 
 
 def _reference(folder: Path, steps: int) -> dict:
@@ -67,6 +70,7 @@ def _reference(folder: Path, steps: int) -> dict:
     loss = model(input_ids=IDS, labels=LABELS).loss
     loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.5))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     curve = []
     for _ in range(steps):
@@ -75,7 +79,7 @@ def _reference(folder: Path, steps: int) -> dict:
         step_loss.backward()
         optimizer.step()
         curve.append(float(step_loss.detach()))
-    return {"loss": float(loss.detach()), "grads": grads, "curve": curve}
+    return {"loss": float(loss.detach()), "grads": grads, "curve": curve, "norm": norm}
 
 
 def test_loss_gradients_and_an_adamw_loss_curve_equal_one_process(tmp_path: Path) -> None:
@@ -86,5 +90,6 @@ def test_loss_gradients_and_an_adamw_loss_curve_equal_one_process(tmp_path: Path
         assert set(r["grads"]) == set(ref["grads"])
         for name, grad in ref["grads"].items():
             torch.testing.assert_close(r["grads"][name], grad, atol=1e-5, rtol=1e-4, msg=name)
+        assert r["norm"] == pytest.approx(ref["norm"], rel=1e-5)  # the global norm, not this rank's
         assert r["curve"] == pytest.approx(ref["curve"], rel=1e-5)
         assert r["curve"][-1] < r["curve"][0]  # the optimizer over local shards really trains

@@ -3,6 +3,7 @@ and falls back to the whole-graph trace when a node mutates a tensor."""
 
 from __future__ import annotations
 
+import operator
 from collections import Counter
 from typing import Any
 
@@ -94,6 +95,25 @@ def test_a_node_that_changes_global_state_falls_back_to_the_whole_graph_trace() 
     gm, example = _capture(f, torch.randn(4, 8))
     with pytest.raises(NotNodeLocal, match="global state"):
         decompose_by_node(gm, example)
+    grad_mode = torch.is_grad_enabled()
     shadow = decompose(gm, example)
+    assert torch.is_grad_enabled() == grad_mode  # the traced switch did not leak out
     (out,) = torch.fx.Interpreter(shadow.aten).run(*example)
     torch.testing.assert_close(out, (example[0] * 2).sum(), atol=1e-6, rtol=1e-6)
+
+
+def test_an_index_assignment_returns_nothing_and_pins_its_target() -> None:
+    """``z[idx] = y`` is an ``operator.setitem`` node with no output (MoE routers build inverse
+    permutations this way)."""
+
+    def f(x: torch.Tensor, idx: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        z = x * 2
+        z[idx] = y
+        return z.sum(-1)
+
+    gm, example = _capture(f, torch.randn(4, 8), torch.tensor([0, 2]), torch.randn(2, 8))
+    shadow = decompose_by_node(gm, example)
+    (setitem,) = [n for n in shadow.dynamo_nodes if n.op == "call_function" and n.target is operator.setitem]
+    dyn = shadow.dynamo_nodes.index(setitem)
+    assert shadow.inplace_edges == {shadow.edges[(dyn, 0, 0)]}
+    assert not any(key[0] == dyn for key in shadow.marks)  # nothing produced, nothing marked

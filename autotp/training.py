@@ -1,0 +1,51 @@
+"""Training helpers that must see the whole model, not one rank's shards.
+
+``torch.nn.utils.clip_grad_norm_`` over a rank's ``model.parameters()`` computes the norm of that
+rank's pieces: a sharded parameter contributes only its shard, so the norm (and the clipping) is
+wrong. :func:`clip_grad_norm_` sums the squared shards over the ranks and counts replicated
+parameters once, so every rank gets the global norm one process would compute and scales alike.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from autotp.collectives import Comm, sum_over_ranks
+from autotp.context import meta_of
+from autotp.errors import AutoTPError
+from autotp.placement import Shard
+
+
+def clip_grad_norm_(model: torch.nn.Module, max_norm: float, norm_type: float = 2.0,
+                    parameters: Iterable[torch.nn.Parameter] | None = None) -> torch.Tensor:
+    """Clip the gradients of a model from ``parallelize_model`` to a global ``max_norm`` (L2).
+
+    Returns the global norm before clipping, as ``torch.nn.utils.clip_grad_norm_`` does on one
+    process. ``parameters`` defaults to ``model.parameters()``.
+    """
+    handle = getattr(model, "autotp", None)
+    if handle is None:
+        raise AutoTPError("clip_grad_norm_ needs a model returned by autotp.parallelize_model (it has .autotp)")
+    if float(norm_type) != 2.0:
+        raise AutoTPError(f"clip_grad_norm_ supports the L2 norm (norm_type=2.0), got {norm_type}")
+    comm: Comm = handle.context.comm
+    params = [p for p in (parameters if parameters is not None else model.parameters()) if p.grad is not None]
+    if not params:
+        return torch.tensor(0.0)
+    sharded = torch.zeros((), dtype=torch.float64, device=params[0].grad.device)
+    replicated = torch.zeros_like(sharded)
+    for p in params:
+        square = p.grad.detach().double().pow(2).sum()
+        meta = meta_of(p)
+        if meta is not None and isinstance(meta.placement, Shard):
+            sharded += square
+        else:
+            replicated += square  # the same full gradient on every rank: counted once
+    total = (sum_over_ranks(sharded, comm) + replicated).sqrt()
+    coef = float(max_norm) / (float(total) + 1e-6)
+    if coef < 1.0:
+        for p in params:
+            p.grad.detach().mul_(coef)
+    return total.to(params[0].grad.dtype)
