@@ -83,8 +83,6 @@ KNOWN_FAILURES: dict[str, str] = {
                "and transformers merges them into the stacked 'mlp.experts.gate_up_proj' on load "
                "(conversion_mapping WeightConverter); autotp's checkpoint_key does not, so "
                "parallelize_model raises CheckpointError (see mixtral-compile for the model itself)",
-    "mixtral-compile": "the decompose pass fails on Mixtral's MoE graph (PassError: 'decompose' ... "
-                       "IndexError: list index out of range), before any placement rule runs",
 }
 
 
