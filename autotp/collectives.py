@@ -73,6 +73,7 @@ __all__ = [
     "is_supported",
     "kind_of",
     "redistribute",
+    "reduce_over_ranks",
     "sum_over_ranks",
 ]
 
@@ -242,9 +243,21 @@ def broadcast_object(obj: Any, comm: Comm) -> Any:
 
 def sum_over_ranks(x: Tensor, comm: Comm) -> Tensor:
     """The sum of ``x`` over the group's ranks, on every rank (no autograd; counted as an all-reduce)."""
+    return reduce_over_ranks(x, comm, "sum")
+
+
+def reduce_over_ranks(x: Tensor, comm: Comm, op: str = "sum", *, backward: bool = False) -> Tensor:
+    """Elementwise ``op`` (``"sum"`` or ``"max"``) of ``x`` over the group's ranks, on every rank.
+
+    No autograd: layers that reduce inside their own ``autograd.Function`` (the sharded softmax's
+    row statistics) call it in forward, and with ``backward=True`` in backward, where it is counted
+    under ``Comm.backward_counts``. Counted as an all-reduce.
+    """
+    if op not in ("sum", "max"):
+        raise AutoTPError(f"reduce_over_ranks: op must be 'sum' or 'max', got {op!r}")
     if comm.world_size == 1:
         return x
-    return _all_reduce(x, comm, backward=False)
+    return _all_reduce(x, comm, backward=backward, op=op)
 
 
 def barrier(comm: Comm) -> None:
@@ -275,12 +288,12 @@ def _check_even(x: Tensor, dim: int, n: int, what: str) -> int:
     return size // n
 
 
-def _all_reduce(x: Tensor, comm: Comm, backward: bool) -> Tensor:
-    """Sum over ranks (out of place)."""
+def _all_reduce(x: Tensor, comm: Comm, backward: bool, op: str = "sum") -> Tensor:
+    """Sum (or maximum) over ranks (out of place)."""
     comm._record("all_reduce", x, backward)
     out = x.clone(memory_format=torch.contiguous_format)
     if not comm.simulated:
-        dist.all_reduce(out, group=comm.group)
+        dist.all_reduce(out, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=comm.group)
     return out
 
 

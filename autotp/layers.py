@@ -12,10 +12,24 @@ a layer, so the plan's collectives are exactly the ``Redistribute`` modules in t
   ``Redistribute(P, R)`` (forward all-reduce, backward identity).
 * Vocab-parallel embedding: rows ``[vocab_start, vocab_end)`` of the table on each rank; ids
   outside the range look up zeros, so the output is ``P``, made ``R`` by a ``Redistribute(P, R)``.
+* Vocab-parallel cross-entropy: the logits stay ``S(class dim)``; :class:`ShardedSoftmax`
+  normalizes each rank's chunk with the whole rows' max and sum-exp, :class:`VocabGather` picks the
+  target log-probabilities a rank holds (zeros for the others), and :class:`VocabParallelLoss`
+  combines them into this rank's summand of the loss (``P``, all-reduced by the usual
+  ``Redistribute(P, R)``): O(rows) bytes cross the wire instead of the full logits.
+
+The one exception to "no communication inside a layer" is :class:`ShardedSoftmax`: a softmax over
+a sharded dim needs the rows' statistics, so it all-reduces them itself (two in forward, one in
+backward, each one value per row). The solver prices them (``Candidate.collectives``), the plan's
+collective counts include them, and the calls are still made in :mod:`autotp.collectives`.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
+import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from autotp import collectives
@@ -23,7 +37,8 @@ from autotp.collectives import Comm
 from autotp.errors import AutoTPError
 from autotp.placement import Placement
 
-__all__ = ["Redistribute", "VocabParallelEmbedding", "vocab_range"]
+__all__ = ["Redistribute", "ShardedSoftmax", "VocabGather", "VocabParallelEmbedding", "VocabParallelLoss",
+           "vocab_range"]
 
 
 class Redistribute(nn.Module):
@@ -131,3 +146,184 @@ class VocabParallelEmbedding(nn.Module):
             text += f", padding_idx={self.padding_idx} (local {self.local_padding_idx})"
         return text + ", output=P"
 
+
+
+class _ShardedSoftmaxFunction(torch.autograd.Function):
+    """(Log-)softmax along a dim whose chunks live on different ranks.
+
+    Forward: the row maximum and the row sum of ``exp(x - max)`` are all-reduced (max, then sum),
+    and each rank normalizes its chunk. Backward (``y`` the output, ``g`` its gradient, both this
+    rank's chunk): softmax ``dx = y * (g - sum(g * y))``, log-softmax ``dx = g - exp(y) * sum(g)``,
+    where the row sums run over the whole row, so they are all-reduced too (one, in backward).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, dim: int, log: bool, comm: Comm) -> Tensor:
+        from autotp.ops.norm import softmax_from_stats
+
+        with torch.no_grad():
+            row_max = collectives.reduce_over_ranks(x.amax(dim, keepdim=True), comm, "max")
+            row_sum = collectives.reduce_over_ranks((x - row_max).exp().sum(dim, keepdim=True), comm, "sum")
+        out = softmax_from_stats(x, dim, row_max, row_sum, log)
+        ctx.save_for_backward(out)
+        ctx.dim, ctx.log, ctx.comm = dim, log, comm
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None, None, None]:
+        (out,) = ctx.saved_tensors
+        if ctx.log:
+            total = collectives.reduce_over_ranks(grad.sum(ctx.dim, keepdim=True), ctx.comm, "sum", backward=True)
+            return grad - out.exp() * total, None, None, None
+        total = collectives.reduce_over_ranks((grad * out).sum(ctx.dim, keepdim=True), ctx.comm, "sum",
+                                              backward=True)
+        return out * (grad - total), None, None, None
+
+
+class ShardedSoftmax(nn.Module):
+    """``softmax`` / ``log_softmax`` over ``dim`` of a tensor sharded along ``dim``: output ``S(dim)``.
+
+    ``dtype`` casts the input first, as ``F.softmax(x, dim, dtype=...)`` does.
+    """
+
+    def __init__(self, dim: int, log: bool, comm: Comm, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.dim, self.log, self.comm, self.dtype = dim, log, comm, dtype
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.dtype is not None:
+            x = x.to(self.dtype)
+        return _ShardedSoftmaxFunction.apply(x, self.dim, self.log, self.comm)
+
+    def extra_repr(self) -> str:
+        return f"{'log_softmax' if self.log else 'softmax'}, dim={self.dim}, all_reduce x2 (row max, row sum)"
+
+
+class VocabGather(nn.Module):
+    """``gather(x, dim, index)`` with ``x`` split evenly along ``dim``: output ``P`` (this rank's
+    picks, zeros where the index falls on another rank)."""
+
+    def __init__(self, dim: int, rank: int) -> None:
+        super().__init__()
+        self.dim, self.rank = dim, rank
+
+    def forward(self, x: Tensor, index: Tensor) -> Tensor:
+        from autotp.ops.indexing import vocab_gather
+
+        dim = self.dim % x.dim()
+        return vocab_gather(x, dim, index, self.rank * x.shape[dim])
+
+
+class VocabParallelLoss(nn.Module):
+    """This rank's summand of ``F.cross_entropy`` / ``F.nll_loss`` over class-sharded scores.
+
+    ``input`` is this rank's chunk of the classes: logits for cross-entropy (normalized here by
+    :class:`ShardedSoftmax`) or log-probabilities for ``nll_loss`` (``from_logits=False``). Class
+    indices, ``ignore_index``, class ``weight`` (whole, Replicate), ``label_smoothing``, class
+    probabilities as targets (sharded like ``input``) and every ``reduction`` follow torch's
+    definitions term by term, so the ranks' results sum to the one-process loss. The denominators
+    (valid targets, their weights) come from the replicated targets, identical on every rank. The
+    class weight arrives as the solver placed it: whole (``R``) or, with ``weight_sharded``, this
+    rank's chunk of the classes (then only ``sum``/``none`` reductions, which need no denominator).
+
+    With ``classes_sharded=False`` the input is split along another dim (rows, ``rows_per_rank``
+    ranks' worth of them in the whole batch): each rank's loss is a plain local loss over its rows,
+    and only the constant denominator of a ``mean`` over probability targets (the row count, which
+    torch derives from the local shape) is scaled to the global one. A ``mean`` over class indices
+    divides by the number of valid targets, a partial sum the solver never plans to divide by.
+    """
+
+    def __init__(self, comm: Comm, *, from_logits: bool, ignore_index: int = -100, reduction: str = "mean",
+                 label_smoothing: float = 0.0, weight_sharded: bool = False, classes_sharded: bool = True,
+                 rows_per_rank: int = 1) -> None:
+        super().__init__()
+        if reduction not in ("mean", "sum", "none"):
+            raise AutoTPError(f"cross_entropy reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+        if weight_sharded and reduction == "mean":
+            # the mean divides by the weights of all targets, which a rank holding a chunk lacks;
+            # the solver never plans it (the division of two partial sums is infeasible)
+            raise AutoTPError("a class-sharded weight cannot be used with reduction='mean'")
+        self.comm, self.from_logits = comm, from_logits
+        self.ignore_index, self.reduction, self.label_smoothing = ignore_index, reduction, label_smoothing
+        self.weight_sharded, self.classes_sharded, self.rows_per_rank = weight_sharded, classes_sharded, rows_per_rank
+
+    def forward(self, input: Tensor, target: Tensor, weight: Tensor | None = None) -> Tensor:
+        class_dim = 0 if input.dim() == 1 else 1
+        if not self.classes_sharded:
+            return self._rows_sharded(input, target, weight, class_dim)
+        logp = _ShardedSoftmaxFunction.apply(input, class_dim, True, self.comm) if self.from_logits else input
+        local_classes = input.shape[class_dim]
+        start = self.comm.rank * local_classes
+        if target.is_floating_point():
+            return self._probability_targets(logp, target, weight, class_dim, start)
+        valid = target != self.ignore_index
+        safe_target = target.masked_fill(~valid, 0)
+        # (N, C/n, ...) -> (N, ...): this rank's log-probability of each target it holds, else 0
+        picked = VocabGather(class_dim, self.comm.rank)(logp, safe_target.unsqueeze(class_dim)).squeeze(class_dim)
+        if weight is None:
+            target_weight = valid.to(logp.dtype)
+        elif self.weight_sharded:  # this rank's targets' weights (zeros elsewhere, where picked is 0 too)
+            target_weight = VocabGather(0, self.comm.rank)(weight, safe_target.flatten()).view_as(safe_target) * valid
+        else:
+            target_weight = weight[safe_target] * valid
+        nll = -picked * target_weight
+        if self.reduction == "mean":
+            nll = nll.sum() / target_weight.sum()
+        elif self.reduction == "sum":
+            nll = nll.sum()
+        if not self.label_smoothing:
+            return nll
+        if weight is not None:
+            shape = [1] * logp.dim()
+            shape[class_dim] = local_classes
+            smooth = -(logp * self._local_weight(weight, start, local_classes).view(shape)).sum(class_dim)
+        else:
+            smooth = -logp.sum(class_dim)
+        smooth = smooth.masked_fill(~valid, 0)
+        if self.reduction == "mean":
+            smooth = smooth.sum() / (target_weight.sum() if weight is not None else valid.sum())
+        elif self.reduction == "sum":
+            smooth = smooth.sum()
+        classes = local_classes * self.comm.world_size
+        return (1 - self.label_smoothing) * nll + smooth * (self.label_smoothing / classes)
+
+    def _rows_sharded(self, input: Tensor, target: Tensor, weight: Tensor | None, class_dim: int) -> Tensor:
+        """Rows split across ranks, classes whole: the local loss, with a global row count."""
+        if not target.is_floating_point():
+            if self.reduction == "mean":
+                raise AutoTPError("a mean over class-index targets split by rows needs the global count of valid "
+                                  "targets; this plan should not have been made (please report it)")
+            loss_fn = F.cross_entropy if self.from_logits else F.nll_loss
+            kwargs = {"label_smoothing": self.label_smoothing} if self.from_logits else {}
+            return loss_fn(input, target, weight, ignore_index=self.ignore_index, reduction=self.reduction, **kwargs)
+        logp = input.log_softmax(class_dim) if self.from_logits else input
+        return self._probability_targets(logp, target, weight, class_dim, 0)
+
+    def _probability_targets(self, logp: Tensor, target: Tensor, weight: Tensor | None, class_dim: int,
+                             start: int) -> Tensor:
+        """Class probabilities as targets (sharded like ``logp``): ``-sum_c w_c t_c log p_c``."""
+        local_classes = logp.shape[class_dim]
+        classes = local_classes * self.comm.world_size if self.classes_sharded else local_classes
+        if self.label_smoothing:
+            target = target * (1 - self.label_smoothing) + self.label_smoothing / classes
+        terms = logp * target
+        if weight is not None:
+            shape = [1] * logp.dim()
+            shape[class_dim] = local_classes
+            terms = terms * self._local_weight(weight, start, local_classes).view(shape)
+        loss = -terms.sum(class_dim)
+        if self.reduction == "mean":  # torch divides by the number of rows: numel / classes
+            return loss.sum() / (logp.numel() // local_classes * self.rows_per_rank)
+        if self.reduction == "sum":
+            return loss.sum()
+        return loss
+
+    def _local_weight(self, weight: Tensor, start: int, local_classes: int) -> Tensor:
+        """The class weights of this rank's classes."""
+        return weight if self.weight_sharded or not self.classes_sharded else weight[start:start + local_classes]
+
+    def extra_repr(self) -> str:
+        kind = "cross_entropy" if self.from_logits else "nll_loss"
+        split = "classes sharded (vocab-parallel)" if self.classes_sharded else "rows sharded"
+        return (f"{kind}, {split}, ignore_index={self.ignore_index}, reduction={self.reduction}, "
+                f"label_smoothing={self.label_smoothing}, output=P")

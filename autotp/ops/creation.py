@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from autotp.ops._common import R, aten_ops, same
+from autotp.ops._common import P, R, aten_ops, is_float, out_spec, same
 from autotp.ops.registry import Candidate, OpCall, register, reject
 from autotp.placement import Placement, Replicate, Shard
 
@@ -28,10 +28,30 @@ from autotp.placement import Placement, Replicate, Shard
     "randperm.default", "eye.default", "linspace.default",
 ))
 def factory_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate]:
-    """A factory with no tensor inputs builds the whole tensor on every rank."""
+    """A factory with no tensor inputs builds the whole tensor on every rank. A floating tensor of
+    zeros is also a valid Partial (zeros on every rank sum to zeros): offered so that the zero
+    branch of ``where(mask, partial, 0)`` keeps a masked partial sum partial."""
     if any(not isinstance(p, Replicate) for p in inputs):
         return reject("factory ops take only Replicate tensor inputs")
+    if _builds_float_zeros(op):
+        return [Candidate(R), Candidate(P)]
     return same(R)
+
+
+def _builds_float_zeros(op: OpCall) -> bool:
+    spec = out_spec(op)
+    if spec is None or not is_float(spec.dtype):
+        return False
+    name = op.target.name() if hasattr(op.target, "name") else str(op.target)
+    if name.startswith("aten::zeros"):
+        return True
+    if name.startswith("aten::scalar_tensor"):
+        value = op.arg(0, "s")
+    elif name.startswith("aten::full"):
+        value = op.arg(1, "fill_value")
+    else:
+        return False
+    return isinstance(value, (int, float, bool)) and value == 0
 
 
 @register(*aten_ops("new_zeros.default", "new_ones.default", "new_full.default", "new_empty.default",

@@ -27,6 +27,8 @@ from autotp.ops._common import P, R, aten_ops, out_is_float, same
 from autotp.ops.registry import Candidate, OpCall, register, register_local, reject
 from autotp.placement import Partial, Placement, Replicate, Shard
 
+VOCAB_PARALLEL = "vocab_parallel"
+
 
 def vocab_parallel_embedding(indices: torch.Tensor, weight_local: torch.Tensor, vocab_start: int,
                              padding_idx: int | None = None) -> torch.Tensor:
@@ -47,7 +49,7 @@ def vocab_parallel_embedding(indices: torch.Tensor, weight_local: torch.Tensor, 
     return out.masked_fill(outside.unsqueeze(-1), 0)
 
 
-@register_local("vocab_parallel")
+@register_local(VOCAB_PARALLEL)
 def vocab_parallel_local(target: Any, args: tuple, kwargs: dict, in_placements: Sequence[Any],
                          out_placement: Any, rank: int, world_size: int) -> torch.Tensor:
     """``aten.embedding(weight_local, indices, padding_idx=-1, ...)`` on a vocab-sharded weight."""
@@ -75,4 +77,4 @@ def embedding_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candi
         return reject("embedding tables are sharded by rows (vocab) only; see the module docstring")
     if not out_is_float(op):
         return reject("a vocab-parallel lookup must be floating to be Partial")
-    return [Candidate(P, local="vocab_parallel")]
+    return [Candidate(P, local=VOCAB_PARALLEL)]

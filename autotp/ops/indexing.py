@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from autotp.ops._common import P, R, aten_ops, out_len, out_spec, same, shift_after_removal
+from autotp.ops._common import P, R, aten_ops, is_float, out_len, out_spec, same, shift_after_removal
 from autotp.ops.registry import OWN, Candidate, OpCall, TensorSpec, register, register_local, reject
 from autotp.placement import Partial, Placement, Replicate, Shard, StridedShard, normalize_dim
 
@@ -126,9 +126,36 @@ def index_select_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Ca
     return same(px)
 
 
+VOCAB_GATHER = "vocab_gather"
+
+
+def vocab_gather(x_local: torch.Tensor, dim: int, index: torch.Tensor, start: int) -> torch.Tensor:
+    """``gather(x, dim, index)`` on the chunk ``[start, start + x_local.shape[dim])`` of ``x`` along
+    ``dim``: indices this rank holds read their value, the others give 0, so the ranks' results sum
+    to the full gather (the vocab-parallel pick of target log-probabilities). Shapes: x_local
+    (..., C/N, ...), index (..., k, ...) -> (..., k, ...)."""
+    size = x_local.shape[dim]
+    local = index - start
+    owned = (local >= 0) & (local < size)
+    picked = torch.gather(x_local, dim, local.clamp(0, max(size - 1, 0)))
+    return picked.masked_fill(~owned, 0)
+
+
+@register_local(VOCAB_GATHER)
+def vocab_gather_local(target: Any, args: tuple, kwargs: dict, in_placements: Sequence[Any],
+                       out_placement: Any, rank: int, world_size: int) -> torch.Tensor:
+    """``aten.gather(x_local, dim, index)`` with ``x`` sharded (evenly) along ``dim``."""
+    x, dim, index = args[0], args[1], args[2]
+    dim = normalize_dim(dim, x.ndim)
+    return vocab_gather(x, dim, index, rank * x.shape[dim])
+
+
 @register(*aten_ops("gather.default"))
 def gather_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate]:
-    """gather(x, dim, index): output has index's shape; out[..i..] = x[..index[..i..]..] on ``dim``."""
+    """gather(x, dim, index): output has index's shape; out[..i..] = x[..index[..i..]..] on ``dim``.
+
+    A source sharded along ``dim`` itself with a Replicate index gives Partial through the
+    ``vocab_gather`` rewrite (each rank reads the indices it holds, zeros elsewhere)."""
     px, pi = inputs
     x, index = op.tensor_inputs
     dim = normalize_dim(op.arg(1, "dim"), x.ndim)
@@ -143,7 +170,9 @@ def gather_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidat
             return reject(f"index sharded on dim {pi.dim} needs the source sharded there too")
         return same(pi)
     if px.dim == dim:
-        return reject(f"gather along sharded dim {dim}")
+        if isinstance(pi, Replicate) and is_float(x.dtype):
+            return [Candidate(P, local=VOCAB_GATHER)]
+        return reject(f"gather along sharded dim {dim} needs a Replicate index and a floating source")
     if pi == px and index.shape[px.dim] == x.shape[px.dim]:
         return same(px)
     return reject(f"gather with source {px} needs the index sharded the same way at full size")

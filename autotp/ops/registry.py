@@ -23,6 +23,7 @@ with :func:`register_local`; the runtime equivalents live in ``autotp/passes/rew
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -84,10 +85,17 @@ class OpCall:
 
 @dataclass(frozen=True)
 class Candidate:
-    """One output placement a rule can produce, and the local rewrite it needs (if any)."""
+    """One output placement a rule can produce, and the local rewrite it needs (if any).
+
+    ``collectives`` lists the collectives the local rewrite itself issues, as ``(kind, bytes)``
+    with the bytes each rank hands over (a softmax over a sharded dim all-reduces its row maxima
+    and sums). The solver adds their cost to the candidate's; placement changes between nodes are
+    never listed here (the solver prices those on the edges).
+    """
 
     output: PlacementOut
     local: str | None = None
+    collectives: tuple[tuple[str, int], ...] = ()
 
 
 class Rejected(list):
@@ -107,6 +115,7 @@ LocalImpl = Callable[..., Any]
 
 _RULES: dict[Any, Rule] = {}
 _LOCALS: dict[str, LocalImpl] = {}
+_ACROSS_RANKS: set[str] = set()
 
 
 #: ``register(..., strided=POINTWISE)``: the op treats the sharded dim position by position (the
@@ -187,24 +196,35 @@ def _pointwise_strided(fn: Rule, op: OpCall, inputs: Sequence[Placement]) -> lis
             placed = restride(c.output, outs[0])
             if placed is None and c.output is not None:
                 continue
-        out.append(Candidate(placed, c.local))
+        out.append(dataclasses.replace(c, output=placed))
     return out if out else reject(f"a fused shard {segs} does not survive {op.target}")
 
 
-def register_local(name: str) -> Callable[[LocalImpl], LocalImpl]:
+def register_local(name: str, *, across_ranks: bool = False) -> Callable[[LocalImpl], LocalImpl]:
     """Register the ATen-level local implementation of a local rewrite (used by ground-truth tests).
 
     Signature: ``impl(target, args, kwargs, in_placements, out_placement, rank, world_size)`` where
-    ``args``/``kwargs`` hold this rank's local tensors.
+    ``args``/``kwargs`` hold this rank's local tensors. A rewrite that communicates (its candidates
+    list ``collectives``) registers with ``across_ranks=True`` and runs all ranks in lockstep:
+    ``impl(target, rank_args, rank_kwargs, in_placements, out_placement, world_size)`` with one
+    ``args`` / ``kwargs`` per rank, returning one result per rank.
     """
 
     def deco(fn: LocalImpl) -> LocalImpl:
         if name in _LOCALS:
             raise ValueError(f"duplicate local implementation {name!r}")
         _LOCALS[name] = fn
+        if across_ranks:
+            _ACROSS_RANKS.add(name)
         return fn
 
     return deco
+
+
+def local_impl_is_across_ranks(name: str) -> bool:
+    """Whether the local implementation ``name`` runs all ranks at once (see :func:`register_local`)."""
+    _ensure_loaded()
+    return name in _ACROSS_RANKS
 
 
 def lookup(target: Any) -> Rule | None:

@@ -14,11 +14,16 @@
   view / reshape / expand calls (or a runtime size tuple, by a node that divides it);
   ``vocab_parallel`` swaps ``F.embedding`` for :class:`~autotp.layers.VocabParallelEmbedding`;
   ``replicated_share`` divides the Replicate summands of an add / bias whose result is Partial by
-  N; ``split_sizes`` / ``slice_bounds`` cut a fused (strided) shard into its segments locally. A local rewrite autotp cannot apply to a node is an error, never silently skipped.
+  N; ``split_sizes`` / ``slice_bounds`` cut a fused (strided) shard into its segments locally;
+  ``sharded_softmax`` / ``vocab_gather`` swap a softmax, a gather or a cross-entropy / nll loss
+  over a sharded class dim for :class:`~autotp.layers.ShardedSoftmax`,
+  :class:`~autotp.layers.VocabGather` or :class:`~autotp.layers.VocabParallelLoss` (on the Dynamo
+  targets listed in ``autotp/passes/hosts.py``). A local rewrite autotp cannot apply to a node is an error, never silently skipped.
 """
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import operator
 from collections import Counter
@@ -28,14 +33,17 @@ from typing import Any
 import torch
 import torch.fx
 import torch.nn.functional as F
+from torch.nn._reduction import legacy_get_string
 
 from autotp.collectives import Comm, kind_of
 from autotp.errors import PassError
-from autotp.layers import Redistribute, VocabParallelEmbedding
+from autotp.layers import Redistribute, ShardedSoftmax, VocabGather, VocabParallelEmbedding, VocabParallelLoss
 from autotp.ops.elementwise import REPLICATED_SHARE
-from autotp.ops.indexing import SLICE_BOUNDS, SPLIT_SIZES, localize_bounds
+from autotp.ops.indexing import SLICE_BOUNDS, SPLIT_SIZES, VOCAB_GATHER, localize_bounds
+from autotp.ops.norm import SHARDED_SOFTMAX
 from autotp.ops.shape import localize_sizes
 from autotp.passes.annotate import Annotation
+from autotp.passes.hosts import GATHER_FUNCTIONS, SOFTMAX_FUNCTIONS, SOFTMAX_METHODS
 from autotp.placement import Replicate, Shard
 
 SHAPE_METHODS = {"view", "reshape", "expand", "new_empty", "new_zeros", "new_ones"}
@@ -135,7 +143,10 @@ def rewrite(gm: torch.fx.GraphModule, annotation: Annotation, params: dict[torch
         # 3. local rewrites
         if _globalize_size_query(n, plan, comm.world_size):
             report.local_rewrites["global_size"] += 1
-        for tag in sorted(plan.local):
+        replacing = plan.local & {SHARDED_SOFTMAX, VOCAB_GATHER}
+        if replacing or _loss_with_sharded_rows(n, plan):
+            _apply_sharded_classes(gm, n, replacing, plan, comm, report)
+        for tag in sorted(plan.local - replacing):
             if tag == REPLICATED_SHARE:
                 _share_replicated_terms(n, plan, comm.world_size)
                 report.local_rewrites[tag] += 1
@@ -218,6 +229,77 @@ def _apply_local(gm: torch.fx.GraphModule, n: torch.fx.Node, tag: str, out: Any,
         report.local_rewrites["vocab_parallel"] += 1
         return
     raise PassError(f"unknown local rewrite {tag!r} requested for node {n.name}")
+
+
+def _loss_with_sharded_rows(n: torch.fx.Node, plan: Any) -> bool:
+    """A cross-entropy / nll loss whose input arrives split along a dim other than the classes: run
+    locally it would divide a ``mean`` by the local row count, so it is replaced too."""
+    if n.op != "call_function" or n.target not in (F.cross_entropy, F.nll_loss):
+        return False
+    x = n.args[0] if n.args else n.kwargs.get("input")
+    placement = _arrival(n, plan, x)
+    while isinstance(x, torch.fx.Node) and x.op == "call_module" and str(x.target).startswith("autotp_redistribute"):
+        x = x.args[0]  # the value before the inserted collective, which carries Dynamo's example value
+    value = x.meta.get("example_value") if isinstance(x, torch.fx.Node) else None
+    class_dim = 0 if isinstance(value, torch.Tensor) and value.dim() == 1 else 1
+    return isinstance(placement, Shard) and placement.dim != class_dim
+
+
+def _arrival(n: torch.fx.Node, plan: Any, arg: Any) -> Any:
+    """The placement the node receives ``arg`` (one of its node arguments) in."""
+    for k, leaf in enumerate(_leaf_nodes(n)):
+        if leaf is arg and (k, 0) in plan.edges:
+            return plan.edges[(k, 0)].dst
+    return None
+
+
+def _apply_sharded_classes(gm: torch.fx.GraphModule, n: torch.fx.Node, tags: set[str], plan: Any, comm: Comm,
+                           report: RewriteReport) -> None:
+    """Local rewrites ``sharded_softmax`` / ``vocab_gather``: replace a softmax, a gather or a loss
+    whose class dim is sharded by its parallel layer (``autotp/layers.py``); the hosts are listed in
+    ``autotp/passes/hosts.py``, and the solver only picks these rewrites on those nodes."""
+    if n.op == "call_function" and n.target in (F.cross_entropy, F.nll_loss):
+        bound = inspect.signature(n.target).bind(*n.args, **n.kwargs).arguments
+        reduction = bound.get("reduction", "mean")
+        if bound.get("size_average") is not None or bound.get("reduce") is not None:
+            reduction = legacy_get_string(bound.get("size_average"), bound.get("reduce"))
+        weight = bound.get("weight")
+        weight_sharded = weight is not None and isinstance(_arrival(n, plan, weight), Shard)
+        module: torch.nn.Module = VocabParallelLoss(
+            comm, from_logits=n.target is F.cross_entropy, ignore_index=bound.get("ignore_index", -100),
+            reduction=reduction, label_smoothing=bound.get("label_smoothing", 0.0), weight_sharded=weight_sharded,
+            classes_sharded=bool(tags), rows_per_rank=1 if tags else comm.world_size)
+        args = (bound["input"], bound["target"]) + ((bound["weight"],) if bound.get("weight") is not None else ())
+        kind = n.target.__name__
+    elif n.op == "call_function" and n.target in SOFTMAX_FUNCTIONS or n.op == "call_method" and n.target in SOFTMAX_METHODS:
+        log = SOFTMAX_FUNCTIONS[n.target] if n.op == "call_function" else SOFTMAX_METHODS[n.target]
+        x = n.args[0] if n.args else n.kwargs["input"]
+        dim = n.args[1] if len(n.args) > 1 else n.kwargs.get("dim")
+        dtype = n.kwargs.get("dtype")
+        if dtype is None and len(n.args) > 2 and isinstance(n.args[-1], torch.dtype):
+            dtype = n.args[-1]
+        if not isinstance(dim, int):
+            raise PassError(f"node {n.name}: a softmax over a sharded dim needs an explicit integer dim, got {dim!r}")
+        module, args, kind = ShardedSoftmax(dim, log, comm, dtype), (x,), "log_softmax" if log else "softmax"
+    elif n.op == "call_function" and n.target in GATHER_FUNCTIONS or n.op == "call_method" and n.target == "gather":
+        x = n.args[0] if n.args else n.kwargs["input"]
+        dim = n.args[1] if len(n.args) > 1 else n.kwargs["dim"]
+        index = n.args[2] if len(n.args) > 2 else n.kwargs["index"]
+        module, args, kind = VocabGather(dim, comm.rank), (x, index), "gather"
+    else:
+        raise PassError(f"node {n.name} ({n.target}) needs the local rewrites {sorted(tags)}, which autotp "
+                        "applies only to the hosts in autotp/passes/hosts.py")
+    name = f"autotp_sharded_{kind}_{n.name}"
+    gm.add_submodule(name, module)
+    with gm.graph.inserting_before(n):
+        new = gm.graph.call_module(name, args)
+    new.meta = dict(n.meta)
+    n.replace_all_uses_with(new)
+    gm.graph.erase_node(n)
+    if SHARDED_SOFTMAX in tags:
+        report.collectives["all_reduce"] += 2  # the row max and the row sum (ShardedSoftmax)
+    for tag in sorted(tags):
+        report.local_rewrites[tag] += 1
 
 
 #: Dynamo targets whose tensor arguments are all plain summands of the result

@@ -60,8 +60,9 @@ import torch.fx
 
 from autotp.collectives import cost_bytes, kind_of
 from autotp.errors import SolverError
-from autotp.ops.registry import Candidate, OpCall, TensorSpec, lookup
+from autotp.ops.registry import Candidate, OpCall, TensorSpec, lookup, reject
 from autotp.passes.decompose import EDGE, MARK, ShadowGraph
+from autotp.passes.hosts import hosted_tags, needs_host
 from autotp.placement import Partial, Placement, R, Replicate, Shard, StridedShard, shard_candidates
 
 LATENCY_BYTES = 4096.0  # one collective's fixed cost, in byte-equivalents
@@ -190,12 +191,14 @@ def edge_cost(src: Placement, dst: Placement, spec: TensorSpec, opts: SolverOpti
 class _Step:
     """Static facts about one ATen node, computed once."""
 
-    __slots__ = ("index", "node", "kind", "inputs", "opcall", "rule", "spec", "is_output_edge", "owner")
+    __slots__ = ("index", "node", "kind", "inputs", "opcall", "rule", "spec", "is_output_edge", "owner", "hosts")
 
     def __init__(self, index: int, node: torch.fx.Node, kind: str, inputs: list[int], opcall: OpCall | None,
-                 rule: Any, spec: Any, is_output_edge: bool, owner: str) -> None:
+                 rule: Any, spec: Any, is_output_edge: bool, owner: str, hosts: frozenset[str] = frozenset()) -> None:
         self.index, self.node, self.kind, self.inputs = index, node, kind, inputs
         self.opcall, self.rule, self.spec, self.is_output_edge, self.owner = opcall, rule, spec, is_output_edge, owner
+        #: the function-replacing local rewrites the owning Dynamo node can carry out (passes/hosts.py)
+        self.hosts = hosts
 
 
 def solve(shadow: ShadowGraph, opts: SolverOptions, fixed: dict[torch.fx.Node, Placement],
@@ -224,6 +227,7 @@ def solve(shadow: ShadowGraph, opts: SolverOptions, fixed: dict[torch.fx.Node, P
             ins = [index[n.args[0]]]
         spec = _spec(n.meta.get("val"))
         owner = dyn_names[shadow.owner[n]] if n in shadow.owner else "?"
+        hosts = hosted_tags(shadow.dynamo_nodes[shadow.owner[n]]) if n in shadow.owner else frozenset()
         if n.target is EDGE:
             kind, opcall, rule = "edge", None, None
         elif n.target is MARK:
@@ -237,7 +241,7 @@ def solve(shadow: ShadowGraph, opts: SolverOptions, fixed: dict[torch.fx.Node, P
             if rule is None:
                 trace.unknown_ops[str(n.target)] = trace.unknown_ops.get(str(n.target), 0) + 1
         is_out = kind == "edge" and n.args[1] == output_dyn
-        steps.append(_Step(i, n, kind, ins, opcall, rule, spec, is_out, owner))
+        steps.append(_Step(i, n, kind, ins, opcall, rule, spec, is_out, owner, hosts))
 
     steps = _schedule(steps)
     position = {s.index: k for k, s in enumerate(steps)}
@@ -503,13 +507,16 @@ class _Search:
     def deferred(self, key: tuple) -> float:
         """Ranking heuristic for the beam (never part of the cost): a live Partial value must be
         reduced some day, at least by a reduce-scatter of its size; without this, states that
-        postpone a reduction look cheaper than they are and crowd the others out."""
+        postpone a reduction look cheaper than they are and crowd the others out. One-element
+        Partials are left out: they are mostly zero constants (``where(mask, partial, 0)``), which
+        are never reduced, and would otherwise crowd out the plans that use them."""
         total = 0.0
         for j, p in key:
             if isinstance(p, Pending):
                 p = p.src
-            if isinstance(p, Partial) and isinstance(self.spec_of.get(j), TensorSpec):
-                total += edge_cost(p, Shard(0), self.spec_of[j], self.opts)
+            spec = self.spec_of.get(j)
+            if isinstance(p, Partial) and isinstance(spec, TensorSpec) and spec.numel > 1:
+                total += edge_cost(p, Shard(0), spec, self.opts)
         return total
 
     def placement(self, live: dict, j: int) -> Any:
@@ -568,7 +575,8 @@ class _Search:
         pending = sorted({j for j, p in zip(step.inputs, ins, strict=True) if isinstance(p, Pending)})
         if not pending:
             cands = self.rule(step, tuple(ins))
-            return [_Option(c.output, local=c.local) for c in cands], getattr(cands, "reason", None)
+            return [_Option(c.output, cost=self.internal_cost(c), local=c.local) for c in cands], \
+                getattr(cands, "reason", None)
         full = [[(q, self.resolve_cost(j, live[j], q))
                  for q in edge_targets(live[j].src, self.spec_of[j], self.opts.world_size)] for j in pending]
         return self.combos(step, ins, pending, full, skip=None)
@@ -589,8 +597,14 @@ class _Search:
                 continue
             extra = sum(c for _, c in combo)
             resolved = tuple((j, chosen[j][0]) for j in pending)
-            out.extend(_Option(c.output, cost=extra, local=c.local, resolved=resolved) for c in cands)
+            out.extend(_Option(c.output, cost=extra + self.internal_cost(c), local=c.local, resolved=resolved)
+                       for c in cands)
         return out, reason
+
+    def internal_cost(self, c: Candidate) -> float:
+        """The cost of the collectives a candidate's local rewrite issues itself (all-reduces)."""
+        return sum((cost_bytes(Partial(), R, nbytes, self.opts.world_size) + LATENCY_BYTES) / max(self.opts.tokens, 1)
+                   for _, nbytes in c.collectives)
 
     def rule(self, step: _Step, ins: tuple) -> list[Candidate]:
         key = (step.index, ins)
@@ -673,10 +687,15 @@ def _candidates(step: _Step, ins: tuple) -> list[Candidate]:
         if all(p is None or isinstance(p, Replicate) for p in ins):
             out = tuple(R if s is not None else None for s in step.spec) if isinstance(step.spec, tuple) else R
             return [Candidate(out)]
-        from autotp.ops.registry import reject
-
         return reject(f"no rule for {step.node.target}: replicated, so every input must be R")
-    return step.rule(step.opcall, ins)
+    cands = step.rule(step.opcall, ins)
+    if not any(needs_host(c.local) and c.local not in step.hosts for c in cands):
+        return cands
+    kept = [c for c in cands if not needs_host(c.local) or c.local in step.hosts]
+    if kept:
+        return kept
+    tags = sorted({c.local for c in cands})
+    return reject(f"needs the local rewrite {tags}, which Dynamo node {step.owner} cannot carry out")
 
 
 def _record_decisions(steps: list[_Step], placements: dict, local: dict, trace: SolveTrace,

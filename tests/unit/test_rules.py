@@ -266,6 +266,8 @@ sample(aten.masked_fill.Scalar, f(6, 4, 3), bools(6, 4, 3), -INF)
 sample(aten.masked_fill.Tensor, f(6, 4, 3), bools(6, 1, 3), torch.tensor(0.5))
 sample(aten.copy.default, f(6, 4), f(4))
 sample(aten.copy.default, f(6, 4), f(6, 4))
+sample(aten.copy_.default, f(6, 4), f(4))
+sample(aten.copy_.default, f(6, 4), f(6, 4))
 
 # --- reductions -----------------------------------------------------------------------------
 for _keep in (False, True):
@@ -452,6 +454,8 @@ sample(aten.empty.memory_format, [6, 4], values=False)
 sample(aten.empty_strided.default, [6, 4], [4, 1], values=False)
 sample(aten.empty_permuted.default, [2, 6, 4], [0, 2, 1], values=False)
 sample(aten.scalar_tensor.default, -INF, dtype=torch.float32)
+sample(aten.scalar_tensor.default, 0.0, dtype=torch.float32)  # zeros: also a valid Partial
+sample(aten.full.default, [6, 4], 0.0)
 sample(aten.rand.default, [6, 4])
 sample(aten.randn.default, [6, 4])
 sample(aten.randint.default, 10, [6])
@@ -604,18 +608,27 @@ def check_sample(s: Sample) -> int:
             locals_ = [distribute(leaves[i], p, world_size, gen) for i, p in zip(tensor_pos, combo, strict=True)]
             for cand in cands:
                 assert isinstance(cand, Candidate)
-                outs = []
+                rank_inputs = []
                 for rank in range(world_size):
                     rank_leaves = list(leaves)
                     for i, pieces in zip(tensor_pos, locals_, strict=True):
                         rank_leaves[i] = pieces[rank]
-                    args, kwargs = pytree.tree_unflatten(rank_leaves, tree)
-                    if cand.local is None:
-                        outs.append(_run(s.target, args, kwargs))
-                    else:
-                        impl = registry.local_impl(cand.local)
-                        torch.manual_seed(1234)
-                        outs.append(impl(s.target, args, kwargs, list(combo), cand.output, rank, world_size))
+                    rank_inputs.append(pytree.tree_unflatten(rank_leaves, tree))
+                if cand.local is not None and registry.local_impl_is_across_ranks(cand.local):
+                    # a rewrite that communicates: all ranks at once (the all-reduces it prices)
+                    assert cand.collectives, f"{s.name}: {cand.local} communicates but lists no collectives"
+                    impl = registry.local_impl(cand.local)
+                    outs = impl(s.target, [a for a, _ in rank_inputs], [k for _, k in rank_inputs], list(combo),
+                                cand.output, world_size)
+                else:
+                    outs = []
+                    for rank, (args, kwargs) in enumerate(rank_inputs):
+                        if cand.local is None:
+                            outs.append(_run(s.target, args, kwargs))
+                        else:
+                            impl = registry.local_impl(cand.local)
+                            torch.manual_seed(1234)
+                            outs.append(impl(s.target, args, kwargs, list(combo), cand.output, rank, world_size))
                 exact = s.exact and not any(isinstance(p, Partial) for p in combo)
                 _check(f"{s.name} N={world_size} in={list(combo)} out={cand.output} local={cand.local}",
                        outs, cand.output, full, world_size, exact, s.values, s.rtol, s.atol)
@@ -660,7 +673,7 @@ def test_every_registered_rule_has_a_ground_truth_sample() -> None:
 
 
 def test_local_rewrites_named_by_rules_are_registered() -> None:
-    for name in ("shape", "vocab_parallel", "replicated_share"):
+    for name in ("shape", "vocab_parallel", "replicated_share", "sharded_softmax", "vocab_gather"):
         assert callable(registry.local_impl(name))
 
 
@@ -707,9 +720,21 @@ def test_the_rules_find_the_tensor_parallel_layouts() -> None:
     assert outputs(ask(aten._to_copy.default, (f(6, 4),), [P], dtype=torch.bfloat16)) == [(P, None)]
 
 
+def test_vocab_parallel_cross_entropy_keeps_the_logits_sharded() -> None:
+    # log_softmax over the sharded vocab dim: two all-reduces of one fp32 value per row (6 rows)
+    (softmax,) = ask(aten._log_softmax.default, (f(6, 8), 1, False), [Shard(1)])
+    assert (softmax.output, softmax.local) == (Shard(1), "sharded_softmax")
+    assert softmax.collectives == (("all_reduce", 6 * 4), ("all_reduce", 6 * 4))
+    # picking each row's target log-probability: the rank holding it reads it, the others give 0
+    assert outputs(ask(aten.gather.default, (f(6, 8), 1, ints(8, 6, 1)), [Shard(1), R])) == [(P, "vocab_gather")]
+    # the zero branch of where(valid, picked, 0) may be Partial, so the masked pick stays Partial
+    assert outputs(ask(aten.scalar_tensor.default, (0.0,), [], dtype=torch.float32)) == [(R, None), (P, None)]
+    assert outputs(ask(aten.scalar_tensor.default, (1.0,), [], dtype=torch.float32)) == [(R, None)]
+
+
 @pytest.mark.parametrize(("target", "args", "placements", "kwargs"), [
-    (aten._softmax.default, (f(6, 4), -1, False), [Shard(1)], {}),
     (aten._softmax.default, (f(6, 4), 0, False), [P], {}),
+    (aten.gather.default, (f(6, 4), 1, ints(4, 6, 1)), [Shard(1), Shard(0)], {}),
     (aten.add.Tensor, (f(6, 4), 1e-6), [P], {}),
     (aten.add.Tensor, (f(6, 4), f(4)), [Shard(1), R], {}),
     (aten.mul.Tensor, (f(6, 4), f(6, 4)), [P, P], {}),
