@@ -6,6 +6,7 @@
 
 from autotp.api import AutoTPHandle, parallelize_model
 from autotp.backend import autotp_backend
+from autotp.checkpoints import load_checkpoint, save_checkpoint, save_pretrained
 from autotp.config import AutoTPConfig
 from autotp.errors import AutoTPError, CheckpointError, ShardingError, SolverError
 from autotp.placement import Partial, Replicate, Shard
@@ -23,5 +24,8 @@ __all__ = [
     "SolverError",
     "autotp_backend",
     "clip_grad_norm_",
+    "load_checkpoint",
     "parallelize_model",
+    "save_checkpoint",
+    "save_pretrained",
 ]

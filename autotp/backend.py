@@ -62,6 +62,20 @@ def autotp_backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Calla
     return compile_graph(gm, example_inputs, ctx)
 
 
+def _refuse_activation_checkpoints(gm: torch.fx.GraphModule) -> None:
+    """Activation checkpointing reaches the backend as one higher-order op per checkpointed block
+    (``tag_activation_checkpoint``): the whole block is one Dynamo node, so no collective can sit
+    inside it and no tensor-parallel plan exists."""
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and "checkpoint" in getattr(n.target, "__name__", ""):
+            raise AutoTPError(
+                f"activation checkpointing ({n.target.__name__}, e.g. model.gradient_checkpointing_enable()) "
+                "is not supported by autotp: a checkpointed block reaches the compiler as a single op, "
+                "inside which no collective can be placed. Call model.gradient_checkpointing_disable(); "
+                "sharded activations already take 1/N of the memory per rank."
+            )
+
+
 def make_backend(ctx: TPContext) -> Callable[..., Any]:
     """A backend bound to ``ctx`` (what ``parallelize_model`` compiles with)."""
 
@@ -111,6 +125,8 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: list[Any], ctx: TPCo
         else:
             user_inputs.append((ph, value))
 
+    if world > 1:
+        _refuse_activation_checkpoints(gm)
     if world == 1:
         # one rank: every placement is R; only bind parameters to their (full) local tensors
         annotation, solution, shadow, opts = replicated_annotation(gm), None, None, None

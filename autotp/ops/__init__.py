@@ -8,7 +8,8 @@
 * ``indexing``    — select, slice, index_select, gather, index, cat, stack, split, pad, getitem
 * ``embedding``   — embedding, vocab-parallel lookup (local "vocab_parallel" rewrite)
 * ``attention``   — every scaled_dot_product attention overload
-* ``creation``    — factories, *_like, new_*, random ops
+* ``creation``    — factories, *_like, new_*
+* ``random``      — rand_like, bernoulli, native_dropout (local "rank_rng" rewrite on shards)
 """
 
 from autotp.ops import (  # noqa: F401
@@ -19,6 +20,7 @@ from autotp.ops import (  # noqa: F401
     indexing,
     matmul,
     norm,
+    random,
     reduction,
     registry,
     shape,

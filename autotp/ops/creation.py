@@ -1,4 +1,4 @@
-"""Creation and random ops: arange, full, zeros, empty, scalar_tensor, *_like, new_*, rand, dropout.
+"""Creation ops: arange, full, zeros, empty, scalar_tensor, *_like, new_*, and random factories.
 
 * Factories with no tensor input (``arange``, ``full``, ``zeros``, ``empty*``, ``scalar_tensor``,
   ``rand``...) produce Replicate: every rank builds the whole tensor (random ones assume the ranks'
@@ -6,10 +6,8 @@
 * ``new_*`` ops read only dtype/device from ``self``: any input placement -> Replicate.
 * ``*_like`` / ``fill`` with a constant read only the shape: a Shard input gives the same Shard
   (each rank fills its own chunk), Replicate or Partial inputs (full local shape) give Replicate.
-* Random ops give Replicate only: ``rand_like``/``bernoulli(x, p)`` read only ``x``'s shape, so
-  ``x`` may be Replicate or Partial; ``bernoulli(x)`` and ``native_dropout(x)`` read ``x``'s values,
-  so it must be Replicate. (``native_dropout`` with ``train=False`` is the identity and keeps any
-  placement.) A sharded random op would draw the same numbers on every rank for different chunks.
+* Random ops of another tensor's shape or values (``rand_like``, ``bernoulli``, ``native_dropout``)
+  live in ``autotp/ops/random.py``.
 """
 
 from __future__ import annotations
@@ -67,32 +65,3 @@ def like_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate]
     """A constant of ``x``'s shape: Shard stays Shard, R or P (full local shape) give R."""
     p = inputs[0]
     return same(p if isinstance(p, Shard) else R)
-
-
-@register(*aten_ops("rand_like.default", "randn_like.default", "randint_like.default",
-                    "randint_like.low_dtype", "bernoulli.p", "bernoulli_.float"))
-def random_like_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate]:
-    """Random numbers of ``x``'s shape: Replicate only (x itself may be R or P, not sharded)."""
-    if isinstance(inputs[0], Shard):
-        return reject("random op on a sharded shape: ranks would draw identical numbers")
-    return same(R)
-
-
-@register(*aten_ops("bernoulli.default"))
-def bernoulli_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate]:
-    """bernoulli(probabilities): Replicate only."""
-    if not isinstance(inputs[0], Replicate):
-        return reject("random op: its input must be Replicate")
-    return same(R)
-
-
-@register(*aten_ops("native_dropout.default"))
-def native_dropout_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate]:
-    """native_dropout(x, p, train) -> (out, mask): Replicate only when training."""
-    p = inputs[0]
-    if op.arg(2, "train") is False:
-        # identity: out = x, mask = ones (a constant of x's shape)
-        return same((p, p if isinstance(p, Shard) else R))
-    if not isinstance(p, Replicate):
-        return reject("dropout draws random numbers: its input must be Replicate")
-    return same((R, R))

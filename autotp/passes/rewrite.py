@@ -14,11 +14,13 @@
   view / reshape / expand calls (or a runtime size tuple, by a node that divides it);
   ``vocab_parallel`` swaps ``F.embedding`` for :class:`~autotp.layers.VocabParallelEmbedding`;
   ``replicated_share`` divides the Replicate summands of an add / bias whose result is Partial by
-  N; ``split_sizes`` / ``slice_bounds`` cut a fused (strided) shard into its segments locally;
-  ``sharded_softmax`` / ``vocab_gather`` swap a softmax, a gather or a cross-entropy / nll loss
-  over a sharded class dim for :class:`~autotp.layers.ShardedSoftmax`,
+  N; ``rank_rng`` runs a node that draws random numbers for a shard on this rank's own stream
+  (:class:`~autotp.rng.RankStreamCall`); ``split_sizes`` / ``slice_bounds`` cut a fused (strided)
+  shard into its segments locally; ``sharded_softmax`` / ``vocab_gather`` swap a softmax, a gather
+  or a cross-entropy / nll loss over a sharded class dim for :class:`~autotp.layers.ShardedSoftmax`,
   :class:`~autotp.layers.VocabGather` or :class:`~autotp.layers.VocabParallelLoss` (on the Dynamo
-  targets listed in ``autotp/passes/hosts.py``). A local rewrite autotp cannot apply to a node is an error, never silently skipped.
+  targets listed in ``autotp/passes/hosts.py``). A local rewrite autotp cannot apply to a node is an
+  error, never silently skipped.
 """
 
 from __future__ import annotations
@@ -41,10 +43,12 @@ from autotp.layers import Redistribute, ShardedSoftmax, VocabGather, VocabParall
 from autotp.ops.elementwise import REPLICATED_SHARE
 from autotp.ops.indexing import SLICE_BOUNDS, SPLIT_SIZES, VOCAB_GATHER, localize_bounds
 from autotp.ops.norm import SHARDED_SOFTMAX
+from autotp.ops.random import RANK_RNG
 from autotp.ops.shape import localize_sizes
 from autotp.passes.annotate import Annotation
 from autotp.passes.hosts import GATHER_FUNCTIONS, SOFTMAX_FUNCTIONS, SOFTMAX_METHODS
 from autotp.placement import Replicate, Shard
+from autotp.rng import RankStreamCall
 
 SHAPE_METHODS = {"view", "reshape", "expand", "new_empty", "new_zeros", "new_ones"}
 SHAPE_FUNCTIONS = {torch.reshape, torch.Tensor.view, torch.Tensor.reshape, torch.Tensor.expand}
@@ -159,6 +163,10 @@ def rewrite(gm: torch.fx.GraphModule, annotation: Annotation, params: dict[torch
                 _localize_segment_slice(n, plan, comm.world_size)
                 report.local_rewrites[tag] += 1
                 continue
+            if tag == RANK_RNG:
+                n = _on_rank_stream(gm, n, comm.rank)
+                report.local_rewrites[tag] += 1
+                continue
             _apply_local(gm, n, tag, plan.output(), params, attr_nodes, comm, report)
 
     for ph in params:
@@ -166,6 +174,22 @@ def rewrite(gm: torch.fx.GraphModule, annotation: Annotation, params: dict[torch
             raise PassError(f"parameter placeholder {ph.name} still has users after rewrite: {list(ph.users)}")
     gm.recompile()
     return report
+
+
+def _on_rank_stream(gm: torch.fx.GraphModule, n: torch.fx.Node, rank: int) -> torch.fx.Node:
+    """Local rewrite ``rank_rng``: the node becomes a call of a :class:`RankStreamCall` module
+    that runs the same function or method on this rank's own random stream."""
+    if n.op not in ("call_function", "call_method"):
+        raise PassError(f"node {n.name} ({n.op} {n.target}) draws random numbers for a shard, but autotp "
+                        "only knows how to give a function or method call its own stream")
+    name = f"autotp_rank_stream_{n.name}"
+    gm.add_submodule(name, RankStreamCall(n.target, n.op == "call_method", rank))
+    with gm.graph.inserting_before(n):
+        new = gm.graph.call_module(name, n.args, n.kwargs)
+    new.meta = dict(n.meta)
+    n.replace_all_uses_with(new)
+    gm.graph.erase_node(n)
+    return new
 
 
 def _insert_redistribute(gm: torch.fx.GraphModule, before: torch.fx.Node, source: torch.fx.Node, src: Any,

@@ -13,7 +13,9 @@ added, or where the local op computes on smaller blocks (matmuls, reductions, at
 reorders additions, so we allow ``rtol=1e-5, atol=1e-5`` (the values here are O(1)).
 
 Random ops are run with the same seed on every rank and for the reference, which is how the
-runtime keeps replicated random ops in sync.
+runtime keeps replicated random ops in sync. Candidates with the ``rank_rng`` rewrite (a shard draws
+from its own stream) are checked for shapes and dtypes only; a test below checks that the ranks'
+streams differ and follow the seed.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from torch.utils import _pytree as pytree
 
 from autotp.ops import elementwise, registry
 from autotp.ops.embedding import vocab_parallel_embedding
+from autotp.ops.random import RANK_RNG
 from autotp.ops.registry import Candidate, OpCall, Rejected, TensorSpec
 from autotp.ops.shape import localize_sizes
 from autotp.placement import Partial, Placement, Replicate, Shard, local_shape, shard_candidates
@@ -630,8 +633,10 @@ def check_sample(s: Sample) -> int:
                             torch.manual_seed(1234)
                             outs.append(impl(s.target, args, kwargs, list(combo), cand.output, rank, world_size))
                 exact = s.exact and not any(isinstance(p, Partial) for p in combo)
+                # a shard's own random stream draws other numbers than one process: shapes only
+                values = s.values and cand.local != RANK_RNG
                 _check(f"{s.name} N={world_size} in={list(combo)} out={cand.output} local={cand.local}",
-                       outs, cand.output, full, world_size, exact, s.values, s.rtol, s.atol)
+                       outs, cand.output, full, world_size, exact, values, s.rtol, s.atol)
                 simulated += 1
     return simulated
 
@@ -761,7 +766,7 @@ def test_vocab_parallel_cross_entropy_keeps_the_logits_sharded() -> None:
      [Shard(2)] * 3, {}),
     (aten.scaled_dot_product_attention.default, (f(2, 6, 4, 4),) * 3 + (f(2, 6, 4, 4),),
      [Shard(1)] * 3 + [R], {}),
-    (aten.bernoulli.p, (f(6, 4), 0.5), [Shard(0)], {}),
+    (aten.bernoulli.default, (pos(6, 4),), [Partial()], {}),  # probabilities cannot be partial sums
     (aten.native_layer_norm.default, (f(6, 4), [4], f(4), f(4), 1e-5), [Shard(1), R, R], {}),
 ])
 def test_infeasible_combinations_are_rejected_with_a_reason(target: Any, args: tuple, placements: list,
@@ -954,3 +959,34 @@ def test_fused_segmentations_are_read_off_splits_and_tiling_slices() -> None:
     assert found == {32: {(16, 8, 8)}, 40: {(20, 20)}}
     assert fused_segmentations(gm.graph, 16) == {}  # 8 does not divide by 16
     assert strided_candidates((32, 12), found) == [StridedShard(0, (16, 8, 8))]
+
+
+def test_a_sharded_dropout_draws_its_own_mask_per_rank_and_follows_the_seed() -> None:
+    """native_dropout on S(0): each rank's stream differs from the others' and from the default
+    generator's, is a function of the seed (same seed, same masks), and keeps the default
+    generator advancing alike on every rank (the replicated stream stays in sync)."""
+    rule = registry.lookup(aten.native_dropout.default)
+    spec = TensorSpec((8, 64), torch.float32)
+    op = OpCall(aten.native_dropout.default, (spec, 0.5, True), {}, (spec, TensorSpec((8, 64), torch.bool)), 2)
+    (cand,) = rule(op, [Shard(0)])
+    assert cand.output == (Shard(0), Shard(0)) and cand.local == RANK_RNG
+    impl = registry.local_impl(RANK_RNG)
+    x = torch.ones(4, 64)
+
+    def masks(seed: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        out, after = [], []
+        for rank in range(2):
+            torch.manual_seed(seed)
+            out.append(impl(aten.native_dropout.default, (x, 0.5, True), {}, [Shard(0)], cand.output, rank, 2)[1])
+            after.append(torch.rand(3))  # the default stream right after the op
+        return out, after
+
+    first, after = masks(0)
+    assert not torch.equal(first[0], first[1])  # ranks draw different masks
+    torch.manual_seed(0)
+    assert not torch.equal(first[0], torch.ops.aten.native_dropout.default(x, 0.5, True)[1])
+    assert torch.equal(after[0], after[1])  # replicated regions stay in sync
+    again, _ = masks(0)
+    other, _ = masks(1)
+    assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
+    assert not torch.equal(first[0], other[0])

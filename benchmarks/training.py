@@ -1,0 +1,174 @@
+"""Training step speed and memory per rank: forward + backward + AdamW at tp = 1, 2, 4.
+
+    python benchmarks/training.py --cache /tmp/autotp-bench --tp 1,2,4 --batch 1 --seq 128 \\
+        --steps 3 --out training.json
+
+Same checkpoint as the other benchmarks (``benchmarks/_checkpoint.py``: 154M-parameter Llama
+family, fp32). Each tp size is one launch (torch's elastic launcher, ``--standalone``; tp=1 is
+``parallelize_model`` in one process, which compiles but solves nothing) with ``cores // tp``
+threads per rank unless ``OMP_NUM_THREADS`` is set. A launch loads the model, builds
+``torch.optim.AdamW(model.parameters())`` over the local shards, runs one untimed step (it compiles
+the training graphs and allocates the optimizer state), then ``--steps`` timed steps of
+``loss = model(input_ids, labels=input_ids).loss; loss.backward(); optimizer.step();
+optimizer.zero_grad()`` on a ``batch x seq`` batch with a barrier before each.
+
+Reported per tp: ``tokens_per_s`` (batch * seq / median step time; every rank processes the same
+tokens, so this is the group's throughput), ``step_ms`` (median), and per rank the peak resident
+set (``VmHWM`` from ``/proc/self/status``; on CUDA ``torch.cuda.max_memory_allocated``), the
+resident set after loading, and the bytes of parameters + gradients + AdamW state this rank holds
+(``state_bytes``: ideal 1/N of one process's, plus the replicated norms). On a shared machine the
+timings move with the neighbours' load: compare launches made in one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, os.fspath(Path(__file__).resolve().parent))
+
+
+def _memory() -> dict[str, int]:
+    """VmRSS / VmHWM of this process, in bytes (Linux)."""
+    out = {}
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                out[key] = int(value.split()[0]) * 1024
+    except OSError:
+        pass
+    return out
+
+
+def _worker(folder: str, batch: int, seq: int, steps: int, result: str) -> None:
+    """One launch: load, one warm-up step, ``steps`` timed steps; every rank reports, rank 0 writes."""
+    import torch
+    import torch.distributed as dist
+    import transformers
+
+    from autotp import parallelize_model
+
+    transformers.logging.set_verbosity_error()
+    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    t0 = time.perf_counter()
+    model = parallelize_model(folder, progress=False)
+    load_s = time.perf_counter() - t0
+    rank, world = model.autotp.rank, model.autotp.world_size
+    after_load = _memory()
+    device = next(model.parameters()).device
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    vocab = model.config.vocab_size
+    ids = (torch.arange(batch * seq) * 7919 % (vocab - 1) + 1).reshape(batch, seq).to(device)  # (B, S)
+
+    def barrier() -> None:
+        if distributed:
+            dist.barrier()
+
+    def step() -> float:
+        barrier()
+        start = time.perf_counter()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)  # keep the gradient buffers: they are part of the peak
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    t0 = time.perf_counter()
+    step()
+    warmup_s = time.perf_counter() - t0
+    times = [step() for _ in range(steps)]
+    state_bytes = sum(p.numel() * p.element_size() * 2 for p in model.parameters())  # value + grad
+    state_bytes += sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values()
+                       if isinstance(t, torch.Tensor))
+    record = {
+        "rank": rank, "step_s": times, "load_s": load_s, "warmup_s": warmup_s,
+        "peak_bytes": (torch.cuda.max_memory_allocated(device) if device.type == "cuda"
+                       else _memory().get("VmHWM")),
+        "rss_after_load_bytes": after_load.get("VmRSS"), "state_bytes": state_bytes,
+        "threads": torch.get_num_threads(),
+    }
+    records = [None] * world if distributed else [record]
+    if distributed:
+        dist.all_gather_object(records, record)
+    if rank == 0:
+        Path(result).write_text(json.dumps({"world_size": world, "ranks": records}))
+    if distributed:
+        dist.destroy_process_group()
+
+
+def _launch(tp: int, folder: Path, args: argparse.Namespace, result: Path) -> dict[str, Any]:
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", str(max((os.cpu_count() or 1) // tp, 1)))
+    worker = [os.fspath(Path(__file__).resolve()), "--worker", os.fspath(folder), str(args.batch), str(args.seq),
+              str(args.steps), os.fspath(result)]
+    if tp == 1:
+        cmd = [sys.executable, *worker]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={tp}", *worker]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"tp={tp}: exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return json.loads(result.read_text())
+
+
+def _summary(run: dict[str, Any], tokens: int) -> dict[str, Any]:
+    ranks = run["ranks"]
+    step = statistics.median(t for r in ranks for t in r["step_s"])
+    return {
+        "tokens_per_s": tokens / step,
+        "step_ms": 1000 * step,
+        "warmup_s": max(r["warmup_s"] for r in ranks),
+        "load_s": max(r["load_s"] for r in ranks),
+        "threads_per_rank": ranks[0]["threads"],
+        "per_rank": [{k: r[k] for k in ("rank", "peak_bytes", "rss_after_load_bytes", "state_bytes")}
+                     for r in ranks],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--worker", nargs=5, metavar=("FOLDER", "BATCH", "SEQ", "STEPS", "RESULT"),
+                        help=argparse.SUPPRESS)
+    parser.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "autotp-bench"),
+                        help="folder for the benchmark checkpoint (written once)")
+    parser.add_argument("--tp", default="1,2,4", help="comma-separated tp sizes")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per launch")
+    parser.add_argument("--out", default="training.json")
+    args = parser.parse_args(argv)
+    if args.worker:
+        folder, batch, seq, steps, result = args.worker
+        _worker(folder, int(batch), int(seq), int(steps), result)
+        return 0
+
+    import torch
+    from _checkpoint import make_checkpoint
+
+    folder = make_checkpoint(args.cache, torch.float32)
+    report: dict[str, Any] = {"checkpoint": os.fspath(folder), "batch": args.batch, "seq": args.seq,
+                              "steps": args.steps, "cpu_count": os.cpu_count(), "tp": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        for tp in (int(t) for t in args.tp.split(",")):
+            run = _launch(tp, folder, args, Path(tmp) / f"tp{tp}.json")
+            report["tp"][str(tp)] = _summary(run, args.batch * args.seq)
+            print(json.dumps({"tp": tp, **report["tp"][str(tp)]}), flush=True)
+    Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
