@@ -214,6 +214,7 @@ def parallelize_model(
         )
     module = build_meta_model(hf_config, dtype=dtype, trust_remote_code=trust_remote_code)
     checkpoint = Checkpoint(folder)
+    checkpoint.add_conversions_for(module)  # names transformers renames / converts on load
     _install_standins(module, checkpoint, dtype, device)
     if device.type != "cpu":
         module.to(device)

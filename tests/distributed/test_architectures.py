@@ -74,16 +74,7 @@ CASES = [
 BY_ID = {c.id: c for c in CASES}
 
 #: case id -> why it does not work yet (the test is a strict xfail: it must fail, for that reason)
-KNOWN_FAILURES: dict[str, str] = {
-    "gpt_neox": "the checkpoint stores the head as 'embed_out.weight' and transformers renames it to "
-                "'lm_head.weight' on load (conversion_mapping WeightRenaming); autotp's checkpoint_key "
-                "does not apply that renaming, so parallelize_model raises CheckpointError "
-                "(the compiled in-memory case gpt_neox-compile runs the same graphs)",
-    "mixtral": "the checkpoint stores one tensor per expert ('block_sparse_moe.experts.0.w1.weight', ...) "
-               "and transformers merges them into the stacked 'mlp.experts.gate_up_proj' on load "
-               "(conversion_mapping WeightConverter); autotp's checkpoint_key does not, so "
-               "parallelize_model raises CheckpointError (see mixtral-compile for the model itself)",
-}
+KNOWN_FAILURES: dict[str, str] = {}
 
 
 def _model_class(arch: str) -> Any:
