@@ -118,6 +118,46 @@ class _SwappingForward:
             module._parameters[name] = local if local is not None else stand
 
 
+class _EncoderEntry:
+    """What ``get_encoder()`` returns under ``parallelize_model``: the encoder module (attributes
+    read through) whose call runs its own compiled graph with the stand-ins swapped in, as
+    ``model.forward`` does. transformers' ``generate`` runs an encoder-decoder's encoder this way,
+    outside ``forward``; eagerly it would see local shards as if they were whole. Inside a graph
+    being traced (a ``forward`` that calls ``get_encoder()`` itself) the plain module is called, so
+    Dynamo traces the encoder into that graph."""
+
+    def __init__(self, encoder: torch.nn.Module, forward: _SwappingForward) -> None:
+        self.__dict__.update(_module=encoder, forward=forward)
+        forward.__signature__ = inspect.signature(encoder.forward)  # generate filters kwargs by it
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            return self._module(*args, **kwargs)
+        return self.forward(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._module, name)
+
+
+def _compile_encoder(module: torch.nn.Module, slots: list[tuple[torch.nn.Module, str, torch.nn.Parameter]],
+                     ctx: TPContext) -> None:
+    """An encoder-decoder's encoder (``get_encoder()``) gets its own compiled forward with the same
+    backend and context (its parameters are pinned by whichever graph touches them first)."""
+    original = getattr(module, "get_encoder", None)
+    if not getattr(module.config, "is_encoder_decoder", False) or original is None:
+        return
+    encoder = original()
+    if encoder is module or not isinstance(encoder, torch.nn.Module):
+        return
+    compiled = torch.compile(type(encoder).forward.__get__(encoder), backend=make_backend(ctx), dynamic=None)
+    entry = _EncoderEntry(encoder, _SwappingForward(compiled, slots, ctx.comm))
+
+    def get_encoder(modality: str | None = None) -> Any:
+        return entry if modality is None else original(modality=modality)
+
+    module.get_encoder = get_encoder
+
+
 def gather_user_values(value: Any, comm: Comm) -> Any:
     """The model boundary: every sharded value the user can read (logits, hidden states, in
     dicts, tuples and lists) is gathered to its full tensor; values held by other objects — the
@@ -214,6 +254,7 @@ def parallelize_model(
         )
     module = build_meta_model(hf_config, dtype=dtype, trust_remote_code=trust_remote_code)
     checkpoint = Checkpoint(folder)
+    checkpoint.add_conversions_for(module)  # names transformers renames / converts on load
     _install_standins(module, checkpoint, dtype, device)
     if device.type != "cpu":
         module.to(device)
@@ -224,6 +265,7 @@ def parallelize_model(
              for m, n in [_resolve_module(module, fqn)]]
     forward = _SwappingForward(compiled, slots, comm)
     module.forward = forward
+    _compile_encoder(module, slots, ctx)
     module.autotp = AutoTPHandle(context=ctx, folder=Path(folder))
     ctx.on_plan = module.autotp.plans.append
     if warmup:

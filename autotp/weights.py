@@ -19,7 +19,9 @@ Design
    real (accelerate's ``init_empty_weights`` keeps buffers off meta, so rotary ``inv_freq`` is
    computed exactly as in an eager model).
 3. **describes every parameter** with a :class:`ParameterMeta`: global shape, dtype, checkpoint key
-   (:func:`checkpoint_key`), tied group (:func:`tied_groups`), and, once the solver fixed it, its
+   (:func:`checkpoint_key`; names transformers renames or builds from several stored tensors on
+   load, such as GPT-NeoX's ``embed_out`` or Mixtral's per-expert weights, come from transformers'
+   own conversion mapping: :mod:`autotp.checkpoint_keys`, :meth:`Checkpoint.add_conversions_for`), tied group (:func:`tied_groups`), and, once the solver fixed it, its
    placement. ``ParameterMeta`` outlives graphs: later graphs solve with that placement pinned.
 4. **materializes** each rank's shard (:meth:`ParameterMeta.load_local`): rank ``r`` of ``N`` reads
    only chunk ``r`` of ``torch.chunk(weight, N, dim)`` (readers in :mod:`autotp.weight_files`:
@@ -54,13 +56,21 @@ import difflib
 import json
 import os
 import warnings
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
 
+from autotp.checkpoint_keys import (
+    Source,
+    converted_sources,
+    read_source,
+    source_dtype,
+    source_shape,
+    stored_keys,
+)
 from autotp.errors import AutoTPError, CheckpointError, ShardingError
 from autotp.placement import Placement, Replicate, Shard, StridedShard
 from autotp.weight_files import WeightFile, open_weight_file
@@ -427,6 +437,7 @@ class Checkpoint:
         self.on_read: Callable[[SliceRead], None] | None = None
         self._handles: dict[str, WeightFile] = {}
         self._info: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+        self._converted: dict[str, Source] = {}
         if path.is_file() and path.suffix in (".safetensors", ".bin"):
             self.folder = path.parent.resolve()
             self._weight_map = self._map_from_headers([path.name])
@@ -459,6 +470,18 @@ class Checkpoint:
                 f"no weights in {self.folder}: pass a folder with model.safetensors (or "
                 "model-*.safetensors plus model.safetensors.index.json), or pytorch_model.bin."
             )
+
+    def add_conversions(self, sources: Mapping[str, Source]) -> None:
+        """Know the parameters transformers builds from other keys (renamed or converted, see
+        :mod:`autotp.checkpoint_keys`) by their model names: :meth:`keys`, :meth:`shape`,
+        :meth:`dtype` and :meth:`read_slice` then serve them, reading only the stored rows a slice
+        needs. A model name wins over a stored key of the same name, as in transformers."""
+        self._converted.update(sources)
+
+    def add_conversions_for(self, model: torch.nn.Module) -> None:
+        """:meth:`add_conversions` with the renamings and converters transformers applies when it
+        loads this checkpoint into ``model`` (:func:`autotp.checkpoint_keys.converted_sources`)."""
+        self.add_conversions(converted_sources(model, list(self._weight_map)))
 
     # -- discovery ---------------------------------------------------------------------------------
 
@@ -500,11 +523,11 @@ class Checkpoint:
     # -- queries -----------------------------------------------------------------------------------
 
     def keys(self) -> list[str]:
-        """Every tensor name, in the order of the index / headers."""
-        return list(self._weight_map)
+        """Every tensor name, in the order of the index / headers, then the converted names."""
+        return [*self._weight_map, *(k for k in self._converted if k not in self._weight_map)]
 
     def __contains__(self, name: object) -> bool:
-        return name in self._weight_map
+        return name in self._weight_map or name in self._converted
 
     def __len__(self) -> int:
         return len(self._weight_map)
@@ -515,7 +538,9 @@ class Checkpoint:
         return sorted(set(self._weight_map.values()))
 
     def file_of(self, name: str) -> Path:
-        """The file that stores ``name``."""
+        """The file that stores ``name`` (for a converted name, its first stored tensor)."""
+        if name in self._converted:
+            name = stored_keys(self._converted[name])[0]
         return self.folder / self._file_name(name)
 
     def _meta(self, name: str) -> tuple[tuple[int, ...], torch.dtype]:
@@ -535,16 +560,19 @@ class Checkpoint:
 
     def shape(self, name: str) -> tuple[int, ...]:
         """Stored shape of ``name`` (from the header; no data read)."""
+        if name in self._converted:
+            return source_shape(self._converted[name], self._meta)
         return self._meta(name)[0]
 
     def dtype(self, name: str) -> torch.dtype:
         """Stored dtype of ``name`` (from the header; no data read)."""
+        if name in self._converted:
+            return source_dtype(self._converted[name], self._meta)
         return self._meta(name)[1]
 
     def nbytes(self, name: str) -> int:
-        """Bytes of data ``name`` occupies in its file."""
-        shape, dtype = self._meta(name)
-        return _numel(shape) * dtype.itemsize
+        """Bytes of data ``name`` occupies in its file(s)."""
+        return _numel(self.shape(name)) * self.dtype(name).itemsize
 
     # -- reads -------------------------------------------------------------------------------------
 
@@ -560,7 +588,16 @@ class Checkpoint:
         ``dim`` None reads the whole tensor (``start``/``stop`` ignored). The slice is copied out of
         file into a fresh contiguous tensor (never a view of a mapping) and converted to ``dtype``
         afterwards, so a conversion holds at most the slice twice, never the full tensor.
+        A converted name (:meth:`add_conversions`) reads the stored rows its slice needs.
         """
+        source = self._converted.get(name)
+        if source is not None:
+            return read_source(source, self._read_stored, self._meta, dim, start, stop, dtype)
+        return self._read_stored(name, dim, start, stop, dtype)
+
+    def _read_stored(
+        self, name: str, dim: int | None, start: int, stop: int, dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
         shape, stored = self._meta(name)
         if dim is None:
             start = stop = 0
@@ -871,6 +908,8 @@ def parameter_metas(
     for group in tied_groups(model):
         for name in group:
             group_of[name] = tuple(group)
+    if checkpoint is not None:
+        checkpoint.add_conversions_for(model)
     keys = set(checkpoint.keys()) if checkpoint is not None else set()
     metas: dict[str, ParameterMeta] = {}
     missing: list[str] = []

@@ -4,14 +4,20 @@ README table (architecture, tp sizes, status, plan of one block, collectives per
     python benchmarks/coverage.py --out coverage.jsonl [--readme README.md] [--case gpt2 --case opt]
                                   [--no-per-block]
     python benchmarks/coverage.py --rows coverage.jsonl --readme README.md   # table from saved rows
+    python benchmarks/coverage.py --update benchmarks/coverage.jsonl --case mixtral --readme README.md
+    python benchmarks/coverage.py --update benchmarks/coverage.jsonl --blocks-only --readme README.md
 
 For every case and tp size: save the tiny checkpoint, run ``parallelize_model`` on N gloo ranks and
 compare with one process (:func:`tests.distributed.test_architectures.run_case`, same tolerance as
-the test). *Collectives per block* is the difference between the warm-up forward's in-graph
-collectives with 3 and with 2 layers (T5: 3 and 2 encoder *and* decoder layers), so the embedding
-and head collectives drop out. *Plan* lists the matmul weights of layer 0 by style (``fused``:
-stored strided, each rank holds its chunk of every segment). One JSON line per run goes to
-``--out``; the README section between the ``coverage`` markers is replaced.
+the test). *Collectives per block* comes from the planner (``autotp.planner.plan_model``: the same
+solve of the same warm-up forward, one process, simulated collectives), per decoder block, read as
+the architecture test reads it (:func:`tests.distributed.test_architectures.collectives_per_block`);
+T5 (encoder and decoder blocks share layer numbers) and architectures the meta planner cannot
+trace say "not measured". *Plan* lists the matmul weights of layer 0 by style (``fused``: stored
+strided, each rank holds its chunk of every segment). One JSON line per run goes to ``--out``;
+``--update FILE`` replaces the rows of the cases run in FILE and keeps the others;
+``--blocks-only`` recomputes only the per-block column of FILE's rows. The README section between
+the ``coverage`` markers is replaced.
 """
 
 from __future__ import annotations
@@ -22,7 +28,6 @@ import re
 import sys
 import tempfile
 import traceback
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -30,10 +35,17 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from tests._tiny import ARCHS  # noqa: E402
-from tests.distributed.test_architectures import BY_ID, CASES, KNOWN_FAILURES, Case, run_case, save_case  # noqa: E402
+from tests.distributed.test_architectures import (  # noqa: E402
+    BY_ID,
+    CASES,
+    KNOWN_FAILURES,
+    Case,
+    collectives_per_block,
+    run_case,
+    save_case,
+)
 
 BEGIN, END = "<!-- coverage:begin -->", "<!-- coverage:end -->"
-DEEPER = {"t5": {"num_layers": 3, "num_decoder_layers": 3}}
 #: the first layer's weights: "<stack>.0.<rest>.weight", where no earlier name part is a number
 BLOCK = re.compile(r"^((?:[A-Za-z_]\w*\.)+)0\.(.+)\.weight$")
 
@@ -55,14 +67,21 @@ def plan_summary(plan: dict[str, Any]) -> str:
     return "; ".join(f"{style}: {', '.join(sorted(set(names)))}" for style, names in sorted(by_style.items()))
 
 
-def per_block(case: Case, world: int, tmp: Path, shallow_plan: dict[str, Any]) -> str:
-    """Collectives of one block: (3 layers) - (2 layers) of the warm-up forward."""
-    deeper = DEEPER.get(case.arch, {"num_hidden_layers": 3})
-    folder = save_case(case, tmp / f"{case.id}-deep", **deeper)
-    deep_plan = run_case(case, world, folder)["plan"]
-    diff = Counter(deep_plan["collectives"])
-    diff.subtract(shallow_plan["collectives"])
-    return ", ".join(f"{n} {k.replace('_', '-')}" for k, n in sorted(diff.items()) if n) or "none"
+def per_block(case: Case, world: int, folder: Path) -> str:
+    """Collectives of each decoder block of the warm-up forward, from the planner."""
+    if case.kind == "seq2seq":
+        return "not measured (encoder and decoder blocks share layer numbers)"
+    from autotp.planner import plan_model
+
+    try:
+        blocks = collectives_per_block(plan_model(str(folder), world, decode=False).forward.sites)
+    except Exception as e:  # noqa: BLE001 - a planner failure is a table cell
+        return f"not measured (meta planner: {type(e).__name__})"
+    texts = {layer: ", ".join(f"{n} {k.replace('_', '-')}" for k, n in sorted(kinds.items()))
+             for layer, kinds in blocks.items()}
+    if len(set(texts.values())) == 1:
+        return next(iter(texts.values()))
+    return "; ".join(f"block {layer}: {text}" for layer, text in texts.items()) or "none"
 
 
 def run(cases: list[Case], out: Path, measure_blocks: bool = True) -> list[dict[str, Any]]:
@@ -78,7 +97,7 @@ def run(cases: list[Case], out: Path, measure_blocks: bool = True) -> list[dict[
                     row.update(status="pass", seconds=round(result["seconds"], 1),
                                plan=plan_summary(result["plan"]), collectives=result["plan"]["collectives"])
                     if measure_blocks and world == case.worlds[0]:
-                        row["per_block"] = per_block(case, world, tmp, result["plan"])
+                        row["per_block"] = per_block(case, world, folder)
                 except Exception as e:  # noqa: BLE001 - a failing architecture is a table row
                     last = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
                     row.update(status="xfail" if case.id in KNOWN_FAILURES else "fail",
@@ -119,19 +138,44 @@ def write_readme(readme: Path, rows: list[dict[str, Any]]) -> None:
     readme.write_text(text)
 
 
+def read_rows(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def write_rows(path: Path, rows: list[dict[str, Any]]) -> None:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path("coverage.jsonl"))
     ap.add_argument("--readme", type=Path, default=None)
     ap.add_argument("--case", action="append", help="only these case ids (default: all)")
-    ap.add_argument("--no-per-block", action="store_true", help="skip the 3-layer runs")
+    ap.add_argument("--no-per-block", action="store_true", help="skip the planner's per-block counts")
     ap.add_argument("--rows", type=Path, help="write the table from saved JSON rows instead of running")
+    ap.add_argument("--update", type=Path, help="rows file: replace the rows of the cases run, keep the rest")
+    ap.add_argument("--blocks-only", action="store_true", help="with --update: only recompute per-block counts")
     args = ap.parse_args()
     if args.rows:
-        rows = [json.loads(line) for line in args.rows.read_text().splitlines() if line.strip()]
+        rows = read_rows(args.rows)
+    elif args.update and args.blocks_only:
+        rows = read_rows(args.update)
+        with tempfile.TemporaryDirectory() as tmp:
+            for row in rows:
+                case = BY_ID[row["case"]]
+                if row["tp"] == case.worlds[0] and row.get("status") == "pass":
+                    row["per_block"] = per_block(case, row["tp"], save_case(case, Path(tmp) / case.id))
+                    print(row["case"], row["per_block"], flush=True)
+        write_rows(args.update, rows)
     else:
         cases = [c for c in CASES if not args.case or c.id in args.case]
         rows = run(cases, args.out, measure_blocks=not args.no_per_block)
+        if args.update:
+            fresh = {r["case"] for r in rows}
+            kept = [r for r in read_rows(args.update) if r["case"] not in fresh] if args.update.exists() else []
+            order = {c.id: i for i, c in enumerate(CASES)}
+            rows = sorted(kept + rows, key=lambda r: (order.get(r["case"], len(order)), r["tp"]))
+            write_rows(args.update, rows)
     if args.readme:
         write_readme(args.readme, rows)
 

@@ -1,4 +1,4 @@
-"""Matrix products: mm, bmm, addmm, baddbmm, mv, dot, matmul, linear — one einsum-style helper.
+"""Matrix products: mm, bmm, addmm, baddbmm, mv, dot, matmul, linear, grouped mm — one einsum-style helper.
 
 Each op is described by the labels of its operands' dims (``mm``: ``ik,kj->ij``). With operand
 placements:
@@ -22,7 +22,7 @@ from __future__ import annotations
 import string
 from collections.abc import Sequence
 
-from autotp.ops._common import P, R, aten_ops, out_is_float, out_spec
+from autotp.ops._common import P, R, aten_ops, is_float, out_is_float, out_spec
 from autotp.ops.elementwise import REPLICATED_SHARE
 from autotp.ops.registry import POINTWISE, Candidate, OpCall, Rejected, TensorSpec, register, reject
 from autotp.placement import Partial, Placement, Replicate, Shard
@@ -152,3 +152,37 @@ def matmul_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidat
     if spec is not None and spec.ndim != len(out):
         return reject(f"unexpected matmul output rank {spec.ndim}")
     return _einsum_rule(op, inputs, labels, out)
+
+
+# --------------------------------------------------------------------------------------------------
+# Grouped matmul (mixture-of-experts): rows of ``x`` are sorted by expert, ``offs`` ends each group
+# --------------------------------------------------------------------------------------------------
+
+#: ``out[rows of group e] = x[rows of group e] @ w[e]``: x ``sk``, w ``ekn``, offs ``e`` -> ``sn``.
+#: Only ``k`` (row-parallel: Partial) and ``n`` (column-parallel: Shard) may be sharded. A shard of
+#: the experts ``e`` or of the rows ``s`` is not a local grouped mm: ``offs`` holds global row
+#: offsets, so a rank holding some experts (or some rows) would pair rows with the wrong weights.
+GROUPED_MM_LABELS = (["sk", "ekn", "e"], "sn")
+
+
+@register(*aten_ops("_grouped_mm.default"), "transformers.grouped_mm_fallback.default", strided=POINTWISE)
+def grouped_mm_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate]:
+    """grouped mm of a 2-D ``x`` (S, K) and stacked weights (E, K, N) with group ends ``offs`` (E,):
+    ``x`` R and ``w`` S(2) -> S(1) (each rank computes its output features of every expert);
+    ``x`` S(1) and ``w`` S(1) -> P (each rank sums its part of K). ``offs`` must be Replicate, so
+    routing is the same on every rank. Other layouts (3-D ``x``, no ``offs``, a bias) are replicated."""
+    specs = op.tensor_inputs
+    bias, out_dtype = op.arg(3, "bias"), op.arg(4, "out_dtype")
+    if len(specs) != 3 or specs[0].ndim != 2 or specs[1].ndim != 3 or specs[2].ndim != 1 or bias is not None:
+        if all(isinstance(p, Replicate) for p in inputs):
+            return [Candidate(R)]
+        return reject("only a 2-D input with 3-D stacked weights, group offsets and no bias is understood")
+    if out_dtype is not None and any(isinstance(p, Partial) for p in inputs) and not is_float(out_dtype):
+        return reject("a non-floating product cannot be Partial")
+    if not isinstance(inputs[2], Replicate):
+        return reject(f"group offsets are {inputs[2]}: every rank must route the same rows to the same expert")
+    labels, out_labels = GROUPED_MM_LABELS
+    for i, p in enumerate(inputs[:2]):
+        if isinstance(p, Shard) and labels[i][p.dim] in "se":
+            return reject(f"operand {i} is sharded on {labels[i][p.dim]!r} (rows or experts): offs is global")
+    return _einsum_rule(op, inputs, labels, out_labels)

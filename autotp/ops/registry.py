@@ -228,9 +228,14 @@ def local_impl_is_across_ranks(name: str) -> bool:
 
 
 def lookup(target: Any) -> Rule | None:
-    """The rule for an ATen overload, or None (the solver then replicates the op and says so)."""
+    """The rule for an ATen overload, or None (the solver then replicates the op and says so).
+
+    Ops of other libraries (custom ops such as ``transformers.grouped_mm_fallback.default``) exist
+    only once that library registered them, so their rules are registered under the overload's
+    qualified name (``str(overload)``) and found by it."""
     _ensure_loaded()
-    return _RULES.get(target)
+    rule = _RULES.get(target)
+    return rule if rule is not None or isinstance(target, str) else _RULES.get(str(target))
 
 
 def local_impl(name: str) -> LocalImpl:

@@ -28,6 +28,7 @@ from typing import Any
 
 import pytest
 import torch
+import transformers.integrations.moe  # noqa: F401  (registers torch.ops.transformers.grouped_mm_fallback)
 from torch.utils import _pytree as pytree
 
 from autotp.ops import elementwise, registry
@@ -333,6 +334,12 @@ compute(aten.matmul.default, f(12), f(2, 12, 10))
 compute(aten.matmul.default, f(6, 12), f(12))
 compute(aten.linear.default, f(2, 6, 12), f(10, 12), f(10))
 compute(aten.linear.default, f(6, 12), f(10, 12))
+# grouped mm (mixture of experts): rows sorted by expert, offs ends each expert's rows. transformers'
+# fallback op (a loop of mm) takes awkward sizes; aten._grouped_mm's CPU kernel needs 16-byte strides
+_moe_offs = torch.tensor([2, 5, 7], dtype=torch.int32)
+compute(torch.ops.transformers.grouped_mm_fallback.default, f(7, 6), f(3, 6, 10), _moe_offs)
+SAMPLES.append(Sample(aten._grouped_mm.default, (f(7, 16), f(3, 16, 16)), {"offs": _moe_offs}, exact=False,
+                      world_sizes=(2,)))
 
 # --- reshapes and dim shuffles -----------------------------------------------------------------
 for _target in [aten.view.default, aten.view_copy.default, aten._unsafe_view.default,
@@ -671,7 +678,7 @@ def test_every_target_seen_in_the_tiny_model_graphs_has_a_rule(model: str) -> No
 
 
 def test_every_registered_rule_has_a_ground_truth_sample() -> None:
-    sampled = {s.target for s in SAMPLES}
+    sampled = {s.target for s in SAMPLES} | {str(s.target) for s in SAMPLES}  # other libraries' ops by name
     cuda_only = {resolve(n) for n in CUDA_ONLY}
     untested = [str(t) for t in registry.registered_targets() if t not in sampled and t not in cuda_only]
     assert not untested, f"rules without a sample: {untested}"
