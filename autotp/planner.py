@@ -319,7 +319,10 @@ def plan_model(model: Any, tp: int, *, dtype: str | torch.dtype | None = None, b
         return fn
 
     torch._dynamo.reset()
-    forward = torch.compile(type(module).forward.__get__(module), backend=backend)
+    # static shapes: the decode call would otherwise recompile the prefill's code object with
+    # Dynamo's automatic dynamic shapes (symbolic sequence lengths), which costs a quarter of the
+    # whole plan and changes no collective: the plan is for the given B and S
+    forward = torch.compile(type(module).forward.__get__(module), backend=backend, dynamic=False)
     ids = torch.zeros((batch, seq_len), dtype=torch.long, device="meta")  # (B, S)
     with_cache = decode and "past_key_values" in inspect.signature(type(module).forward).parameters
     # the forward is the prefill when a decode step follows: it leaves the (sharded) KV cache

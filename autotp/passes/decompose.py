@@ -21,6 +21,7 @@ ATen node carries ``from_node`` / ``stack_trace`` back to its Dynamo origin.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass, field
 from typing import Any
@@ -80,7 +81,10 @@ class ShadowGraph:
     inplace_edges: set[torch.fx.Node] = field(default_factory=set)
 
 
+@functools.cache
 def decomposition_table() -> dict:
+    """Core ATen decompositions minus SDPA (kept whole: the attention rules place it). Built once
+    per process (it walks every registered op); callers must not mutate it."""
     table = dict(core_aten_decompositions())
     for op in list(table):
         if "scaled_dot_product" in str(op):
