@@ -9,6 +9,7 @@ graph; it ignores the global-shaped parameter values Dynamo passes and reads the
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import fnmatch
 import os
@@ -33,8 +34,8 @@ from autotp.passes.decompose import decompose
 from autotp.passes.materialize import materialize
 from autotp.passes.pipeline import PassRunner
 from autotp.passes.rewrite import rewrite
-from autotp.passes.solve import ParamChoice, SolverOptions, solve
-from autotp.placement import R, Shard, shard_candidates
+from autotp.passes.solve import ParamChoice, Solution, SolverOptions, solve
+from autotp.placement import Placement, R, Shard, shard_candidates
 from autotp.plan import build_plan, first_consumer, parameter_entry, style_of
 from autotp.trace import graph_folder, write_json, write_solver_trace, write_text
 from autotp.verify import verified
@@ -49,6 +50,12 @@ def fqn_of(source_name: str) -> str:
     rest = source_name[root.end():] if root else source_name
     parts = [next(g for g in m.groups() if g is not None) for m in _SOURCE_TOKEN.finditer(rest)]
     return ".".join(parts)
+
+
+#: with ``sequence_parallel``, one byte of a full-size activation per rank costs as much as one
+#: communicated byte per token (any weight > 0 makes sequence shards win once a block's extra
+#: collective latency is spread over enough tokens)
+SEQUENCE_PARALLEL_WEIGHT = 1.0
 
 
 def autotp_backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
@@ -352,6 +359,8 @@ def _solve(gm: torch.fx.GraphModule, example_inputs: list[Any], param_inputs: di
     if used and any(free[n] is not unconstrained[n] for n in free):
         free_cost = solve(shadow, opts, fixed, unconstrained, param_nodes).cost
         timings["overrides_extra_cost"] = solution.cost - free_cost
+    if ctx.config.sequence_parallel:
+        solution, opts = runner.run("solve", _sequence_parallel, shadow, opts, fixed, solution, param_nodes)
     timings["solve_s"], timings["solve_cpu_s"] = time.perf_counter() - t, time.process_time() - c
     t = time.perf_counter()
     annotation = runner.run("annotate", annotate, shadow, solution)
@@ -361,6 +370,19 @@ def _solve(gm: torch.fx.GraphModule, example_inputs: list[Any], param_inputs: di
                                   {n: consumer for n, (_, consumer, _) in aten_params.items()}, used, free_cost,
                                   timings)
     return annotation, solution, shadow, opts
+
+
+def _sequence_parallel(shadow: Any, opts: SolverOptions, fixed: dict[torch.fx.Node, Placement],
+                       solution: Solution, param_nodes: set[torch.fx.Node]) -> tuple[Solution, SolverOptions]:
+    """Second solve for ``sequence_parallel``: every parameter pinned where the first (pure
+    communication) solve stored it, activations re-placed with full-size activations priced
+    (``SolverOptions.activation_weight``). Pinning keeps the Megatron weight layout and leaves the
+    search only the activations' placements; where no activation can be sharded (a one-token
+    decode step) the first plan's placements come back."""
+    sp_opts = dataclasses.replace(opts, activation_weight=SEQUENCE_PARALLEL_WEIGHT)
+    second = solve(shadow, sp_opts, {**fixed, **solution.params}, {}, param_nodes)
+    second.params = dict(solution.params)
+    return second, sp_opts
 
 
 def _release_after_first_call(gm: torch.fx.GraphModule, param_inputs: dict[torch.fx.Node, torch.Tensor]

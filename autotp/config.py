@@ -22,6 +22,9 @@ class AutoTPConfig:
     byte per token (see ``autotp/passes/solve.py``).
     ``beam_width``: the solver's bound on partial plans kept per node.
     ``compile_inner``: "eager" runs the rewritten graph as FX Python code.
+    ``sequence_parallel``: keep activations between tensor-parallel regions (residual stream,
+    norms, dropout) sharded on the sequence, reduce-scatter + all-gather instead of all-reduce
+    (a second solve prices replicated activations, ``SolverOptions.activation_weight``).
     ``verify``: check each graph's first call against a replicated run, node by node, and raise at
     the first node that diverges (``autotp/verify.py``).
     """
@@ -34,6 +37,7 @@ class AutoTPConfig:
     compile_inner: str = "eager"
     overrides: Mapping[str, str] = field(default_factory=dict)
     verify: bool = False
+    sequence_parallel: bool = False
 
     def __post_init__(self) -> None:
         if self.tp_size is not None and (not isinstance(self.tp_size, int) or self.tp_size < 1):

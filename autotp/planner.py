@@ -281,10 +281,11 @@ def _sites(record: SolveRecord) -> list[dict[str, Any]]:
 def plan_model(model: Any, tp: int, *, dtype: str | torch.dtype | None = None, batch: int = 1,
                seq_len: int | None = None, decode: bool = True, overrides: Mapping[str, str] | None = None,
                memory_weight: float = 1.0, beam_width: int = 32, revision: str | None = None,
-               cache_dir: str | os.PathLike | None = None, local_files_only: bool = False) -> PlanReport:
+               cache_dir: str | os.PathLike | None = None, local_files_only: bool = False,
+               sequence_parallel: bool = False) -> PlanReport:
     """Plan ``model`` (a Hub id, a folder, or a transformers config) for ``tp`` ranks, in this
     process, on the meta device (see the module docstring). ``seq_len`` defaults to ``2*tp+1``.
-    ``overrides`` are ``parallelize_model``'s (pattern -> style).
+    ``overrides`` and ``sequence_parallel`` are ``parallelize_model``'s.
 
     Resets Dynamo's caches first (``torch._dynamo.reset()``): every plan compiles the same
     ``forward`` code object, and planning several models in one process would otherwise run into
@@ -308,7 +309,8 @@ def plan_model(model: Any, tp: int, *, dtype: str | torch.dtype | None = None, b
 
     comm = Comm.simulated_group(tp)
     ctx = TPContext(comm=comm, config=AutoTPConfig(tp_size=tp, dtype=torch_dtype, overrides=overrides,
-                                                   memory_weight=memory_weight, beam_width=beam_width),
+                                                   memory_weight=memory_weight, beam_width=beam_width,
+                                                   sequence_parallel=sequence_parallel),
                     sharded_outputs=True)  # as parallelize_model: KV cache sharded, logits gathered on return
     seen: list[_Compiled] = []
 

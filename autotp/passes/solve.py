@@ -19,6 +19,16 @@ normalised per token (``tokens`` = elements of the first integer input, or leadi
 first input) so that the plan does not flip with batch or sequence length; a replicated parameter
 costs the memory it fails to save.
 
+Sequence parallelism (``activation_weight > 0``; ``sequence_parallel=True`` at the entry points,
+which first solve as above, then re-solve with every parameter pinned where that plan stored it)
+adds ``activation_weight * sum(full-size activation bytes * (N-1)/N) / tokens``, where an
+*activation* is a floating op output computed from a parameter (masks and position tables, which
+depend on the inputs only, are not) and *full-size* means ``R`` or ``Partial``. The all-reduce after
+a row-parallel matmul (``2(N-1)/N`` bytes per element) and a reduce-scatter into sequence shards
+followed by an all-gather before the next column-parallel matmul (``(N-1)/N`` each) move the same
+bytes, so this term makes the solver keep the residual stream, norms and dropout on
+``Shard(sequence)`` between blocks: Megatron's sequence parallelism, found rather than prescribed.
+
 Search
 ------
 Frontier dynamic programming in topological order, i.e. a breadth-first branch-and-bound: a
@@ -77,6 +87,9 @@ class SolverOptions:
     beam_width: int = 32
     #: graph outputs may keep a Shard placement (KV caches stay sharded); otherwise they must be R
     sharded_outputs: bool = False
+    #: cost of one byte of a full-size (``R`` or ``Partial``) activation per rank, relative to one
+    #: communicated byte per token; > 0 asks for sequence parallelism (see the module docstring)
+    activation_weight: float = 0.0
 
 
 @dataclass
@@ -332,6 +345,8 @@ class _Search:
         self.spec_of = {s.index: s.spec for s in steps}
         self.producer = {s.index: s.inputs[0] for s in steps if s.kind == "edge" and s.inputs}
         self.rule_cache: dict[tuple[int, tuple], list[Candidate]] = {}
+        #: op nodes computed from a parameter (what sequence parallelism prices when replicated)
+        self.activations = _downstream(steps, params) if opts.activation_weight else set()
 
     def run(self) -> dict[State, tuple[float, float, float, _Hist | None]]:
         states: dict[State, tuple[float, float, float, _Hist | None]] = {((), frozenset()): (0.0, 0.0, 0.0, None)}
@@ -575,8 +590,8 @@ class _Search:
         pending = sorted({j for j, p in zip(step.inputs, ins, strict=True) if isinstance(p, Pending)})
         if not pending:
             cands = self.rule(step, tuple(ins))
-            return [_Option(c.output, cost=self.internal_cost(c), local=c.local) for c in cands], \
-                getattr(cands, "reason", None)
+            return [_Option(c.output, cost=self.internal_cost(c), mem=self.activation_cost(step, c.output),
+                            local=c.local) for c in cands], getattr(cands, "reason", None)
         full = [[(q, self.resolve_cost(j, live[j], q))
                  for q in edge_targets(live[j].src, self.spec_of[j], self.opts.world_size)] for j in pending]
         return self.combos(step, ins, pending, full, skip=None)
@@ -597,9 +612,23 @@ class _Search:
                 continue
             extra = sum(c for _, c in combo)
             resolved = tuple((j, chosen[j][0]) for j in pending)
-            out.extend(_Option(c.output, cost=extra + self.internal_cost(c), local=c.local, resolved=resolved)
-                       for c in cands)
+            out.extend(_Option(c.output, cost=extra + self.internal_cost(c), mem=self.activation_cost(step, c.output),
+                               local=c.local, resolved=resolved) for c in cands)
         return out, reason
+
+    def activation_cost(self, step: _Step, out: Any) -> float:
+        """Memory cost of the full-size activations an op leaves on every rank (sequence
+        parallelism, ``SolverOptions.activation_weight``; 0 when that weight is 0)."""
+        weight = self.opts.activation_weight
+        if not weight or step.index not in self.activations:
+            return 0.0
+        specs = step.spec if isinstance(step.spec, tuple) else (step.spec,)
+        outs = out if isinstance(out, tuple) else (out,)
+        world = self.opts.world_size
+        return sum(weight * spec.nbytes * (world - 1) / world / max(self.opts.tokens, 1)
+                   for spec, p in zip(specs, outs, strict=False)
+                   if isinstance(spec, TensorSpec) and isinstance(p, (Replicate, Partial))
+                   and spec.dtype.is_floating_point and spec.numel > 1)
 
     def internal_cost(self, c: Candidate) -> float:
         """The cost of the collectives a candidate's local rewrite issues itself (all-reduces)."""
@@ -613,6 +642,15 @@ class _Search:
             cands = _candidates(step, ins)
             self.rule_cache[key] = cands
         return cands
+
+
+def _downstream(steps: list[_Step], sources: set[int]) -> set[int]:
+    """Indices of the steps that depend on any of ``sources`` (steps are in topological order)."""
+    reached = set(sources)
+    for s in steps:
+        if any(j in reached for j in s.inputs):
+            reached.add(s.index)
+    return reached - set(sources)
 
 
 def find_segments(steps: list[_Step], last_use: dict[int, int], position: dict[int, int],

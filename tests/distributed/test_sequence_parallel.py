@@ -1,0 +1,77 @@
+"""Sequence parallelism at tp=2 (gloo, CPU): ``parallelize_model(..., sequence_parallel=True)``
+keeps the residual stream and the norms on sequence shards between the tensor-parallel regions.
+Each all-reduce of a block becomes a reduce-scatter (into sequence shards) and an all-gather
+(before the next column-parallel matmul), the loss and every gradient equal one process, and the
+activations autograd saves for backward take fewer bytes per rank than without it.
+
+Tolerance: as ``test_training.py`` (gradients atol 1e-5 / rtol 1e-4, loss 1e-5 relative: the
+reductions reorder fp32 sums).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests._dist import run_ranks
+from tests._tiny import save_tiny
+from tests.distributed.test_training import IDS, LABELS, _gathered_grads
+
+pytestmark = pytest.mark.dist
+
+LAYERS = 2
+
+
+def _saved_bytes(model: torch.nn.Module) -> tuple[float, int]:
+    """One training forward: (loss, bytes of the distinct storages autograd saves for backward)."""
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.device.type != "meta":
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(input_ids=IDS, labels=LABELS).loss
+    loss.backward()
+    return float(loss.detach()), sum(storages.values())
+
+
+def _rank(rank: int, world: int, folder: str, sequence_parallel: bool) -> dict:
+    from autotp import parallelize_model
+
+    model = parallelize_model(folder, tp_size=world, sequence_parallel=sequence_parallel)
+    model.train()
+    model(input_ids=IDS, labels=LABELS).loss.backward()  # compiles the training graphs
+    model.zero_grad()
+    comm = model.autotp.context.comm
+    comm.reset_counts()
+    loss, saved = _saved_bytes(model)
+    return {"loss": loss, "saved_bytes": saved, "grads": _gathered_grads(model),
+            "forward": dict(comm.counts), "backward": dict(comm.backward_counts)}
+
+
+def test_sequence_parallel_trades_each_all_reduce_for_a_reduce_scatter_and_an_all_gather(tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    folder = save_tiny("llama", tmp_path / "ckpt", seed=0, num_hidden_layers=LAYERS)
+    ref = AutoModelForCausalLM.from_pretrained(folder)
+    ref.train()
+    ref_loss = ref(input_ids=IDS, labels=LABELS).loss
+    ref_loss.backward()
+    ref_loss = float(ref_loss.detach())
+    plain = run_ranks(_rank, 2, str(folder), False)
+    sequence = run_ranks(_rank, 2, str(folder), True)
+    for r in sequence:
+        assert r["loss"] == pytest.approx(ref_loss, rel=1e-5)
+        for name, p in ref.named_parameters():
+            torch.testing.assert_close(r["grads"][name], p.grad, atol=1e-5, rtol=1e-4, msg=name)
+    for p, s in zip(plain, sequence, strict=True):
+        assert "reduce_scatter" not in p["forward"]
+        # the embedding's and each block's two all-reduces become reduce-scatters into sequence
+        # shards, and each block's two column-parallel inputs are all-gathered back
+        assert s["forward"]["reduce_scatter"] == 2 * LAYERS + 1
+        assert s["forward"]["all_gather"] == p["forward"]["all_gather"] + 2 * LAYERS
+        assert s["saved_bytes"] < p["saved_bytes"]  # norms and residuals are saved as 1/2 shards
