@@ -92,8 +92,10 @@ def _rank_generate(folder: str, prompt: list[int] | str, new_tokens: int, tp: in
     import torch.distributed as dist
 
     from autotp import parallelize_model
+    from autotp.health import RankFailure
 
     _quiet_transformers()
+    health = None
     try:
         if not dist.is_initialized():
             if device == "cuda":
@@ -104,6 +106,9 @@ def _rank_generate(folder: str, prompt: list[int] | str, new_tokens: int, tp: in
         target = f"cuda:{torch.cuda.current_device()}" if device == "cuda" else "cpu"
         model = parallelize_model(folder, tp_size=tp, dtype=dtype, trace_dir=trace_dir, device=target)
         loaded = time.perf_counter()
+        health = model.autotp.context.comm.health
+        if health is not None:
+            health.set_phase("generate")
         tokenizer = _tokenizer(folder) if isinstance(prompt, str) else None
         ids = tokenizer(prompt, return_tensors="pt").input_ids if tokenizer is not None else torch.tensor([prompt])
         ids = ids.to(target)
@@ -126,9 +131,19 @@ def _rank_generate(folder: str, prompt: list[int] | str, new_tokens: int, tp: in
             "load_s": loaded - start,
             "generate_s": done - loaded,
         }
+    except RankFailure as exc:
+        # Another rank died: say which at once, before the launcher stops this rank too.
+        print(f"autotp: rank {os.environ.get('RANK', '?')}: error: {exc}", file=sys.stderr, flush=True)
+        return {"error": str(exc)}
     except AutoTPError as exc:
         return {"error": str(exc)}
+    except BaseException as exc:
+        if health is not None:
+            health.record_failure(exc)
+        raise
     finally:
+        if health is not None:
+            health.stop()
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -195,7 +210,7 @@ def _launch(tp: int, args: tuple[Any, ...], log_dir: Path, nnodes: int = 1, rdzv
     try:
         results = elastic_launch(config, _rank_generate)(*args)
     except ChildFailedError as exc:
-        raise _RankFailure(str(exc)) from None
+        raise _RankFailure(_failed_ranks(exc), str(exc)) from None
     errors = {r["error"] for r in results.values() if "error" in r}
     if errors:
         raise AutoTPError("; ".join(sorted(errors)))
@@ -203,7 +218,27 @@ def _launch(tp: int, args: tuple[Any, ...], log_dir: Path, nnodes: int = 1, rdzv
 
 
 class _RankFailure(Exception):
-    """A rank died or raised something other than an AutoTPError (the launcher's report)."""
+    """A rank died or raised something other than an AutoTPError: which ranks (a line), and the
+    launcher's report."""
+
+    def __init__(self, summary: str, report: str) -> None:
+        super().__init__(summary)
+        self.summary, self.report = summary, report
+
+
+def _failed_ranks(exc: Any) -> str:
+    """One line naming the ranks the launcher saw fail, and how (exit code or signal)."""
+    parts = []
+    for rank, failure in sorted(getattr(exc, "failures", {}).items()):
+        if failure.exitcode < 0:
+            try:
+                how = f"killed by signal {failure.signal_name()}"
+            except Exception:  # noqa: BLE001 - an unknown signal number
+                how = f"killed by signal {-failure.exitcode}"
+        else:
+            how = f"exit code {failure.exitcode}"
+        parts.append(f"rank {rank} ({how})")
+    return ("failed: " + ", ".join(parts)) if parts else "a rank failed"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -527,7 +562,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"autotp: error: {exc}", file=sys.stderr)
         return 2
     except _RankFailure as exc:
-        print(f"autotp: a rank failed (a bug in autotp or its environment):\n{exc}", file=sys.stderr)
+        print(f"autotp: error: {exc.summary}. A rank killed by signal 9 with no error of its own is usually the "
+              "out-of-memory killer; otherwise the launcher's report below shows the first error "
+              f"(a bug in autotp or its environment):\n{exc.report}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130
