@@ -96,6 +96,7 @@ def _rank_generate(folder: str, prompt: list[int] | str, new_tokens: int, tp: in
 
     _quiet_transformers()
     health = None
+    reported = _report_on_termination()
     try:
         if not dist.is_initialized():
             if device == "cuda":
@@ -134,6 +135,7 @@ def _rank_generate(folder: str, prompt: list[int] | str, new_tokens: int, tp: in
     except RankFailure as exc:
         # Another rank died: say which at once, before the launcher stops this rank too.
         print(f"autotp: rank {os.environ.get('RANK', '?')}: error: {exc}", file=sys.stderr, flush=True)
+        reported.set()
         return {"error": str(exc)}
     except AutoTPError as exc:
         return {"error": str(exc)}
@@ -146,6 +148,38 @@ def _rank_generate(folder: str, prompt: list[int] | str, new_tokens: int, tp: in
             health.stop()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _report_on_termination() -> Any:
+    """When another rank dies, the launcher stops the survivors with SIGTERM, often before their
+    own failed collective has said which rank died. On SIGTERM this rank names the failed ranks
+    it finds in the health store (:mod:`autotp.health`), unless it has already reported, then
+    exits at once (128 + the signal). Returns the event that marks "already reported"."""
+    import signal
+    import threading
+
+    from autotp.collectives import process_health
+
+    reported = threading.Event()
+
+    def on_term(signum: int, frame: Any) -> None:
+        health = process_health()
+        if health is not None and not reported.is_set():
+            try:
+                suspects = [s for s in health.diagnose(stale_after=0) if s.kind != "secondary"]
+            except Exception:  # noqa: BLE001 - exiting anyway
+                suspects = []
+            if suspects:
+                print(f"autotp: rank {health.rank}: stopped by the launcher because "
+                      + "; ".join(s.describe() for s in suspects)
+                      + f". Check the log of {', '.join(f'rank {s.rank}' for s in suspects)} for its first error.",
+                      file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(128 + signum)
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, on_term)
+    return reported
 
 
 def _tokenizer(folder: str) -> Any:

@@ -78,6 +78,7 @@ __all__ = [
     "ensure_process_group",
     "is_peer_failure",
     "peer_failures",
+    "process_health",
     "is_supported",
     "kind_of",
     "redistribute",
@@ -327,6 +328,11 @@ def attach_health(comm: Comm, interval: float = 0.5) -> RankHealth | None:
     _HEALTH_COMMS.add(comm)
     comm.health = health
     return health
+
+
+def process_health() -> RankHealth | None:
+    """This process's health record (:func:`attach_health`), if one was started."""
+    return next(iter(_HEALTH.values()), None)
 
 
 _PEER_FAILURE_MARKERS = ("Connection reset by peer", "Connection closed by peer", "Timed out",

@@ -277,7 +277,7 @@ class RankHealth:
                 blamed.add(r)
         if self.store_error is not None:  # heartbeats cannot be read: blame no one on their account
             return sorted(primary, key=lambda s: s.rank) + sorted(secondary, key=lambda s: s.rank)
-        if not primary:
+        if not primary and stale_after > 0:
             # ranks on other hosts: which heartbeats stop advancing
             unknown = [r for r in others if self._process_gone(infos[r]) is None]
             deadline = time.monotonic() + stale_after
