@@ -309,7 +309,8 @@ def plan_model(model: Any, tp: int, *, dtype: str | torch.dtype | None = None, b
     comm = Comm.simulated_group(tp)
     ctx = TPContext(comm=comm, config=AutoTPConfig(tp_size=tp, dtype=torch_dtype, overrides=overrides,
                                                    memory_weight=memory_weight, beam_width=beam_width),
-                    sharded_outputs=True)  # as parallelize_model: KV cache sharded, logits gathered on return
+                    sharded_outputs=True,  # as parallelize_model: KV cache sharded, logits gathered on return
+                    keep_solve_records=True)  # explain / alternatives re-solve from the record
     seen: list[_Compiled] = []
 
     def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
