@@ -72,8 +72,8 @@ def test_a_rank_that_hangs_or_dies_while_loading_makes_the_run_fail_instead_of_h
 
 
 # `autotp generate` with a fault injected: the launcher's entry function is swapped (in the parent,
-# before `main` runs) for one that, on rank 1 only, SIGKILLs its own process at the start of the
-# given forward call (call 1 is parallelize_model's warm-up, 2 generate's prefill, 3 the first decode
+# before `main` runs) for one that, on rank 1 only, SIGKILLs its own process (or raises) at the
+# start of the given forward call (call 1 is parallelize_model's warm-up, 2 generate's prefill, 3 the first decode
 # step). The spawned ranks import the swapped function from this module by name.
 _KILLER = textwrap.dedent('''
     import os, signal
@@ -91,6 +91,8 @@ _KILLER = textwrap.dedent('''
             def dying(self, *a, **k):
                 seen[0] += 1
                 if seen[0] == int(os.environ["KILL_AT_CALL"]):
+                    if os.environ["KILL_MODE"] == "raise":
+                        raise RuntimeError("injected failure on rank 1")
                     os.kill(os.getpid(), signal.SIGKILL)
                 return call(self, *a, **k)
 
@@ -109,11 +111,12 @@ _GENERATE = textwrap.dedent('''
 ''')
 
 
-def test_a_rank_killed_while_generating_makes_autotp_generate_exit_nonzero_naming_it(tmp_path):
+@pytest.mark.parametrize("mode", ["kill", pytest.param("raise", marks=pytest.mark.slow)])
+def test_a_rank_killed_while_generating_makes_autotp_generate_exit_nonzero_naming_it(tmp_path, mode):
     folder = save_tiny("llama", tmp_path / "ck")
     (tmp_path / "killer.py").write_text(_KILLER)
     (tmp_path / "generate.py").write_text(_GENERATE)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CI": "1", "KILL_AT_CALL": "3",
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CI": "1", "KILL_AT_CALL": "3", "KILL_MODE": mode,
            "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), str(REPO), os.environ.get("PYTHONPATH")]))}
     start = time.monotonic()
     proc = subprocess.run([sys.executable, str(tmp_path / "generate.py"), "generate", str(folder), "--tp", "2",
@@ -124,9 +127,12 @@ def test_a_rank_killed_while_generating_makes_autotp_generate_exit_nonzero_namin
     assert proc.returncode == 1, out
     assert "generated ids" not in out
     # the parent names the rank the launcher saw die, and how
-    assert "autotp: error: failed: rank 1 (killed by signal SIGKILL)" in out, out
+    how = "killed by signal SIGKILL" if mode == "kill" else "exit code 1"
+    assert f"autotp: error: failed: rank 1 ({how})" in out, out
     # and the survivor names it with the phase it last reported: through its failed collective, or
     # (when the launcher's SIGTERM comes first) from its SIGTERM handler
+    what = (r"rank 1 died in phase 'generate, forward call [23]'" if mode == "kill" else
+            r"rank 1 raised in phase 'generate, forward call 2': RuntimeError: injected failure on rank 1")
     assert re.search(r"autotp: rank 0: (error: rank 0 of 2: rank 1 failed while the model was running: |"
-                     r"stopped by the launcher because )rank 1 died in phase 'generate, forward call [23]'", out), out
+                     r"stopped by the launcher because )" + what, out), out
     assert elapsed < 120, out  # no rank waited for a timeout (the default would be 10 minutes)
