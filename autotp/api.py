@@ -213,7 +213,8 @@ def parallelize_model(
     ``.bin`` weights. ``dtype`` converts each slice as it is read. ``trust_remote_code`` is needed
     for a config whose architecture exists only as code in the checkpoint (``auto_map``).
     ``timeout`` (seconds) bounds every collective when autotp starts the process group itself (a
-    rank that dies or hangs then makes the others fail with an error instead of waiting forever).
+    rank that dies or hangs then makes the others fail with an error instead of waiting forever;
+    the error, a :class:`~autotp.health.RankFailure`, names that rank and its last phase).
     ``progress`` shows a slice-read bar on rank 0 for long loads (and huggingface_hub's download
     bars); default: on unless the ``CI`` environment variable is set. On CPU each rank uses
     ``cores / local ranks`` threads unless ``OMP_NUM_THREADS`` is set. ``verify=True`` checks the

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.fx
 
-from autotp.collectives import Comm
+from autotp.collectives import Comm, attach_health
 from autotp.config import AutoTPConfig
 from autotp.context import TPContext, attach_meta, meta_of, shard_of, sharded_standin, standin
 from autotp.errors import AutoTPError, SolverError
@@ -57,6 +57,7 @@ def autotp_backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Calla
     (or runs single-process), ``AUTOTP_TRACE_DIR`` for traces and ``AUTOTP_VERIFY=1`` for
     verification (see ``autotp/verify.py``)."""
     comm = Comm.from_default_group() if dist.is_available() and dist.is_initialized() else Comm.single()
+    attach_health(comm)  # a failed collective names the rank that failed (autotp.health)
     trace_dir = os.environ.get("AUTOTP_TRACE_DIR")
     verify = os.environ.get("AUTOTP_VERIFY", "") not in ("", "0")
     ctx = TPContext(comm=comm, config=AutoTPConfig(trace_dir=Path(trace_dir) if trace_dir else None, verify=verify))

@@ -43,6 +43,12 @@ Accounting. ``Comm.counts`` counts collectives issued in *forward*, one per redi
 logical kind however it is implemented; ``Comm.bytes`` adds the payload bytes this rank handed to
 each (the local input's ``nbytes``). ``Comm.backward_counts`` counts the backward collectives.
 
+Failures. Every ``torch.distributed`` call runs inside ``_guard``, which counts it
+(``Comm.issued``) and turns a failure caused by another rank (a closed or reset connection, a
+timeout, ``DistError``) into a :class:`~autotp.health.RankFailure` that names the rank(s) that
+died, raised or hung, from the rank-health records of :mod:`autotp.health` (:func:`attach_health`
+starts them); other errors pass through unchanged.
+
 The pure helpers :func:`kind_of`, :func:`backward_kind_of`, :func:`cost_bytes` and
 :func:`is_supported` need no process group: the solver imports them.
 """
