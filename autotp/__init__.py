@@ -9,6 +9,7 @@ from autotp.backend import autotp_backend
 from autotp.checkpoints import load_checkpoint, save_checkpoint, save_pretrained
 from autotp.config import AutoTPConfig
 from autotp.errors import AutoTPError, CheckpointError, ShardingError, SolverError
+from autotp.health import RankFailure
 from autotp.placement import Partial, Replicate, Shard
 from autotp.training import clip_grad_norm_
 
@@ -18,6 +19,7 @@ __all__ = [
     "AutoTPHandle",
     "CheckpointError",
     "Partial",
+    "RankFailure",
     "Replicate",
     "Shard",
     "ShardingError",

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from autotp.backend import make_backend
-from autotp.collectives import Comm, ensure_process_group, redistribute
+from autotp.collectives import Comm, attach_health, ensure_process_group, peer_failures, redistribute
 from autotp.config import AutoTPConfig, parse_dtype
 from autotp.context import TPContext, attach_meta, meta_of, shard_of, standin
 from autotp.errors import AutoTPError, CheckpointError, divisors_up_to
@@ -102,8 +102,10 @@ class _SwappingForward:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         for module, name, stand in self.slots:
             module._parameters[name] = stand
+        if self.comm.health is not None:
+            self.comm.health.step += 1  # published by the heartbeat thread
         try:
-            with _peer_failures(self.comm, "the model was running"):
+            with peer_failures(self.comm, "the model was running"), _failures_recorded(self.comm.health):
                 return gather_user_values(self.compiled(*args, **kwargs), self.comm)
         except torch._dynamo.exc.BackendCompilerFailed as e:  # Dynamo wraps what the backend raised
             if isinstance(e.inner_exception, AutoTPError):  # the user's error, with its own cause
@@ -212,7 +214,8 @@ def parallelize_model(
     ``.bin`` weights. ``dtype`` converts each slice as it is read. ``trust_remote_code`` is needed
     for a config whose architecture exists only as code in the checkpoint (``auto_map``).
     ``timeout`` (seconds) bounds every collective when autotp starts the process group itself (a
-    rank that dies or hangs then makes the others fail with an error instead of waiting forever).
+    rank that dies or hangs then makes the others fail with an error instead of waiting forever;
+    the error, a :class:`~autotp.health.RankFailure`, names that rank and its last phase).
     ``progress`` shows a slice-read bar on rank 0 for long loads (and huggingface_hub's download
     bars); default: on unless the ``CI`` environment variable is set. On CPU each rank uses
     ``cores / local ranks`` threads unless ``OMP_NUM_THREADS`` is set. ``verify=True`` checks the
@@ -238,6 +241,9 @@ def parallelize_model(
         ensure_process_group(timeout=timeout)
     comm = Comm.from_default_group() if dist.is_available() and dist.is_initialized() else Comm.single()
     world = comm.world_size
+    health = attach_health(comm)  # names the failed rank when a collective fails (autotp.health)
+    if health is not None:
+        health.set_phase("loading")
     if device is None:
         device = torch.device(f"cuda:{torch.cuda.current_device()}") if comm.backend == "nccl" else torch.device("cpu")
     device = torch.device(device)
@@ -275,13 +281,15 @@ def parallelize_model(
     ctx.on_plan = module.autotp.plans.append
     if warmup:
         with _read_progress(checkpoint, len({id(p) for _, _, p in slots}), show_progress), \
-                _peer_failures(comm):
+                peer_failures(comm, "the model was loading"), _failures_recorded(health):
             with torch.no_grad():
                 module(**{k: v.to(device) if isinstance(v, torch.Tensor) else v
                           for k, v in _warmup_inputs(module, world).items()})
             _load_untouched(slots, ctx)
         forward.swap_out()
         checkpoint.close()  # every shard is loaded: drop file handles (and .bin mappings)
+    if health is not None:
+        health.set_phase("loaded")
     return module
 
 
@@ -330,29 +338,15 @@ def _read_progress(checkpoint: Checkpoint, total: int, show: bool) -> Iterator[N
 
 
 @contextlib.contextmanager
-def _peer_failures(comm: Comm, during: str = "the model was loading") -> Iterator[None]:
-    """A collective that fails because another rank died, raised or hung becomes an AutoTPError
-    that says so (gloo reports a reset or closed connection at once, a hang after the timeout)."""
+def _failures_recorded(health: Any) -> Iterator[None]:
+    """An exception leaving the block is recorded as this rank's failure in the health store, so
+    the other ranks' errors can name this rank and the reason (see :mod:`autotp.health`)."""
     try:
         yield
-    except AutoTPError:
+    except Exception as e:
+        if health is not None:
+            health.record_failure(e)
         raise
-    except RuntimeError as e:
-        if comm.world_size == 1 or not _is_peer_failure(e):
-            raise
-        raise AutoTPError(
-            f"rank {comm.rank} of {comm.world_size}: another rank failed or stopped responding while "
-            f"{during} ({str(e).splitlines()[0][:300]}). The first error in the other ranks' logs "
-            "is the cause; a hang shows up after the process-group timeout (parallelize_model(timeout=...))."
-        ) from e
-
-
-_PEER_FAILURE_MARKERS = ("Connection reset by peer", "Connection closed by peer", "Timed out",
-                         "timed out", "Broken pipe", "NCCL communicator was aborted", "DistNetworkError")
-
-
-def _is_peer_failure(e: BaseException) -> bool:
-    return isinstance(e, dist.DistError) or any(m in str(e) for m in _PEER_FAILURE_MARKERS)
 
 
 def _install_standins(module: torch.nn.Module, checkpoint: Checkpoint, dtype: torch.dtype | None,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import fnmatch
+import gc
 import os
 import re
 import time
@@ -24,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.fx
 
-from autotp.collectives import Comm
+from autotp.collectives import Comm, attach_health
 from autotp.config import AutoTPConfig
 from autotp.context import TPContext, attach_meta, meta_of, shard_of, sharded_standin, standin
 from autotp.errors import AutoTPError, SolverError
@@ -63,6 +64,7 @@ def autotp_backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Calla
     (or runs single-process), ``AUTOTP_TRACE_DIR`` for traces and ``AUTOTP_VERIFY=1`` for
     verification (see ``autotp/verify.py``)."""
     comm = Comm.from_default_group() if dist.is_available() and dist.is_initialized() else Comm.single()
+    attach_health(comm)  # a failed collective names the rank that failed (autotp.health)
     trace_dir = os.environ.get("AUTOTP_TRACE_DIR")
     verify = os.environ.get("AUTOTP_VERIFY", "") not in ("", "0")
     ctx = TPContext(comm=comm, config=AutoTPConfig(trace_dir=Path(trace_dir) if trace_dir else None, verify=verify))
@@ -143,6 +145,19 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: list[Any], ctx: TPCo
     consumers = {ph: first_consumer(ph) for ph in param_inputs}
     check = _verification(gm, annotation, placeholders, param_inputs, example_inputs, ctx) \
         if ctx.config.verify and world > 1 else None
+    trace_summary = None
+    if folder and solution is not None:
+        trace_summary = (solution.trace, {
+            "cost": solution.cost, "comm_cost": solution.comm_cost, "memory_cost": solution.memory_cost,
+            "tokens": opts.tokens, "aten_nodes": len(shadow.aten.graph.nodes),
+            "dynamo_nodes": len(shadow.dynamo_nodes)})
+    if not ctx.keep_solve_records:
+        # Memory: the shadow ATen graph and its fake tensors are garbage from here on; free them
+        # before this rank reads its shards, so the reads reuse that memory instead of adding to it.
+        shadow = solution = None
+        gm.__dict__.pop("autotp_solve", None)
+        if any(meta_of(v).local is None and meta_of(v).checkpoint is not None for v in param_inputs.values()):
+            gc.collect()
     locals_ = runner.run("materialize", materialize, annotation, param_inputs, ctx)
     report = runner.run("rewrite", rewrite, gm, annotation, locals_, ctx.comm, lint=gm)
     sharded_outputs = _sharded_outputs(gm, annotation)
@@ -156,13 +171,9 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: list[Any], ctx: TPCo
         modules = "".join(f"# {name}: {mod.extra_repr()}\n" for name, mod in gm.named_children())
         write_text(folder, "rewritten_graph.py", modules + gm.code)
         write_json(folder, "plan.json", plan)
-    if folder and solution is not None:
-        write_solver_trace(folder, solution.trace, {
-            "cost": solution.cost, "comm_cost": solution.comm_cost, "memory_cost": solution.memory_cost,
-            "tokens": opts.tokens, "aten_nodes": len(shadow.aten.graph.nodes),
-            "dynamo_nodes": len(shadow.dynamo_nodes), **timings,
-            "local_rewrites": dict(report.local_rewrites),
-        })
+    if trace_summary is not None:
+        write_solver_trace(folder, trace_summary[0], {**trace_summary[1], **timings,
+                                                      "local_rewrites": dict(report.local_rewrites)})
     if ctx.on_plan is not None:
         ctx.on_plan(plan)
     run = _release_after_first_call(gm, param_inputs)

@@ -92,8 +92,11 @@ def _rank_generate(folder: str, prompt: list[int] | str, new_tokens: int, tp: in
     import torch.distributed as dist
 
     from autotp import parallelize_model
+    from autotp.health import RankFailure
 
     _quiet_transformers()
+    health = None
+    reported = _report_on_termination()
     try:
         if not dist.is_initialized():
             if device == "cuda":
@@ -104,6 +107,9 @@ def _rank_generate(folder: str, prompt: list[int] | str, new_tokens: int, tp: in
         target = f"cuda:{torch.cuda.current_device()}" if device == "cuda" else "cpu"
         model = parallelize_model(folder, tp_size=tp, dtype=dtype, trace_dir=trace_dir, device=target)
         loaded = time.perf_counter()
+        health = model.autotp.context.comm.health
+        if health is not None:
+            health.set_phase("generate")
         tokenizer = _tokenizer(folder) if isinstance(prompt, str) else None
         ids = tokenizer(prompt, return_tensors="pt").input_ids if tokenizer is not None else torch.tensor([prompt])
         ids = ids.to(target)
@@ -126,11 +132,54 @@ def _rank_generate(folder: str, prompt: list[int] | str, new_tokens: int, tp: in
             "load_s": loaded - start,
             "generate_s": done - loaded,
         }
+    except RankFailure as exc:
+        # Another rank died: say which at once, before the launcher stops this rank too.
+        print(f"autotp: rank {os.environ.get('RANK', '?')}: error: {exc}", file=sys.stderr, flush=True)
+        reported.set()
+        return {"error": str(exc)}
     except AutoTPError as exc:
         return {"error": str(exc)}
+    except BaseException as exc:
+        if health is not None:
+            health.record_failure(exc)
+        raise
     finally:
+        if health is not None:
+            health.stop()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _report_on_termination() -> Any:
+    """When another rank dies, the launcher stops the survivors with SIGTERM, often before their
+    own failed collective has said which rank died. On SIGTERM this rank names the failed ranks
+    it finds in the health store (:mod:`autotp.health`), unless it has already reported, then
+    exits at once (128 + the signal). Returns the event that marks "already reported"."""
+    import signal
+    import threading
+
+    from autotp.collectives import process_health
+
+    reported = threading.Event()
+
+    def on_term(signum: int, frame: Any) -> None:
+        health = process_health()
+        if health is not None and not reported.is_set():
+            try:
+                suspects = [s for s in health.diagnose(stale_after=0) if s.kind != "secondary"]
+            except Exception:  # noqa: BLE001 - exiting anyway
+                suspects = []
+            if suspects:
+                print(f"autotp: rank {health.rank}: stopped by the launcher because "
+                      + "; ".join(s.describe() for s in suspects)
+                      + f". Check the log of {', '.join(f'rank {s.rank}' for s in suspects)} for its first error.",
+                      file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(128 + signum)
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, on_term)
+    return reported
 
 
 def _tokenizer(folder: str) -> Any:
@@ -195,7 +244,7 @@ def _launch(tp: int, args: tuple[Any, ...], log_dir: Path, nnodes: int = 1, rdzv
     try:
         results = elastic_launch(config, _rank_generate)(*args)
     except ChildFailedError as exc:
-        raise _RankFailure(str(exc)) from None
+        raise _RankFailure(_failed_ranks(exc), str(exc)) from None
     errors = {r["error"] for r in results.values() if "error" in r}
     if errors:
         raise AutoTPError("; ".join(sorted(errors)))
@@ -203,7 +252,27 @@ def _launch(tp: int, args: tuple[Any, ...], log_dir: Path, nnodes: int = 1, rdzv
 
 
 class _RankFailure(Exception):
-    """A rank died or raised something other than an AutoTPError (the launcher's report)."""
+    """A rank died or raised something other than an AutoTPError: which ranks (a line), and the
+    launcher's report."""
+
+    def __init__(self, summary: str, report: str) -> None:
+        super().__init__(summary)
+        self.summary, self.report = summary, report
+
+
+def _failed_ranks(exc: Any) -> str:
+    """One line naming the ranks the launcher saw fail, and how (exit code or signal)."""
+    parts = []
+    for rank, failure in sorted(getattr(exc, "failures", {}).items()):
+        if failure.exitcode < 0:
+            try:
+                how = f"killed by signal {failure.signal_name()}"
+            except Exception:  # noqa: BLE001 - an unknown signal number
+                how = f"killed by signal {-failure.exitcode}"
+        else:
+            how = f"exit code {failure.exitcode}"
+        parts.append(f"rank {rank} ({how})")
+    return ("failed: " + ", ".join(parts)) if parts else "a rank failed"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -527,7 +596,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"autotp: error: {exc}", file=sys.stderr)
         return 2
     except _RankFailure as exc:
-        print(f"autotp: a rank failed (a bug in autotp or its environment):\n{exc}", file=sys.stderr)
+        print(f"autotp: error: {exc.summary}. A rank killed by signal 9 with no error of its own is usually the "
+              "out-of-memory killer; otherwise the launcher's report below shows the first error "
+              f"(a bug in autotp or its environment):\n{exc.report}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130

@@ -43,16 +43,25 @@ Accounting. ``Comm.counts`` counts collectives issued in *forward*, one per redi
 logical kind however it is implemented; ``Comm.bytes`` adds the payload bytes this rank handed to
 each (the local input's ``nbytes``). ``Comm.backward_counts`` counts the backward collectives.
 
+Failures. Every ``torch.distributed`` call runs inside ``_guard``, which counts it
+(``Comm.issued``) and turns a failure caused by another rank (a closed or reset connection, a
+timeout, ``DistError``) into a :class:`~autotp.health.RankFailure` that names the rank(s) that
+died, raised or hung, from the rank-health records of :mod:`autotp.health` (:func:`attach_health`
+starts them); other errors pass through unchanged.
+
 The pure helpers :func:`kind_of`, :func:`backward_kind_of`, :func:`cost_bytes` and
 :func:`is_supported` need no process group: the solver imports them.
 """
 
 from __future__ import annotations
 
+import atexit
 import collections
+import contextlib
 import datetime
 import os
-from collections.abc import Iterable
+import weakref
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -60,6 +69,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from autotp.errors import AutoTPError, ShardingError
+from autotp.health import RankHealth, rank_failure
 from autotp.placement import Partial, Placement, Replicate, Shard
 
 __all__ = [
@@ -68,8 +78,13 @@ __all__ = [
     "backward_kind_of",
     "barrier",
     "broadcast_object",
+    "attach_health",
     "cost_bytes",
+    "default_store",
     "ensure_process_group",
+    "is_peer_failure",
+    "peer_failures",
+    "process_health",
     "is_supported",
     "kind_of",
     "redistribute",
@@ -127,6 +142,13 @@ class Comm:
         self.bytes: collections.Counter[str] = collections.Counter()
         #: backward collectives issued, by logical kind
         self.backward_counts: collections.Counter[str] = collections.Counter()
+        #: every collective this rank entered (also barriers, broadcasts, emulation steps); never
+        #: reset: the rank-health heartbeat publishes it so a survivor can tell who fell behind
+        self.issued = 0
+        #: this rank's health record (:mod:`autotp.health`), consulted when a collective fails
+        self.health: RankHealth | None = None
+        #: what the rank is doing, for failure messages ("the model was loading", ...)
+        self.during = ""
 
     @classmethod
     def single(cls) -> Comm:
@@ -237,7 +259,8 @@ def broadcast_object(obj: Any, comm: Comm) -> Any:
     if comm.world_size == 1 or comm.simulated:
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, group=comm.group, group_src=0)
+    with _guard(comm, "broadcast"):
+        dist.broadcast_object_list(box, group=comm.group, group_src=0)
     return box[0]
 
 
@@ -263,7 +286,106 @@ def reduce_over_ranks(x: Tensor, comm: Comm, op: str = "sum", *, backward: bool 
 def barrier(comm: Comm) -> None:
     """Wait until every rank of the group gets here."""
     if comm.world_size > 1 and not comm.simulated:
-        dist.barrier(group=comm.group)
+        with _guard(comm, "barrier"):
+            dist.barrier(group=comm.group)
+
+
+def default_store() -> Any:
+    """The c10d key-value store of the default process group (None without one): the rank-health
+    records (:mod:`autotp.health`) live there."""
+    if not dist.is_available() or not dist.is_initialized():
+        return None
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (RuntimeError, ValueError, AttributeError):
+        return None
+
+
+#: One health record per process and store (the default group's): several models loaded in one
+#: process share it. The only process-wide state in this module.
+_HEALTH: dict[int, RankHealth] = {}
+_HEALTH_COMMS: weakref.WeakSet[Comm] = weakref.WeakSet()
+
+
+def attach_health(comm: Comm, interval: float = 0.5) -> RankHealth | None:
+    """Give ``comm`` this process's health record on the default group's store (started on first
+    use: pid record, daemon heartbeat thread, except hook; see :mod:`autotp.health`). None at world
+    size 1, for a simulated group, or without a store."""
+    if comm.world_size == 1 or comm.simulated:
+        return None
+    store = default_store()
+    if store is None:
+        return None
+    health = _HEALTH.get(id(store))
+    if health is None or health.store is not store or health.world_size != comm.world_size:
+        for old in _HEALTH.values():
+            old.stop()
+        _HEALTH.clear()
+        _HEALTH_COMMS.clear()
+        comms = _HEALTH_COMMS
+        # collectives entered by every communicator of this process, summed (ranks that do the
+        # same work have the same sum)
+        health = RankHealth(store, comm.rank, comm.world_size, interval=interval,
+                            collectives=lambda: sum(c.issued for c in list(comms)))
+        _HEALTH[id(store)] = health
+        atexit.register(health.stop)
+    if not health.running:
+        health.start()
+    _HEALTH_COMMS.add(comm)
+    comm.health = health
+    return health
+
+
+def process_health() -> RankHealth | None:
+    """This process's health record (:func:`attach_health`), if one was started."""
+    return next(iter(_HEALTH.values()), None)
+
+
+_PEER_FAILURE_MARKERS = ("Connection reset by peer", "Connection closed by peer", "Timed out",
+                         "timed out", "Broken pipe", "NCCL communicator was aborted", "DistNetworkError")
+
+
+def is_peer_failure(e: BaseException) -> bool:
+    """Whether a collective's exception means another rank died, raised or hung (not bad input)."""
+    return isinstance(e, dist.DistError) or any(m in str(e) for m in _PEER_FAILURE_MARKERS)
+
+
+def peer_failure(comm: Comm, cause: BaseException, during: str | None = None) -> AutoTPError:
+    """The :class:`~autotp.health.RankFailure` for a collective of ``comm`` that failed with
+    ``cause``: with a health record, it names the rank(s) that failed and their last phase."""
+    during = during or comm.during or "running a collective"
+    if comm.health is not None:
+        return comm.health.failure(during, cause)
+    return rank_failure(comm.rank, comm.world_size, during, cause, [])
+
+
+@contextlib.contextmanager
+def _guard(comm: Comm, what: str) -> Iterator[None]:
+    """Count one collective entered; turn a peer's failure into a RankFailure that names it."""
+    comm.issued += 1
+    try:
+        yield
+    except RuntimeError as e:
+        if isinstance(e, AutoTPError) or _is_unsupported(e) or not is_peer_failure(e):
+            raise
+        raise peer_failure(comm, e) from e
+
+
+@contextlib.contextmanager
+def peer_failures(comm: Comm, during: str) -> Iterator[None]:
+    """For the block, failure messages say the rank was ``during`` (e.g. "the model was loading";
+    an enclosing block's wins); a peer failure raised by torch.distributed outside the guarded
+    collectives becomes a RankFailure too."""
+    before = comm.during
+    comm.during = during = before or during
+    try:
+        yield
+    except RuntimeError as e:
+        if isinstance(e, AutoTPError) or comm.world_size == 1 or not is_peer_failure(e):
+            raise
+        raise peer_failure(comm, e, during) from e
+    finally:
+        comm.during = before
 
 
 # --------------------------------------------------------------------------------------------------
@@ -293,7 +415,8 @@ def _all_reduce(x: Tensor, comm: Comm, backward: bool, op: str = "sum") -> Tenso
     comm._record("all_reduce", x, backward)
     out = x.clone(memory_format=torch.contiguous_format)
     if not comm.simulated:
-        dist.all_reduce(out, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=comm.group)
+        with _guard(comm, "all_reduce"):
+            dist.all_reduce(out, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=comm.group)
     return out
 
 
@@ -306,13 +429,15 @@ def _gather_raw(x: Tensor, comm: Comm) -> Tensor:
     if "all_gather" not in comm.emulate:
         try:
             # gloo accepts only the concatenated output form (N*d0, ...), a view of ``out``
-            dist.all_gather_single(out.flatten(0, 1) if x.dim() else out, x, group=comm.group)
+            with _guard(comm, "all_gather"):
+                dist.all_gather_single(out.flatten(0, 1) if x.dim() else out, x, group=comm.group)
             return out
         except RuntimeError as err:
             if not _is_unsupported(err):
                 raise
             comm.emulate.add("all_gather")
-    dist.all_gather(list(out.unbind(0)), x, group=comm.group)
+    with _guard(comm, "all_gather"):
+        dist.all_gather(list(out.unbind(0)), x, group=comm.group)
     return out
 
 
@@ -346,14 +471,16 @@ def _reduce_scatter(x: Tensor, dim: int, comm: Comm, backward: bool) -> Tensor:
         out = x.new_empty(inp.shape[1:])  # (..., D/N, ...)
         try:
             # concatenated input form (N*d0, ...), which every backend accepts
-            dist.reduce_scatter_single(out, inp.flatten(0, 1), group=comm.group)
+            with _guard(comm, "reduce_scatter"):
+                dist.reduce_scatter_single(out, inp.flatten(0, 1), group=comm.group)
             return out
         except RuntimeError as err:
             if not _is_unsupported(err):
                 raise
             comm.emulate.add("reduce_scatter")
     full = x.clone(memory_format=torch.contiguous_format)
-    dist.all_reduce(full, group=comm.group)
+    with _guard(comm, "all_reduce"):
+        dist.all_reduce(full, group=comm.group)
     return full.narrow(dim, comm.rank * s, s).contiguous()
 
 
@@ -370,7 +497,8 @@ def _all_to_all(x: Tensor, gather_dim: int, scatter_dim: int, comm: Comm, backwa
         inp = x.unflatten(scatter_dim, (n, s)).movedim(scatter_dim, 0).contiguous()
         out = torch.empty_like(inp)  # (N, ..., B/N, ...): block i came from rank i
         try:
-            dist.all_to_all_single(out, inp, group=comm.group)
+            with _guard(comm, "all_to_all"):
+                dist.all_to_all_single(out, inp, group=comm.group)
             # (N, ..., A/N, ...) -> (..., N, A/N, ...) -> (..., A, ...)
             moved = out.movedim(0, gather_dim)
             shape = inp.shape[1:]

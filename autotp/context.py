@@ -27,6 +27,10 @@ class TPContext:
     #: graph outputs may stay sharded (as :func:`sharded_standin`): the caller gathers what the
     #: user reads at the model boundary and keeps KV-cache entries sharded (``parallelize_model``)
     sharded_outputs: bool = False
+    #: keep each graph's solver record (shadow ATen graph, solution) on ``gm.autotp_solve`` for
+    #: tools that read it (``autotp plan``); at run time it is dropped before the weights are read,
+    #: so the tracing's fake tensors and graphs are freed, not held next to the shards
+    keep_solve_records: bool = False
 
     @property
     def rank(self) -> int:

@@ -311,7 +311,8 @@ def plan_model(model: Any, tp: int, *, dtype: str | torch.dtype | None = None, b
     ctx = TPContext(comm=comm, config=AutoTPConfig(tp_size=tp, dtype=torch_dtype, overrides=overrides,
                                                    memory_weight=memory_weight, beam_width=beam_width,
                                                    sequence_parallel=sequence_parallel),
-                    sharded_outputs=True)  # as parallelize_model: KV cache sharded, logits gathered on return
+                    sharded_outputs=True,  # as parallelize_model: KV cache sharded, logits gathered on return
+                    keep_solve_records=True)  # explain / alternatives re-solve from the record
     seen: list[_Compiled] = []
 
     def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:

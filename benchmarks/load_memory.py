@@ -28,7 +28,10 @@ process is ~0.3-0.4 GB before it loads anything, the same for both libraries); b
     python benchmarks/load_memory.py [--cache DIR] [--tp 2] [--out FILE.jsonl] [--which autotp,transformers]
 
 Output: one JSON line per (library, rank) and one summary line per library, to stdout and
-``--out``.
+``--out`` (appended; an ``--out`` ending in ``.json`` gets one JSON document with all the lines
+instead, as in ``benchmarks/results/load_memory_tp2_fp32.json``). Each rank's line carries
+``phases``: how much the peak RSS grew in each phase (imports, the compile stack, tracing and
+solving, the reads, the rest of the warm-up, the forward).
 """
 
 from __future__ import annotations
@@ -136,6 +139,30 @@ def _launch(library: str, folder: Path, tp: int, result_dir: Path) -> list[dict[
     return [json.loads((result_dir / f"{library}-rank{r}.json").read_text()) for r in range(tp)]
 
 
+def _phases(rec: dict[str, Any], ckpt_bytes: int) -> dict[str, dict[str, float]]:
+    """Per phase, how much the peak RSS (``VmHWM``) grew during it, in MB and as a fraction of the
+    checkpoint: ``imports`` (python + torch + transformers + autotp), ``compile_stack`` (warming
+    torch.compile on a trivial function), then for autotp ``trace_solve`` (process group, meta
+    model, Dynamo tracing, decomposition and solving of the warm-up graph: everything before the
+    first checkpoint read), ``reads`` (first to last slice read), ``warmup_rest`` (the rest of
+    ``parallelize_model``: rewriting, the warm-up's run); for transformers ``load``; then
+    ``forward`` (the 8-token forward, a recompile for autotp: the warm-up used 5 tokens)."""
+    marks = [("imports", rec["baseline"]["VmHWM"]), ("compile_stack", rec["baseline_compile"]["VmHWM"])]
+    if rec.get("reads"):
+        marks += [("trace_solve", rec["reads"]["before_first_read"]["VmHWM"]),
+                  ("reads", rec["reads"]["after_last_read"]["VmHWM"]),
+                  ("warmup_rest", rec["after_load"]["VmHWM"])]
+    else:
+        marks.append(("load", rec["after_load"]["VmHWM"]))
+    marks.append(("forward", rec["after_forward"]["VmHWM"]))
+    out, last = {}, 0
+    for name, hwm in marks:
+        grew = hwm - last
+        out[name] = {"peak_grew_mb": round(grew / 1e6, 1), "ratio": round(grew / ckpt_bytes, 3)}
+        last = hwm
+    return out
+
+
 def _summarize(records: list[dict[str, Any]], ckpt_bytes: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     lines = []
     for rec in records:
@@ -160,6 +187,7 @@ def _summarize(records: list[dict[str, Any]], ckpt_bytes: int) -> tuple[list[dic
             "rss_file_after_forward": rec["after_forward"]["RssFile"],
             "rss_anon_after_forward": rec["after_forward"]["RssAnon"],
             "ru_maxrss_bytes": rec["ru_maxrss_bytes"],
+            "phases": _phases(rec, ckpt_bytes),
             "param_bytes": rec["param_bytes"],
             "load_s": round(rec["load_s"], 2), "forward_s": round(rec["forward_s"], 2),
             "logits_checksum": rec["logits_checksum"],
@@ -201,7 +229,10 @@ def main(argv: list[str] | None = None) -> int:
             for line in [*lines, summary]:
                 print(json.dumps(line), flush=True)
                 out_lines.append(line)
-    if args.out:
+    if args.out and args.out.suffix == ".json":  # one document (benchmarks/results/)
+        args.out.write_text(json.dumps({"checkpoint": os.fspath(folder), "tp": args.tp, "dtype": "float32",
+                                        "cores": os.cpu_count(), "lines": out_lines}, indent=1) + "\n")
+    elif args.out:
         with open(args.out, "a") as f:
             for line in out_lines:
                 f.write(json.dumps(line) + "\n")
