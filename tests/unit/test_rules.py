@@ -917,9 +917,10 @@ def test_a_fused_projection_sharded_strided_splits_into_plain_head_shards(world_
                            world_size)
     assert cand.output == StridedShard(1, segs) and cand.local is None
     full = torch.addmm(bias, x, w)
-    # exact: each rank computes whole dot products for its own output columns
+    # each rank computes whole dot products for its own output columns; only the GEMM kernel's
+    # blocking for the narrower output may reorder a sum (fp32 rounding, < 1e-6 here)
     for r, o in enumerate(outs):
-        torch.testing.assert_close(o, strided_pieces(full, StridedShard(1, segs), world_size)[r], rtol=0, atol=0)
+        torch.testing.assert_close(o, strided_pieces(full, StridedShard(1, segs), world_size)[r], rtol=1e-6, atol=1e-6)
     cand, pieces = _simulate(aten.split_with_sizes.default, (full, list(segs), 1), [StridedShard(1, segs)],
                              world_size)
     assert cand.output == (Shard(1),) * 3 and cand.local == "split_sizes"
