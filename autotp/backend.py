@@ -95,7 +95,8 @@ def make_backend(ctx: TPContext) -> Callable[..., Any]:
 
 
 def _is_standin(t: torch.Tensor) -> bool:
-    return t.numel() > 1 and all(s == 0 for s in t.stride())
+    """A zero-memory parameter: a ``standin`` (stride 0) or any meta tensor (the planner's)."""
+    return t.device.type == "meta" or (t.numel() > 1 and all(s == 0 for s in t.stride()))
 
 
 def _tokens(inputs: list[tuple[torch.fx.Node, Any]]) -> int:

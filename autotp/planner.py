@@ -46,7 +46,7 @@ from autotp.api import gather_user_values
 from autotp.backend import SolveRecord, check_override_styles, compile_graph, matching_overrides
 from autotp.collectives import Comm, kind_of
 from autotp.config import AutoTPConfig, parse_dtype
-from autotp.context import TPContext, attach_meta, meta_of, output_path_of, standin
+from autotp.context import TPContext, attach_meta, meta_of, output_path_of
 from autotp.errors import AutoTPError, SolverError
 from autotp.passes.decompose import EDGE, MARK
 from autotp.passes.solve import ParamChoice, solve
@@ -170,7 +170,9 @@ def load_config(model: Any, *, revision: str | None = None, cache_dir: str | os.
 
 def _build(config: Any, dtype: torch.dtype | None) -> torch.nn.Module:
     """The architecture on meta (buffers too: rotary tables are computed on meta, their values are
-    never needed), each parameter replaced by a meta stand-in carrying its ParameterMeta."""
+    never needed), each parameter replaced by a contiguous meta tensor carrying its ParameterMeta
+    (not a stride-0 ``standin``: ops such as ``torch._grouped_mm`` check their weight's strides
+    while Dynamo traces; a meta tensor costs no memory either way)."""
     from autotp.weights import ParameterMeta, build_meta_model, tied_groups
 
     module = build_meta_model(config, dtype=dtype).to("meta")
@@ -180,7 +182,8 @@ def _build(config: Any, dtype: torch.dtype | None) -> torch.nn.Module:
         owner_name, _, name = fqn.rpartition(".")
         owner = module.get_submodule(owner_name) if owner_name else module
         if id(param) not in seen:
-            stand = standin(tuple(param.shape), param.dtype, "meta", False)
+            stand = torch.nn.Parameter(torch.empty(tuple(param.shape), dtype=param.dtype, device="meta"),
+                                       requires_grad=False)
             attach_meta(stand, ParameterMeta(fqn=fqn, global_shape=tuple(param.shape), dtype=param.dtype,
                                              tied=groups.get(fqn, (fqn,))))
             seen[id(param)] = stand
