@@ -16,8 +16,13 @@ Reported per tp: ``tokens_per_s`` (batch * seq / median step time; every rank pr
 tokens, so this is the group's throughput), ``step_ms`` (median), and per rank the peak resident
 set (``VmHWM`` from ``/proc/self/status``; on CUDA ``torch.cuda.max_memory_allocated``), the
 resident set after loading, and the bytes of parameters + gradients + AdamW state this rank holds
-(``state_bytes``: ideal 1/N of one process's, plus the replicated norms). On a shared machine the
-timings move with the neighbours' load: compare launches made in one run.
+(``state_bytes``: ideal 1/N of one process's, plus the replicated norms), and ``activation_bytes``:
+the distinct storages autograd saves for backward during one (untimed) training forward, counted
+with ``torch.autograd.graph.saved_tensors_hooks``. ``--sequence-parallel`` adds, for every tp > 1,
+a launch with ``parallelize_model(..., sequence_parallel=True)`` (reported as ``"<tp>+sp"``): its
+``activation_bytes`` against the plain launch's is the activation memory sequence parallelism
+saves. On a shared machine the timings move with the neighbours' load: compare launches made in
+one run.
 """
 
 from __future__ import annotations
@@ -49,7 +54,24 @@ def _memory() -> dict[str, int]:
     return out
 
 
-def _worker(folder: str, batch: int, seq: int, steps: int, result: str) -> None:
+def _activation_bytes(model: Any, ids: Any) -> int:
+    """Bytes of the distinct storages autograd saves for backward in one training forward."""
+    import torch
+
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    model.zero_grad(set_to_none=False)
+    return sum(storages.values())
+
+
+def _worker(folder: str, batch: int, seq: int, steps: int, result: str, sequence_parallel: bool = False) -> None:
     """One launch: load, one warm-up step, ``steps`` timed steps; every rank reports, rank 0 writes."""
     import torch
     import torch.distributed as dist
@@ -60,7 +82,7 @@ def _worker(folder: str, batch: int, seq: int, steps: int, result: str) -> None:
     transformers.logging.set_verbosity_error()
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     t0 = time.perf_counter()
-    model = parallelize_model(folder, progress=False)
+    model = parallelize_model(folder, progress=False, sequence_parallel=sequence_parallel)
     load_s = time.perf_counter() - t0
     rank, world = model.autotp.rank, model.autotp.world_size
     after_load = _memory()
@@ -89,6 +111,7 @@ def _worker(folder: str, batch: int, seq: int, steps: int, result: str) -> None:
     step()
     warmup_s = time.perf_counter() - t0
     times = [step() for _ in range(steps)]
+    activation_bytes = _activation_bytes(model, ids)
     state_bytes = sum(p.numel() * p.element_size() * 2 for p in model.parameters())  # value + grad
     state_bytes += sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values()
                        if isinstance(t, torch.Tensor))
@@ -97,6 +120,7 @@ def _worker(folder: str, batch: int, seq: int, steps: int, result: str) -> None:
         "peak_bytes": (torch.cuda.max_memory_allocated(device) if device.type == "cuda"
                        else _memory().get("VmHWM")),
         "rss_after_load_bytes": after_load.get("VmRSS"), "state_bytes": state_bytes,
+        "activation_bytes": activation_bytes,
         "threads": torch.get_num_threads(),
     }
     records = [None] * world if distributed else [record]
@@ -108,11 +132,12 @@ def _worker(folder: str, batch: int, seq: int, steps: int, result: str) -> None:
         dist.destroy_process_group()
 
 
-def _launch(tp: int, folder: Path, args: argparse.Namespace, result: Path) -> dict[str, Any]:
+def _launch(tp: int, folder: Path, args: argparse.Namespace, result: Path, sequence_parallel: bool = False
+            ) -> dict[str, Any]:
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(max((os.cpu_count() or 1) // tp, 1)))
     worker = [os.fspath(Path(__file__).resolve()), "--worker", os.fspath(folder), str(args.batch), str(args.seq),
-              str(args.steps), os.fspath(result)]
+              str(args.steps), os.fspath(result), str(int(sequence_parallel))]
     if tp == 1:
         cmd = [sys.executable, *worker]
     else:
@@ -132,14 +157,15 @@ def _summary(run: dict[str, Any], tokens: int) -> dict[str, Any]:
         "warmup_s": max(r["warmup_s"] for r in ranks),
         "load_s": max(r["load_s"] for r in ranks),
         "threads_per_rank": ranks[0]["threads"],
-        "per_rank": [{k: r[k] for k in ("rank", "peak_bytes", "rss_after_load_bytes", "state_bytes")}
+        "per_rank": [{k: r[k] for k in ("rank", "peak_bytes", "rss_after_load_bytes", "state_bytes",
+                                        "activation_bytes")}
                      for r in ranks],
     }
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--worker", nargs=5, metavar=("FOLDER", "BATCH", "SEQ", "STEPS", "RESULT"),
+    parser.add_argument("--worker", nargs=6, metavar=("FOLDER", "BATCH", "SEQ", "STEPS", "RESULT", "SP"),
                         help=argparse.SUPPRESS)
     parser.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "autotp-bench"),
                         help="folder for the benchmark checkpoint (written once)")
@@ -147,11 +173,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--steps", type=int, default=3, help="timed steps per launch")
+    parser.add_argument("--sequence-parallel", action="store_true",
+                        help="also run every tp > 1 with sequence_parallel=True (reported as '<tp>+sp')")
     parser.add_argument("--out", default="training.json")
     args = parser.parse_args(argv)
     if args.worker:
-        folder, batch, seq, steps, result = args.worker
-        _worker(folder, int(batch), int(seq), int(steps), result)
+        folder, batch, seq, steps, result, sp = args.worker
+        _worker(folder, int(batch), int(seq), int(steps), result, sequence_parallel=sp == "1")
         return 0
 
     import torch
@@ -162,9 +190,11 @@ def main(argv: list[str] | None = None) -> int:
                               "steps": args.steps, "cpu_count": os.cpu_count(), "tp": {}}
     with tempfile.TemporaryDirectory() as tmp:
         for tp in (int(t) for t in args.tp.split(",")):
-            run = _launch(tp, folder, args, Path(tmp) / f"tp{tp}.json")
-            report["tp"][str(tp)] = _summary(run, args.batch * args.seq)
-            print(json.dumps({"tp": tp, **report["tp"][str(tp)]}), flush=True)
+            for sp in (False, True) if args.sequence_parallel and tp > 1 else (False,):
+                key = f"{tp}+sp" if sp else str(tp)
+                run = _launch(tp, folder, args, Path(tmp) / f"tp{key}.json", sequence_parallel=sp)
+                report["tp"][key] = _summary(run, args.batch * args.seq)
+                print(json.dumps({"tp": key, **report["tp"][key]}), flush=True)
     Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
     print(f"wrote {args.out}")
     return 0
