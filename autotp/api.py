@@ -196,6 +196,7 @@ def parallelize_model(
     timeout: float | datetime.timedelta | None = None,
     progress: bool | None = None,
     verify: bool = False,
+    fuse: bool = True,
     **overrides: Any,
 ) -> torch.nn.Module:
     """Load ``model`` (Hub id or local folder) tensor-parallel over the current process group.
@@ -216,13 +217,15 @@ def parallelize_model(
     bars); default: on unless the ``CI`` environment variable is set. On CPU each rank uses
     ``cores / local ranks`` threads unless ``OMP_NUM_THREADS`` is set. ``verify=True`` checks the
     first call of every graph against a replicated run and raises at the first diverging node.
+    ``fuse=False`` keeps sibling matmuls (q/k/v, gate/up) as separate GEMMs (``autotp/passes/fuse.py``).
     """
     dtype = parse_dtype(dtype)
     trace_dir = trace_dir or os.environ.get("AUTOTP_TRACE_DIR") or None
     if progress is None:  # the library reads the environment here, at its entry point, only
         progress = not os.environ.get("CI")
     config = AutoTPConfig(tp_size=tp_size, dtype=dtype, trace_dir=Path(trace_dir) if trace_dir else None,
-                          overrides=dict(overrides.pop("overrides", {}) or {}), verify=bool(verify))
+                          overrides=dict(overrides.pop("overrides", {}) or {}), verify=bool(verify),
+                          fuse=bool(fuse))
     if overrides:
         raise AutoTPError(f"unknown arguments to parallelize_model: {sorted(overrides)}")
     if timeout is not None and not isinstance(timeout, datetime.timedelta):

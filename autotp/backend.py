@@ -30,6 +30,7 @@ from autotp.errors import AutoTPError, SolverError
 from autotp.ops.fused import fused_segmentations, strided_candidates
 from autotp.passes.annotate import annotate, replicated_annotation
 from autotp.passes.decompose import decompose
+from autotp.passes.fuse import fuse_sibling_matmuls
 from autotp.passes.materialize import materialize
 from autotp.passes.pipeline import PassRunner
 from autotp.passes.rewrite import rewrite
@@ -51,14 +52,28 @@ def fqn_of(source_name: str) -> str:
     return ".".join(parts)
 
 
-def autotp_backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+#: ``torch.compile(..., backend="autotp", options={...})`` keys -> AutoTPConfig fields
+BACKEND_OPTIONS = ("fuse", "compile_inner", "verify", "trace_dir", "memory_weight", "beam_width", "overrides")
+
+
+def autotp_backend(gm: torch.fx.GraphModule, example_inputs: list[Any],
+                   options: Mapping[str, Any] | None = None) -> Callable[..., Any]:
     """Entry point for ``torch.compile(model, backend="autotp")``: uses the default process group
     (or runs single-process), ``AUTOTP_TRACE_DIR`` for traces and ``AUTOTP_VERIFY=1`` for
-    verification (see ``autotp/verify.py``)."""
+    verification (see ``autotp/verify.py``). ``options={"fuse": False, "compile_inner": "eager",
+    ...}`` (any of :data:`BACKEND_OPTIONS`) set the matching :class:`AutoTPConfig` fields.
+
+    Each call builds a fresh context, so compile options per graph; for a model whose graphs must
+    share one context, use :func:`make_backend`."""
     comm = Comm.from_default_group() if dist.is_available() and dist.is_initialized() else Comm.single()
     trace_dir = os.environ.get("AUTOTP_TRACE_DIR")
     verify = os.environ.get("AUTOTP_VERIFY", "") not in ("", "0")
-    ctx = TPContext(comm=comm, config=AutoTPConfig(trace_dir=Path(trace_dir) if trace_dir else None, verify=verify))
+    options = dict(options or {})
+    unknown = sorted(set(options) - set(BACKEND_OPTIONS))
+    if unknown:
+        raise AutoTPError(f"unknown autotp backend options {unknown}; known: {list(BACKEND_OPTIONS)}")
+    fields: dict[str, Any] = {"trace_dir": Path(trace_dir) if trace_dir else None, "verify": verify, **options}
+    ctx = TPContext(comm=comm, config=AutoTPConfig(**fields))
     return compile_graph(gm, example_inputs, ctx)
 
 
@@ -138,6 +153,8 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: list[Any], ctx: TPCo
         if ctx.config.verify and world > 1 else None
     locals_ = runner.run("materialize", materialize, annotation, param_inputs, ctx)
     report = runner.run("rewrite", rewrite, gm, annotation, locals_, ctx.comm, lint=gm)
+    fusion = runner.run("fuse", fuse_sibling_matmuls, gm, lint=gm) if ctx.config.fuse else None
+    gm.autotp_fusion = fusion.as_dict() if fusion is not None else None
     sharded_outputs = _sharded_outputs(gm, annotation)
     gm.autotp_sharded_outputs = sharded_outputs
     plan = build_plan(world, {
@@ -149,6 +166,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: list[Any], ctx: TPCo
         modules = "".join(f"# {name}: {mod.extra_repr()}\n" for name, mod in gm.named_children())
         write_text(folder, "rewritten_graph.py", modules + gm.code)
         write_json(folder, "plan.json", plan)
+        write_json(folder, "fusion.json", gm.autotp_fusion or {"disabled": True})
     if folder and solution is not None:
         write_solver_trace(folder, solution.trace, {
             "cost": solution.cost, "comm_cost": solution.comm_cost, "memory_cost": solution.memory_cost,

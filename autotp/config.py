@@ -22,6 +22,8 @@ class AutoTPConfig:
     byte per token (see ``autotp/passes/solve.py``).
     ``beam_width``: the solver's bound on partial plans kept per node.
     ``compile_inner``: "eager" runs the rewritten graph as FX Python code.
+    ``fuse``: after the rewrite, sibling matmuls that read the same input (q/k/v, gate/up) become
+    one matmul on a concatenated weight per rank, in inference graphs (``autotp/passes/fuse.py``).
     ``verify``: check each graph's first call against a replicated run, node by node, and raise at
     the first node that diverges (``autotp/verify.py``).
     """
@@ -34,6 +36,7 @@ class AutoTPConfig:
     compile_inner: str = "eager"
     overrides: Mapping[str, str] = field(default_factory=dict)
     verify: bool = False
+    fuse: bool = True
 
     def __post_init__(self) -> None:
         if self.tp_size is not None and (not isinstance(self.tp_size, int) or self.tp_size < 1):
