@@ -15,6 +15,7 @@ global-shaped model, and every compiled graph binds the same local shard objects
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import inspect
 import json
@@ -70,6 +71,16 @@ class AutoTPHandle:
     @property
     def world_size(self) -> int:
         return self.context.world_size
+
+
+#: the inner compiler ``parallelize_model`` uses when none is given, by device type: the faster
+#: one measured with ``benchmarks/generation.py`` (see docs/architecture.md, "Inner compiler")
+DEFAULT_COMPILE_INNER = {"cpu": "eager", "cuda": "eager"}
+
+
+def default_compile_inner(device: torch.device) -> str:
+    """The default inner compiler for ``device`` (:data:`DEFAULT_COMPILE_INNER`)."""
+    return DEFAULT_COMPILE_INNER.get(device.type, "eager")
 
 
 def check_divisible(config: Any, tp_size: int) -> None:
@@ -197,6 +208,7 @@ def parallelize_model(
     progress: bool | None = None,
     verify: bool = False,
     fuse: bool = True,
+    compile_inner: str | None = None,
     **overrides: Any,
 ) -> torch.nn.Module:
     """Load ``model`` (Hub id or local folder) tensor-parallel over the current process group.
@@ -217,6 +229,8 @@ def parallelize_model(
     bars); default: on unless the ``CI`` environment variable is set. On CPU each rank uses
     ``cores / local ranks`` threads unless ``OMP_NUM_THREADS`` is set. ``verify=True`` checks the
     first call of every graph against a replicated run and raises at the first diverging node.
+    ``compile_inner`` runs each rank's rewritten graph with ``"eager"`` (FX code) or ``"inductor"``
+    (``autotp/inner.py``); None picks the default for the device (:func:`default_compile_inner`).
     ``fuse=False`` keeps sibling matmuls (q/k/v, gate/up) as separate GEMMs (``autotp/passes/fuse.py``).
     """
     dtype = parse_dtype(dtype)
@@ -225,7 +239,7 @@ def parallelize_model(
         progress = not os.environ.get("CI")
     config = AutoTPConfig(tp_size=tp_size, dtype=dtype, trace_dir=Path(trace_dir) if trace_dir else None,
                           overrides=dict(overrides.pop("overrides", {}) or {}), verify=bool(verify),
-                          fuse=bool(fuse))
+                          fuse=bool(fuse), compile_inner=compile_inner or "eager")
     if overrides:
         raise AutoTPError(f"unknown arguments to parallelize_model: {sorted(overrides)}")
     if timeout is not None and not isinstance(timeout, datetime.timedelta):
@@ -239,6 +253,8 @@ def parallelize_model(
     if device is None:
         device = torch.device(f"cuda:{torch.cuda.current_device()}") if comm.backend == "nccl" else torch.device("cpu")
     device = torch.device(device)
+    if compile_inner is None:
+        config = dataclasses.replace(config, compile_inner=default_compile_inner(device))
     show_progress = bool(progress) and comm.rank == 0
     if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         # ranks on one machine share its cores: cores / local ranks threads each (the user's

@@ -27,6 +27,7 @@ from autotp.collectives import Comm
 from autotp.config import AutoTPConfig
 from autotp.context import TPContext, attach_meta, meta_of, shard_of, sharded_standin, standin
 from autotp.errors import AutoTPError, SolverError
+from autotp.inner import inner_compile
 from autotp.ops.fused import fused_segmentations, strided_candidates
 from autotp.passes.annotate import annotate, replicated_annotation
 from autotp.passes.decompose import decompose
@@ -176,7 +177,11 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: list[Any], ctx: TPCo
         })
     if ctx.on_plan is not None:
         ctx.on_plan(plan)
-    run = _release_after_first_call(gm, param_inputs)
+    forward, inner_info = inner_compile(gm, ctx.config.compile_inner, ctx.comm)
+    gm.autotp_inner = inner_info
+    if folder:
+        write_json(folder, "inner.json", inner_info)  # the fallback of a failed first call is added then
+    run = _release_after_first_call(gm, param_inputs, forward)
     if check is not None:
         run = check(run, gm)
     return _bind_sharded_values(run, sharded_outputs, example_inputs, world)
@@ -381,19 +386,19 @@ def _solve(gm: torch.fx.GraphModule, example_inputs: list[Any], param_inputs: di
     return annotation, solution, shadow, opts
 
 
-def _release_after_first_call(gm: torch.fx.GraphModule, param_inputs: dict[torch.fx.Node, torch.Tensor]
-                              ) -> Callable[..., Any]:
+def _release_after_first_call(gm: torch.fx.GraphModule, param_inputs: dict[torch.fx.Node, torch.Tensor],
+                              forward: Callable[..., Any]) -> Callable[..., Any]:
     """For in-memory models: once the graph has run, point each full parameter at a zero-memory
     stand-in so this rank keeps only its shard (Dynamo recompiles once on the new strides, and the
     recompiled graph finds every placement pinned)."""
     full = [v for v in param_inputs.values() if not _is_standin(v)
             and isinstance(meta_of(v).placement, Shard)]
     if not full:
-        return gm.forward
+        return forward
     state = {"released": False}
 
     def run(*args: Any) -> Any:
-        out = gm.forward(*args)
+        out = forward(*args)
         if not state["released"]:
             state["released"] = True
             with torch.no_grad():
