@@ -20,7 +20,7 @@ import datetime
 import inspect
 import json
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -81,6 +81,23 @@ DEFAULT_COMPILE_INNER = {"cpu": "eager", "cuda": "eager"}
 def default_compile_inner(device: torch.device) -> str:
     """The default inner compiler for ``device`` (:data:`DEFAULT_COMPILE_INNER`)."""
     return DEFAULT_COMPILE_INNER.get(device.type, "eager")
+
+
+def threads_per_rank(device: torch.device, environ: Mapping[str, str], world_size: int, cores: int) -> int | None:
+    """CPU threads for this rank, or None to leave torch's setting alone.
+
+    Ranks on one machine share its cores: ``cores // local ranks`` each (``LOCAL_WORLD_SIZE``
+    from the launcher, else the group's size), at least 1; torch's default (every core per
+    process) would oversubscribe each core N times. The user's ``OMP_NUM_THREADS`` wins, and a
+    CUDA rank is left alone. ``parallelize_model`` calls this with ``os.environ`` (its entry point
+    is the only place the library reads the environment for it)."""
+    if device.type != "cpu" or "OMP_NUM_THREADS" in environ:
+        return None
+    try:
+        local = int(environ.get("LOCAL_WORLD_SIZE", "") or world_size)
+    except ValueError:
+        local = world_size
+    return max(cores // max(local, 1), 1)
 
 
 def check_divisible(config: Any, tp_size: int) -> None:
@@ -256,11 +273,9 @@ def parallelize_model(
     if compile_inner is None:
         config = dataclasses.replace(config, compile_inner=default_compile_inner(device))
     show_progress = bool(progress) and comm.rank == 0
-    if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
-        # ranks on one machine share its cores: cores / local ranks threads each (the user's
-        # OMP_NUM_THREADS wins); torch's default would oversubscribe every core N times
-        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        torch.set_num_threads(max((os.cpu_count() or 1) // max(local_ranks, 1), 1))
+    threads = threads_per_rank(device, os.environ, world, os.cpu_count() or 1)
+    if threads is not None:
+        torch.set_num_threads(threads)
 
     folder = resolve_checkpoint(model, revision=revision, cache_dir=cache_dir, token=token,
                                 local_files_only=local_files_only, progress=show_progress)

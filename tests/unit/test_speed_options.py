@@ -34,3 +34,14 @@ def test_backend_options_reach_the_graph() -> None:
     x = torch.randn(2, 4)
     with torch.no_grad():
         torch.testing.assert_close(compiled(x), model(x), atol=0, rtol=0)
+
+
+def test_threads_per_rank() -> None:
+    from autotp.api import threads_per_rank
+
+    cpu = torch.device("cpu")
+    assert threads_per_rank(cpu, {"LOCAL_WORLD_SIZE": "2"}, 2, 16) == 8
+    assert threads_per_rank(cpu, {}, 4, 16) == 4  # no launcher variable: the group's size
+    assert threads_per_rank(cpu, {"LOCAL_WORLD_SIZE": "4"}, 8, 2) == 1  # never 0
+    assert threads_per_rank(cpu, {"OMP_NUM_THREADS": "3", "LOCAL_WORLD_SIZE": "2"}, 2, 16) is None  # user wins
+    assert threads_per_rank(torch.device("cuda", 0), {}, 2, 16) is None
