@@ -94,6 +94,10 @@ def functional_copy(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, col
                 counts[kind] += 1
     inner.graph.lint()
     inner.recompile()
+    if hasattr(inner, "real_recompile"):
+        # a lazy GraphModule's forward is a stub in torch/fx (a Dynamo skipfile): with fullgraph=True
+        # Dynamo would find no frame to compile; generate the real forward now
+        inner.real_recompile()
     return inner, counts
 
 
@@ -107,7 +111,12 @@ def inner_compile(gm: torch.fx.GraphModule, compiler: str, comm: Comm) -> tuple[
     if reason is not None:
         return gm.forward, {"compiler": "eager", "requested": compiler, "fallback": reason}
     inner, counts = functional_copy(gm)
-    compiled = torch.compile(inner, backend="inductor", dynamic=None, fullgraph=True)
+    forward = inner.forward
+
+    def call_inner(*args: Any) -> Any:
+        return forward(*args)
+
+    compiled = torch.compile(call_inner, backend="inductor", dynamic=None, fullgraph=True)
     info: dict[str, Any] = {"compiler": compiler, "collectives_per_call": dict(counts)}
     state: dict[str, Any] = {"run": compiled}
 
