@@ -256,6 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown engines {unknown}; choose from {list(ENGINES)}")
     runs: dict[str, list[dict[str, Any]]] = {e: [] for e in engines}
+    load_start = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="autotp-gen-") as tmp:
         for round_ in range(args.rounds):
             for engine in engines:  # A B C A B C ...
@@ -265,7 +266,9 @@ def main(argv: list[str] | None = None) -> int:
     summary = {e: _summary(r) for e, r in runs.items()}
     report: dict[str, Any] = {"checkpoint": os.fspath(folder), "size": args.size, "tp": args.tp, "dtype": args.dtype,
                               "prefill": args.prefill, "decode": args.decode, "cores": os.cpu_count(),
-                              "engines": summary, "ratios": {}}
+                              "engines": summary, "ratios": {},
+                              # a shared machine: other jobs' load (1/5/15-minute averages) around the run
+                              "load_average": {"start": load_start, "end": os.getloadavg()}}
     for metric in ("prefill_ms", "decode_ms_per_token"):
         for variant in AUTOTP_VARIANTS:
             for base in ("transformers_tp", "one_process", "autotp"):
