@@ -179,6 +179,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: list[Any], ctx: TPCo
         ctx.on_plan(plan)
     forward, inner_info = inner_compile(gm, ctx.config.compile_inner, ctx.comm)
     gm.autotp_inner = inner_info
+    ctx.inner_reports.append(inner_info)  # the same dict: a fallback at the first call shows there too
     if folder:
         write_json(folder, "inner.json", inner_info)  # the fallback of a failed first call is added then
     run = _release_after_first_call(gm, param_inputs, forward)

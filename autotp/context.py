@@ -27,6 +27,8 @@ class TPContext:
     #: graph outputs may stay sharded (as :func:`sharded_standin`): the caller gathers what the
     #: user reads at the model boundary and keeps KV-cache entries sharded (``parallelize_model``)
     sharded_outputs: bool = False
+    #: per compiled graph, what runs it (``autotp/inner.py``): compiler and any fallback reason
+    inner_reports: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def rank(self) -> int:

@@ -118,24 +118,22 @@ def inner_compile(gm: torch.fx.GraphModule, compiler: str, comm: Comm) -> tuple[
 
     compiled = torch.compile(call_inner, backend="inductor", dynamic=None, fullgraph=True)
     info: dict[str, Any] = {"compiler": compiler, "collectives_per_call": dict(counts)}
-    state: dict[str, Any] = {"run": compiled}
+    state: dict[str, Any] = {}
 
     def run(*args: Any) -> Any:
-        fn = state["run"]
-        if fn is not gm.forward:
+        if not state.get("fell_back"):
             try:
-                out = fn(*args)
-            except torch._dynamo.exc.TorchDynamoException as e:  # compiling failed: nothing ran yet
-                if state.get("ran"):
-                    raise
+                out = compiled(*args)
+            except torch._dynamo.exc.TorchDynamoException as e:
+                # compiling (or recompiling for a new shape) failed; with fullgraph=True nothing of
+                # the graph ran yet, so running it eagerly now issues each collective once
                 warnings.warn(f"autotp: inductor could not compile a graph ({type(e).__name__}: "
                               f"{str(e).splitlines()[0][:200]}); running it eagerly", stacklevel=2)
                 info.update(compiler="eager", fallback=f"inductor failed: {type(e).__name__}: {str(e)[:500]}")
-                state["run"] = gm.forward
-                return gm.forward(*args)
-            state["ran"] = True
+                state["fell_back"] = True
+                return gm.forward(*args)  # the Redistribute modules count their own collectives
             comm.counts.update(counts)
             return out
-        return fn(*args)
+        return gm.forward(*args)
 
     return run, info

@@ -122,6 +122,7 @@ def _worker(engine: str, folder: str, prefill: int, decode: int, reps: int, resu
                 "plan_in_graph": plan["collectives"], "plan_sharded_outputs": plan["sharded_outputs"],
                 "graphs_compiled": model.autotp.context.graphs_compiled,
                 "compile_inner": model.autotp.context.config.compile_inner,
+                "inner_reports": model.autotp.context.inner_reports,
             }
         prefill_s, decode_s, tokens = [], [], []
         for _ in range(reps):
