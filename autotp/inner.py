@@ -15,7 +15,8 @@ Inductor gets inference graphs only (no value requires grad): the functional col
 autograd conjugates here. A graph it cannot take runs eagerly, with the reason in
 ``gm.autotp_inner`` and the trace (``inner.json``): a training graph, a layer that communicates
 inside (``ShardedSoftmax``, ``VocabParallelLoss``) or that owns a random stream, or a failure of
-inductor itself at the first call (the error is kept; the eager graph is then used for good).
+Dynamo / inductor at a call (the error is kept; the eager graph is then used for good). What Dynamo
+cannot trace (a symbolic size computation) is a graph break, not a fallback.
 Never a silently different program: both paths run the same ops and the same collectives.
 
 Counting: compiled code does not run Python per collective, so under inductor each call adds the
@@ -67,9 +68,8 @@ def _blocker(gm: torch.fx.GraphModule) -> str | None:
         if n.op == "call_module":
             module = gm.get_submodule(str(n.target))
             if isinstance(module, Redistribute):
-                if module.grad_partial:
-                    return f"{n.name}: a backward-only collective (training graph)"
-            elif not isinstance(module, _LOCAL_MODULES):
+                continue  # in an inference graph a grad_partial edge is its forward: identity or gather
+            if not isinstance(module, _LOCAL_MODULES):
                 return f"{n.name}: {type(module).__name__} communicates or draws random numbers inside"
     return None
 
@@ -116,7 +116,9 @@ def inner_compile(gm: torch.fx.GraphModule, compiler: str, comm: Comm) -> tuple[
     def call_inner(*args: Any) -> Any:
         return forward(*args)
 
-    compiled = torch.compile(call_inner, backend="inductor", dynamic=None, fullgraph=True)
+    # not fullgraph: what Dynamo cannot put in a graph (a symbolic size sum in a dynamic decode
+    # graph) becomes a graph break, run by Python between compiled pieces, instead of a fallback
+    compiled = torch.compile(call_inner, backend="inductor", dynamic=None)
     info: dict[str, Any] = {"compiler": compiler, "collectives_per_call": dict(counts)}
     state: dict[str, Any] = {}
 
@@ -125,8 +127,8 @@ def inner_compile(gm: torch.fx.GraphModule, compiler: str, comm: Comm) -> tuple[
             try:
                 out = compiled(*args)
             except torch._dynamo.exc.TorchDynamoException as e:
-                # compiling (or recompiling for a new shape) failed; with fullgraph=True nothing of
-                # the graph ran yet, so running it eagerly now issues each collective once
+                # compiling (or recompiling for a new shape) failed; the graph is a pure function of
+                # its inputs on every rank alike, so every rank reruns it eagerly the same way
                 warnings.warn(f"autotp: inductor could not compile a graph ({type(e).__name__}: "
                               f"{str(e).splitlines()[0][:200]}); running it eagerly", stacklevel=2)
                 info.update(compiler="eager", fallback=f"inductor failed: {type(e).__name__}: {str(e)[:500]}")
