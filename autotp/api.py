@@ -15,11 +15,12 @@ global-shaped model, and every compiled graph binds the same local shard objects
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import inspect
 import json
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -70,6 +71,33 @@ class AutoTPHandle:
     @property
     def world_size(self) -> int:
         return self.context.world_size
+
+
+#: the inner compiler ``parallelize_model`` uses when none is given, by device type: the faster
+#: one measured with ``benchmarks/generation.py`` (see docs/architecture.md, "Inner compiler")
+DEFAULT_COMPILE_INNER = {"cpu": "eager", "cuda": "eager"}
+
+
+def default_compile_inner(device: torch.device) -> str:
+    """The default inner compiler for ``device`` (:data:`DEFAULT_COMPILE_INNER`)."""
+    return DEFAULT_COMPILE_INNER.get(device.type, "eager")
+
+
+def threads_per_rank(device: torch.device, environ: Mapping[str, str], world_size: int, cores: int) -> int | None:
+    """CPU threads for this rank, or None to leave torch's setting alone.
+
+    Ranks on one machine share its cores: ``cores // local ranks`` each (``LOCAL_WORLD_SIZE``
+    from the launcher, else the group's size), at least 1; torch's default (every core per
+    process) would oversubscribe each core N times. The user's ``OMP_NUM_THREADS`` wins, and a
+    CUDA rank is left alone. ``parallelize_model`` calls this with ``os.environ`` (its entry point
+    is the only place the library reads the environment for it)."""
+    if device.type != "cpu" or "OMP_NUM_THREADS" in environ:
+        return None
+    try:
+        local = int(environ.get("LOCAL_WORLD_SIZE", "") or world_size)
+    except ValueError:
+        local = world_size
+    return max(cores // max(local, 1), 1)
 
 
 def check_divisible(config: Any, tp_size: int) -> None:
@@ -199,6 +227,8 @@ def parallelize_model(
     progress: bool | None = None,
     verify: bool = False,
     sequence_parallel: bool = False,
+    fuse: bool = True,
+    compile_inner: str | None = None,
     **overrides: Any,
 ) -> torch.nn.Module:
     """Load ``model`` (Hub id or local folder) tensor-parallel over the current process group.
@@ -223,6 +253,9 @@ def parallelize_model(
     ``sequence_parallel=True`` keeps the activations between tensor-parallel regions (residual
     stream, norms, dropout) sharded on the sequence: reduce-scatter + all-gather replace each
     all-reduce, same bytes, 1/N of those activations per rank (for training and long prefills).
+    ``compile_inner`` runs each rank's rewritten graph with ``"eager"`` (FX code) or ``"inductor"``
+    (``autotp/inner.py``); None picks the default for the device (:func:`default_compile_inner`).
+    ``fuse=False`` keeps sibling matmuls (q/k/v, gate/up) as separate GEMMs (``autotp/passes/fuse.py``).
     """
     dtype = parse_dtype(dtype)
     trace_dir = trace_dir or os.environ.get("AUTOTP_TRACE_DIR") or None
@@ -230,7 +263,8 @@ def parallelize_model(
         progress = not os.environ.get("CI")
     config = AutoTPConfig(tp_size=tp_size, dtype=dtype, trace_dir=Path(trace_dir) if trace_dir else None,
                           overrides=dict(overrides.pop("overrides", {}) or {}), verify=bool(verify),
-                          sequence_parallel=bool(sequence_parallel))
+                          sequence_parallel=bool(sequence_parallel), fuse=bool(fuse),
+                          compile_inner=compile_inner or "eager")
     if overrides:
         raise AutoTPError(f"unknown arguments to parallelize_model: {sorted(overrides)}")
     if timeout is not None and not isinstance(timeout, datetime.timedelta):
@@ -247,12 +281,12 @@ def parallelize_model(
     if device is None:
         device = torch.device(f"cuda:{torch.cuda.current_device()}") if comm.backend == "nccl" else torch.device("cpu")
     device = torch.device(device)
+    if compile_inner is None:
+        config = dataclasses.replace(config, compile_inner=default_compile_inner(device))
     show_progress = bool(progress) and comm.rank == 0
-    if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
-        # ranks on one machine share its cores: cores / local ranks threads each (the user's
-        # OMP_NUM_THREADS wins); torch's default would oversubscribe every core N times
-        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        torch.set_num_threads(max((os.cpu_count() or 1) // max(local_ranks, 1), 1))
+    threads = threads_per_rank(device, os.environ, world, os.cpu_count() or 1)
+    if threads is not None:
+        torch.set_num_threads(threads)
 
     folder = resolve_checkpoint(model, revision=revision, cache_dir=cache_dir, token=token,
                                 local_files_only=local_files_only, progress=show_progress)

@@ -29,9 +29,11 @@ from autotp.collectives import Comm, attach_health
 from autotp.config import AutoTPConfig
 from autotp.context import TPContext, attach_meta, meta_of, shard_of, sharded_standin, standin
 from autotp.errors import AutoTPError, SolverError
+from autotp.inner import inner_compile
 from autotp.ops.fused import fused_segmentations, strided_candidates
 from autotp.passes.annotate import annotate, replicated_annotation
 from autotp.passes.decompose import decompose
+from autotp.passes.fuse import fuse_sibling_matmuls
 from autotp.passes.materialize import materialize
 from autotp.passes.pipeline import PassRunner
 from autotp.passes.rewrite import rewrite
@@ -58,16 +60,30 @@ def fqn_of(source_name: str) -> str:
 #: collective latency is spread over enough tokens)
 SEQUENCE_PARALLEL_WEIGHT = 1.0
 
+#: ``torch.compile(..., backend="autotp", options={...})`` keys -> AutoTPConfig fields
+BACKEND_OPTIONS = ("fuse", "compile_inner", "verify", "trace_dir", "memory_weight", "beam_width", "overrides",
+                   "sequence_parallel")
 
-def autotp_backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+
+def autotp_backend(gm: torch.fx.GraphModule, example_inputs: list[Any],
+                   options: Mapping[str, Any] | None = None) -> Callable[..., Any]:
     """Entry point for ``torch.compile(model, backend="autotp")``: uses the default process group
     (or runs single-process), ``AUTOTP_TRACE_DIR`` for traces and ``AUTOTP_VERIFY=1`` for
-    verification (see ``autotp/verify.py``)."""
+    verification (see ``autotp/verify.py``). ``options={"fuse": False, "compile_inner": "eager",
+    ...}`` (any of :data:`BACKEND_OPTIONS`) set the matching :class:`AutoTPConfig` fields.
+
+    Each call builds a fresh context, so compile options per graph; for a model whose graphs must
+    share one context, use :func:`make_backend`."""
     comm = Comm.from_default_group() if dist.is_available() and dist.is_initialized() else Comm.single()
     attach_health(comm)  # a failed collective names the rank that failed (autotp.health)
     trace_dir = os.environ.get("AUTOTP_TRACE_DIR")
     verify = os.environ.get("AUTOTP_VERIFY", "") not in ("", "0")
-    ctx = TPContext(comm=comm, config=AutoTPConfig(trace_dir=Path(trace_dir) if trace_dir else None, verify=verify))
+    options = dict(options or {})
+    unknown = sorted(set(options) - set(BACKEND_OPTIONS))
+    if unknown:
+        raise AutoTPError(f"unknown autotp backend options {unknown}; known: {list(BACKEND_OPTIONS)}")
+    fields: dict[str, Any] = {"trace_dir": Path(trace_dir) if trace_dir else None, "verify": verify, **options}
+    ctx = TPContext(comm=comm, config=AutoTPConfig(**fields))
     return compile_graph(gm, example_inputs, ctx)
 
 
@@ -161,6 +177,8 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: list[Any], ctx: TPCo
             gc.collect()
     locals_ = runner.run("materialize", materialize, annotation, param_inputs, ctx)
     report = runner.run("rewrite", rewrite, gm, annotation, locals_, ctx.comm, lint=gm)
+    fusion = runner.run("fuse", fuse_sibling_matmuls, gm, lint=gm) if ctx.config.fuse else None
+    gm.autotp_fusion = fusion.as_dict() if fusion is not None else None
     sharded_outputs = _sharded_outputs(gm, annotation)
     gm.autotp_sharded_outputs = sharded_outputs
     plan = build_plan(world, {
@@ -172,12 +190,18 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: list[Any], ctx: TPCo
         modules = "".join(f"# {name}: {mod.extra_repr()}\n" for name, mod in gm.named_children())
         write_text(folder, "rewritten_graph.py", modules + gm.code)
         write_json(folder, "plan.json", plan)
+        write_json(folder, "fusion.json", gm.autotp_fusion or {"disabled": True})
     if trace_summary is not None:
         write_solver_trace(folder, trace_summary[0], {**trace_summary[1], **timings,
                                                       "local_rewrites": dict(report.local_rewrites)})
     if ctx.on_plan is not None:
         ctx.on_plan(plan)
-    run = _release_after_first_call(gm, param_inputs)
+    forward, inner_info = inner_compile(gm, ctx.config.compile_inner, ctx.comm)
+    gm.autotp_inner = inner_info
+    ctx.inner_reports.append(inner_info)  # the same dict: a fallback at the first call shows there too
+    if folder:
+        write_json(folder, "inner.json", inner_info)  # the fallback of a failed first call is added then
+    run = _release_after_first_call(gm, param_inputs, forward)
     if check is not None:
         run = check(run, gm)
     return _bind_sharded_values(run, sharded_outputs, example_inputs, world)
@@ -397,19 +421,19 @@ def _sequence_parallel(shadow: Any, opts: SolverOptions, fixed: dict[torch.fx.No
     return second, sp_opts
 
 
-def _release_after_first_call(gm: torch.fx.GraphModule, param_inputs: dict[torch.fx.Node, torch.Tensor]
-                              ) -> Callable[..., Any]:
+def _release_after_first_call(gm: torch.fx.GraphModule, param_inputs: dict[torch.fx.Node, torch.Tensor],
+                              forward: Callable[..., Any]) -> Callable[..., Any]:
     """For in-memory models: once the graph has run, point each full parameter at a zero-memory
     stand-in so this rank keeps only its shard (Dynamo recompiles once on the new strides, and the
     recompiled graph finds every placement pinned)."""
     full = [v for v in param_inputs.values() if not _is_standin(v)
             and isinstance(meta_of(v).placement, Shard)]
     if not full:
-        return gm.forward
+        return forward
     state = {"released": False}
 
     def run(*args: Any) -> Any:
-        out = gm.forward(*args)
+        out = forward(*args)
         if not state["released"]:
             state["released"] = True
             with torch.no_grad():

@@ -85,6 +85,7 @@ __all__ = [
     "is_peer_failure",
     "peer_failures",
     "process_health",
+    "functional_redistribute",
     "is_supported",
     "kind_of",
     "redistribute",
@@ -676,6 +677,52 @@ def cost_bytes(src: Placement, dst: Placement, nbytes: float, world_size: int) -
     if kind == "all_to_all":
         return (n - 1) / (n * n) * nbytes
     return 0.0
+
+
+# --------------------------------------------------------------------------------------------------
+# Functional (traceable) redistributions, for an inner compiler such as inductor.
+# --------------------------------------------------------------------------------------------------
+
+
+def functional_redistribute(x: Tensor, src: Placement, dst: Placement, comm: Comm) -> Tensor:
+    """:func:`redistribute` through ``torch.distributed._functional_collectives`` (out of place,
+    then ``wait_tensor``), so Dynamo / inductor trace each collective as a graph op
+    (``_c10d_functional.all_reduce`` ...) instead of an opaque in-place call. Forward only (the
+    inner compiler gets inference graphs only), not counted in :class:`Comm` (the caller counts
+    the plan's collectives per call), and never simulated.
+
+    ``S(a) -> S(b)`` is an all-to-all over the concatenated layout, as in :func:`_all_to_all`.
+    """
+    import torch.distributed._functional_collectives as funcol
+
+    if not is_supported(src, dst):
+        raise _unsupported(src, dst)
+    if comm.world_size == 1 or src == dst:
+        return x
+    if comm.simulated or comm.group is None:
+        raise AutoTPError("functional_redistribute needs a real process group (not a simulated one)")
+    n, group = comm.world_size, comm.group
+    if isinstance(src, Replicate):
+        assert isinstance(dst, Shard)
+        s = _check_even(x, dst.dim, n, "R -> S")
+        return x.narrow(dst.dim, comm.rank * s, s)
+    if isinstance(src, Partial):
+        if isinstance(dst, Replicate):
+            return funcol.wait_tensor(funcol.all_reduce(x.contiguous(), "sum", group))
+        assert isinstance(dst, Shard)
+        _check_even(x, dst.dim, n, "reduce_scatter")
+        return funcol.wait_tensor(funcol.reduce_scatter_tensor(x.contiguous(), "sum", dst.dim, group))
+    assert isinstance(src, Shard)
+    if isinstance(dst, Replicate):
+        return funcol.wait_tensor(funcol.all_gather_tensor(x.contiguous(), src.dim, group))
+    assert isinstance(dst, Shard)
+    s = _check_even(x, dst.dim, n, "all_to_all")
+    # (..., B, ...) -> (N, ..., B/N, ...): block j goes to rank j
+    inp = x.unflatten(dst.dim, (n, s)).movedim(dst.dim, 0).contiguous()
+    out = funcol.wait_tensor(funcol.all_to_all_single(inp.flatten(0, 1), None, None, group))
+    moved = out.unflatten(0, (n, inp.shape[1])).movedim(0, src.dim)  # (..., N, A/N, ...)
+    shape = inp.shape[1:]
+    return moved.reshape(*shape[: src.dim], -1, *shape[src.dim + 1 :])
 
 
 def redistribute(

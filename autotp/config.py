@@ -21,7 +21,11 @@ class AutoTPConfig:
     ``memory_weight``: solver cost of one replicated parameter byte relative to one communicated
     byte per token (see ``autotp/passes/solve.py``).
     ``beam_width``: the solver's bound on partial plans kept per node.
-    ``compile_inner``: "eager" runs the rewritten graph as FX Python code.
+    ``compile_inner``: "eager" runs the rewritten graph as FX Python code; "inductor" hands this
+    rank's rewritten inference graphs to inductor, collectives as functional collectives
+    (``autotp/inner.py``; training graphs and graphs inductor refuses run eagerly, with a trace note).
+    ``fuse``: after the rewrite, sibling matmuls that read the same input (q/k/v, gate/up) become
+    one matmul on a concatenated weight per rank, in inference graphs (``autotp/passes/fuse.py``).
     ``sequence_parallel``: keep activations between tensor-parallel regions (residual stream,
     norms, dropout) sharded on the sequence, reduce-scatter + all-gather instead of all-reduce
     (a second solve prices replicated activations, ``SolverOptions.activation_weight``).
@@ -38,12 +42,13 @@ class AutoTPConfig:
     overrides: Mapping[str, str] = field(default_factory=dict)
     verify: bool = False
     sequence_parallel: bool = False
+    fuse: bool = True
 
     def __post_init__(self) -> None:
         if self.tp_size is not None and (not isinstance(self.tp_size, int) or self.tp_size < 1):
             raise AutoTPError(f"tp_size must be a positive integer, got {self.tp_size!r}")
-        if self.compile_inner not in ("eager",):
-            raise AutoTPError(f"compile_inner={self.compile_inner!r} is not supported; use 'eager'")
+        if self.compile_inner not in ("eager", "inductor"):
+            raise AutoTPError(f"compile_inner={self.compile_inner!r} is not supported; use 'eager' or 'inductor'")
         if self.beam_width < 1:
             raise AutoTPError(f"beam_width must be >= 1, got {self.beam_width}")
         if self.trace_dir is not None and not isinstance(self.trace_dir, Path):

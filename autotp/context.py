@@ -31,6 +31,8 @@ class TPContext:
     #: tools that read it (``autotp plan``); at run time it is dropped before the weights are read,
     #: so the tracing's fake tensors and graphs are freed, not held next to the shards
     keep_solve_records: bool = False
+    #: per compiled graph, what runs it (``autotp/inner.py``): compiler and any fallback reason
+    inner_reports: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def rank(self) -> int:

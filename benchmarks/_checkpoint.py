@@ -36,21 +36,30 @@ CONFIG: dict[str, Any] = dict(
 )
 SEED = 0
 
+#: ``size`` -> LlamaConfig fields: the benchmark model, and a small one for smoke runs of the
+#: scripts (hidden 256, 2 layers, vocabulary 4096: 6.3M parameters) that proves nothing about speed.
+SIZES: dict[str, dict[str, Any]] = {
+    "150m": CONFIG,
+    "small": {**CONFIG, "hidden_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "intermediate_size": 512, "vocab_size": 4096},
+}
 
-def _name(dtype: torch.dtype) -> str:
-    return f"llama-150m-{str(dtype).removeprefix('torch.')}-seed{SEED}"
+
+def _name(dtype: torch.dtype, size: str = "150m") -> str:
+    return f"llama-{size}-{str(dtype).removeprefix('torch.')}-seed{SEED}"
 
 
-def make_checkpoint(folder: str | os.PathLike[str], dtype: torch.dtype = torch.float32) -> Path:
-    """The benchmark checkpoint in ``dtype`` under ``folder`` (written on first use); its path."""
+def make_checkpoint(folder: str | os.PathLike[str], dtype: torch.dtype = torch.float32, size: str = "150m") -> Path:
+    """The benchmark checkpoint (``size``, a key of :data:`SIZES`) in ``dtype`` under ``folder``
+    (written on first use); its path."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     root = Path(folder).expanduser()
-    target = root / _name(dtype)
+    target = root / _name(dtype, size)
     if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
         return target
     root.mkdir(parents=True, exist_ok=True)
-    config = LlamaConfig(**CONFIG, architectures=["LlamaForCausalLM"])
+    config = LlamaConfig(**SIZES[size], architectures=["LlamaForCausalLM"])
     torch.manual_seed(SEED)
     model = LlamaForCausalLM(config).to(dtype).eval()
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=root))

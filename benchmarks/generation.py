@@ -2,13 +2,16 @@
 
     python benchmarks/generation.py --cache /tmp/autotp-bench --tp 2 --dtype float32 \\
         --prefill 256 --decode 32 --rounds 2 --out generation.json [--png generation.png]
+    python benchmarks/generation.py --size small --prefill 32 --decode 4 --reps 1 --rounds 1  # smoke run
 
 Same checkpoint for every engine (``benchmarks/_checkpoint.py``: 154M-parameter Llama family,
-615 MB in fp32). Engines:
+615 MB in fp32; ``--size small`` is a 6M-parameter one for checking the script). Engines:
 
 * ``one_process``: plain transformers, one process, all the threads the ranks share;
 * ``transformers_tp``: ``from_pretrained(..., tp_plan="auto")`` on ``--tp`` ranks (gloo, CPU);
-* ``autotp``: ``parallelize_model`` on ``--tp`` ranks.
+* ``autotp``: ``parallelize_model`` on ``--tp`` ranks, fused sibling matmuls, eager inner graphs;
+* ``autotp_unfused``: the same with ``fuse=False``;
+* ``autotp_inductor``: the same as ``autotp`` with ``compile_inner="inductor"``.
 
 Every engine runs in its own launch (torch's elastic launcher, ``--standalone``); launches
 alternate A B C A B C for ``--rounds`` rounds, so drift on a shared machine hits all engines alike.
@@ -21,7 +24,10 @@ rounds and reps; ratios are autotp / transformers_tp and autotp / one_process.
 Each rank uses ``cores // ranks`` threads unless ``OMP_NUM_THREADS`` is set. For autotp the
 output also has the collectives one decode step issued (from ``Comm.counts``) next to what the
 decode graph's plan says (its in-graph collectives plus one all-gather per sharded output the
-user reads: the logits).
+user reads: the logits), and the main process plans the checkpoint with ``autotp.planner.plan_model``
+(meta device, simulated group) to compare one decode step's collectives and bytes per rank (= per
+token at batch 1) with what each autotp engine issued (``decode_collectives_vs_plan``; inductor
+graphs count collectives per call but not their bytes).
 """
 
 from __future__ import annotations
@@ -39,10 +45,16 @@ from typing import Any
 
 sys.path.insert(0, os.fspath(Path(__file__).resolve().parent))
 
-ENGINES = ("one_process", "transformers_tp", "autotp")
+ENGINES = ("one_process", "transformers_tp", "autotp", "autotp_unfused", "autotp_inductor")
+#: autotp engines -> parallelize_model options
+AUTOTP_VARIANTS: dict[str, dict[str, Any]] = {
+    "autotp": {"fuse": True, "compile_inner": "eager"},
+    "autotp_unfused": {"fuse": False, "compile_inner": "eager"},
+    "autotp_inductor": {"fuse": True, "compile_inner": "inductor"},
+}
 
 
-def _worker(engine: str, folder: str, prefill: int, decode: int, reps: int, result: str) -> None:
+def _worker(engine: str, folder: str, prefill: int, decode: int, reps: int, result: str, dtype_name: str) -> None:
     """One launch: load with ``engine``, warm up, time prefill and decode; rank 0 writes JSON."""
     import torch
     import torch.distributed as dist
@@ -55,15 +67,16 @@ def _worker(engine: str, folder: str, prefill: int, decode: int, reps: int, resu
         dist.init_process_group("gloo")
     rank = dist.get_rank() if distributed else 0
     world = dist.get_world_size() if distributed else 1
+    dtype = getattr(torch, dtype_name)
     t0 = time.perf_counter()
-    if engine == "autotp":
+    if engine in AUTOTP_VARIANTS:
         from autotp import parallelize_model
 
-        model = parallelize_model(folder, tp_size=world)
+        model = parallelize_model(folder, tp_size=world, dtype=dtype, **AUTOTP_VARIANTS[engine])
     elif engine == "transformers_tp":
-        model = transformers.AutoModelForCausalLM.from_pretrained(folder, tp_plan="auto").eval()
+        model = transformers.AutoModelForCausalLM.from_pretrained(folder, tp_plan="auto", dtype=dtype).eval()
     else:
-        model = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+        model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
     load_s = time.perf_counter() - t0
     vocab = model.config.vocab_size
     ids = (torch.arange(prefill) * 7919 % (vocab - 1) + 1).unsqueeze(0)  # (1, P), deterministic
@@ -96,7 +109,7 @@ def _worker(engine: str, folder: str, prefill: int, decode: int, reps: int, resu
         t = time.perf_counter()
         run_decode(4)  # warm-up: compiles prefill, first decode and the dynamic-length decode graph
         warmup_s = time.perf_counter() - t
-        comm = model.autotp.context.comm if engine == "autotp" else None
+        comm = model.autotp.context.comm if engine in AUTOTP_VARIANTS else None
         step_collectives: dict[str, Any] = {}
         if comm is not None:  # one decode step's collectives, counted as they are issued
             _, cache, token = run_prefill()
@@ -108,6 +121,8 @@ def _worker(engine: str, folder: str, prefill: int, decode: int, reps: int, resu
                 "issued": dict(comm.counts), "bytes_per_rank": dict(comm.bytes),
                 "plan_in_graph": plan["collectives"], "plan_sharded_outputs": plan["sharded_outputs"],
                 "graphs_compiled": model.autotp.context.graphs_compiled,
+                "compile_inner": model.autotp.context.config.compile_inner,
+                "inner_reports": model.autotp.context.inner_reports,
             }
         prefill_s, decode_s, tokens = [], [], []
         for _ in range(reps):
@@ -131,7 +146,7 @@ def _launch(engine: str, folder: Path, args: argparse.Namespace, result: Path) -
     cores = os.cpu_count() or 1
     env.setdefault("OMP_NUM_THREADS", str(max(cores // ranks, 1)))
     worker = [os.fspath(Path(__file__).resolve()), "--worker", engine, os.fspath(folder),
-              str(args.prefill), str(args.decode), str(args.reps), os.fspath(result)]
+              str(args.prefill), str(args.decode), str(args.reps), os.fspath(result), args.dtype]
     if engine == "one_process":
         cmd = [sys.executable, *worker]
     else:
@@ -157,6 +172,31 @@ def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def _compare_with_plan(folder: Path, args: argparse.Namespace, summary: dict[str, Any]) -> dict[str, Any]:
+    """One decode step's collectives (count and bytes per rank, i.e. per token at batch 1) as the
+    planner predicts them, next to what each autotp engine issued."""
+    import torch
+
+    from autotp.planner import plan_model
+
+    report = plan_model(os.fspath(folder), args.tp, dtype=getattr(torch, args.dtype))
+    if report.decode is None:
+        return {"plan": None, "note": report.decode_note}
+    plan = {"counts": dict(report.decode.collectives), "bytes_per_rank": dict(report.decode.collective_bytes)}
+    out: dict[str, Any] = {"plan": plan}
+    for engine, s in summary.items():
+        issued = s.get("decode_collectives", {})
+        if not issued:
+            continue
+        counted_bytes = issued.get("compile_inner") == "eager"  # compiled graphs do not count bytes
+        out[engine] = {
+            "counts": issued["issued"], "bytes_per_rank": issued.get("bytes_per_rank") if counted_bytes else None,
+            "counts_match_plan": issued["issued"] == plan["counts"],
+            "bytes_match_plan": issued["bytes_per_rank"] == plan["bytes_per_rank"] if counted_bytes else None,
+        }
+    return out
+
+
 def _plot(report: dict[str, Any], path: Path) -> None:
     try:
         import matplotlib
@@ -171,7 +211,10 @@ def _plot(report: dict[str, Any], path: Path) -> None:
     for ax, metric, label in ((axes[0], "prefill_ms", f"prefill 1x{report['prefill']} (ms)"),
                               (axes[1], "decode_ms_per_token", "decode (ms/token)")):
         values = [report["engines"][e][metric] for e in engines]
-        ax.bar(engines, values, color=["#999999", "#d08030", "#3070c0"][: len(engines)])
+        colors = {"one_process": "#999999", "transformers_tp": "#d08030", "autotp": "#3070c0",
+                  "autotp_unfused": "#80a8e0", "autotp_inductor": "#205090"}
+        ax.bar(engines, values, color=[colors[e] for e in engines])
+        ax.tick_params(axis="x", labelrotation=20)
         ax.set_title(label)
         for i, v in enumerate(values):
             ax.text(i, v, f"{v:.1f}", ha="center", va="bottom")
@@ -183,12 +226,15 @@ def _plot(report: dict[str, Any], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--worker", nargs=6, metavar=("ENGINE", "FOLDER", "PREFILL", "DECODE", "REPS", "RESULT"),
+    parser.add_argument("--worker", nargs=7,
+                        metavar=("ENGINE", "FOLDER", "PREFILL", "DECODE", "REPS", "RESULT", "DTYPE"),
                         help=argparse.SUPPRESS)
     parser.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "autotp-bench"),
                         help="folder for the benchmark checkpoint (written once)")
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--size", default="150m", choices=("150m", "small"),
+                        help="benchmark checkpoint size (small: a smoke run of the script)")
     parser.add_argument("--prefill", type=int, default=256)
     parser.add_argument("--decode", type=int, default=32)
     parser.add_argument("--reps", type=int, default=2, help="timed repetitions per launch")
@@ -198,16 +244,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--png", default=None)
     args = parser.parse_args(argv)
     if args.worker:
-        engine, folder, prefill, decode, reps, result = args.worker
-        _worker(engine, folder, int(prefill), int(decode), int(reps), result)
+        engine, folder, prefill, decode, reps, result, dtype_name = args.worker
+        _worker(engine, folder, int(prefill), int(decode), int(reps), result, dtype_name)
         return 0
 
     import torch
     from _checkpoint import make_checkpoint
 
-    folder = make_checkpoint(args.cache, getattr(torch, args.dtype))
+    folder = make_checkpoint(args.cache, getattr(torch, args.dtype), size=args.size)
     engines = [e for e in args.engines.split(",") if e]
+    unknown = sorted(set(engines) - set(ENGINES))
+    if unknown:
+        parser.error(f"unknown engines {unknown}; choose from {list(ENGINES)}")
     runs: dict[str, list[dict[str, Any]]] = {e: [] for e in engines}
+    load_start = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="autotp-gen-") as tmp:
         for round_ in range(args.rounds):
             for engine in engines:  # A B C A B C ...
@@ -215,13 +265,18 @@ def main(argv: list[str] | None = None) -> int:
                 runs[engine].append(_launch(engine, folder, args, Path(tmp) / f"{engine}-{round_}.json"))
                 print(f"round {round_} {engine}: {time.perf_counter() - t:.0f} s", flush=True)
     summary = {e: _summary(r) for e, r in runs.items()}
-    report: dict[str, Any] = {"checkpoint": os.fspath(folder), "tp": args.tp, "dtype": args.dtype,
+    report: dict[str, Any] = {"checkpoint": os.fspath(folder), "size": args.size, "tp": args.tp, "dtype": args.dtype,
                               "prefill": args.prefill, "decode": args.decode, "cores": os.cpu_count(),
-                              "engines": summary, "ratios": {}}
+                              "engines": summary, "ratios": {},
+                              # a shared machine: other jobs' load (1/5/15-minute averages) around the run
+                              "load_average": {"start": load_start, "end": os.getloadavg()}}
     for metric in ("prefill_ms", "decode_ms_per_token"):
-        for base in ("transformers_tp", "one_process"):
-            if "autotp" in summary and base in summary:
-                report["ratios"][f"autotp/{base}:{metric}"] = summary["autotp"][metric] / summary[base][metric]
+        for variant in AUTOTP_VARIANTS:
+            for base in ("transformers_tp", "one_process", "autotp"):
+                if variant in summary and base in summary and base != variant:
+                    report["ratios"][f"{variant}/{base}:{metric}"] = summary[variant][metric] / summary[base][metric]
+    if any(e in AUTOTP_VARIANTS for e in engines):
+        report["decode_collectives_vs_plan"] = _compare_with_plan(folder, args, summary)
     tokens = {e: s["tokens"] for e, s in summary.items()}
     report["same_greedy_tokens"] = len({tuple(t) for t in tokens.values()}) == 1
     Path(args.out).write_text(json.dumps(report, indent=1) + "\n")

@@ -21,16 +21,19 @@ pytestmark = pytest.mark.dist
 
 def _param_bytes(model: torch.nn.Module) -> int:
     """Bytes this rank holds for parameters: module storages (stand-ins hold one element) plus the
-    local shards kept on each ParameterMeta."""
+    local shards kept on each ParameterMeta, each distinct storage once (fused sibling weights,
+    autotp/passes/fuse.py, are views into one storage)."""
     from autotp.context import meta_of
 
-    total = 0
+    storages: dict[int, int] = {}
     for p in model.parameters():
-        total += p.untyped_storage().nbytes()
+        tensors = [p]
         meta = meta_of(p)
         if meta is not None and meta.local is not None:
-            total += meta.local.untyped_storage().nbytes()
-    return total
+            tensors.append(meta.local)
+        for t in tensors:
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(storages.values())
 
 
 def _rank_compile(rank: int, world: int, folder: str) -> dict:
