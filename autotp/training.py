@@ -4,11 +4,14 @@
 rank's pieces: a sharded parameter contributes only its shard, so the norm (and the clipping) is
 wrong. :func:`clip_grad_norm_` sums the squared shards over the ranks and counts replicated
 parameters once, so every rank gets the global norm one process would compute and scales alike.
+
+:func:`saved_activation_bytes` measures what a training forward leaves for backward on this rank
+(the activation memory sequence parallelism shrinks).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -49,3 +52,19 @@ def clip_grad_norm_(model: torch.nn.Module, max_norm: float, norm_type: float = 
         for p in params:
             p.grad.detach().mul_(coef)
     return total.to(params[0].grad.dtype)
+
+
+def saved_activation_bytes(forward: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, int]:
+    """Run ``forward`` (a training forward returning the loss) and count the bytes of the distinct
+    storages autograd saves for its backward on this rank (meta tensors excluded). Returns
+    ``(loss, bytes)``; the caller runs ``loss.backward()``."""
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.device.type != "meta":
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = forward()
+    return loss, sum(storages.values())

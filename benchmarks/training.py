@@ -18,7 +18,7 @@ set (``VmHWM`` from ``/proc/self/status``; on CUDA ``torch.cuda.max_memory_alloc
 resident set after loading, and the bytes of parameters + gradients + AdamW state this rank holds
 (``state_bytes``: ideal 1/N of one process's, plus the replicated norms), and ``activation_bytes``:
 the distinct storages autograd saves for backward during one (untimed) training forward, counted
-with ``torch.autograd.graph.saved_tensors_hooks``. ``--sequence-parallel`` adds, for every tp > 1,
+with ``autotp.training.saved_activation_bytes``. ``--sequence-parallel`` adds, for every tp > 1,
 a launch with ``parallelize_model(..., sequence_parallel=True)`` (reported as ``"<tp>+sp"``): its
 ``activation_bytes`` against the plain launch's is the activation memory sequence parallelism
 saves. On a shared machine the timings move with the neighbours' load: compare launches made in
@@ -54,23 +54,6 @@ def _memory() -> dict[str, int]:
     return out
 
 
-def _activation_bytes(model: Any, ids: Any) -> int:
-    """Bytes of the distinct storages autograd saves for backward in one training forward."""
-    import torch
-
-    storages: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()
-    model.zero_grad(set_to_none=False)
-    return sum(storages.values())
-
-
 def _worker(folder: str, batch: int, seq: int, steps: int, result: str, sequence_parallel: bool = False) -> None:
     """One launch: load, one warm-up step, ``steps`` timed steps; every rank reports, rank 0 writes."""
     import torch
@@ -78,6 +61,7 @@ def _worker(folder: str, batch: int, seq: int, steps: int, result: str, sequence
     import transformers
 
     from autotp import parallelize_model
+    from autotp.training import saved_activation_bytes
 
     transformers.logging.set_verbosity_error()
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
@@ -111,7 +95,9 @@ def _worker(folder: str, batch: int, seq: int, steps: int, result: str, sequence
     step()
     warmup_s = time.perf_counter() - t0
     times = [step() for _ in range(steps)]
-    activation_bytes = _activation_bytes(model, ids)
+    loss, activation_bytes = saved_activation_bytes(lambda: model(input_ids=ids, labels=ids).loss)
+    loss.backward()
+    optimizer.zero_grad(set_to_none=False)
     state_bytes = sum(p.numel() * p.element_size() * 2 for p in model.parameters())  # value + grad
     state_bytes += sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values()
                        if isinstance(t, torch.Tensor))

@@ -24,23 +24,9 @@ pytestmark = pytest.mark.dist
 LAYERS = 2
 
 
-def _saved_bytes(model: torch.nn.Module) -> tuple[float, int]:
-    """One training forward: (loss, bytes of the distinct storages autograd saves for backward)."""
-    storages: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        if t.device.type != "meta":
-            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = model(input_ids=IDS, labels=LABELS).loss
-    loss.backward()
-    return float(loss.detach()), sum(storages.values())
-
-
 def _rank(rank: int, world: int, folder: str, sequence_parallel: bool) -> dict:
     from autotp import parallelize_model
+    from autotp.training import saved_activation_bytes
 
     model = parallelize_model(folder, tp_size=world, sequence_parallel=sequence_parallel)
     model.train()
@@ -48,8 +34,9 @@ def _rank(rank: int, world: int, folder: str, sequence_parallel: bool) -> dict:
     model.zero_grad()
     comm = model.autotp.context.comm
     comm.reset_counts()
-    loss, saved = _saved_bytes(model)
-    return {"loss": loss, "saved_bytes": saved, "grads": _gathered_grads(model),
+    loss, saved = saved_activation_bytes(lambda: model(input_ids=IDS, labels=LABELS).loss)
+    loss.backward()
+    return {"loss": float(loss.detach()), "saved_bytes": saved, "grads": _gathered_grads(model),
             "forward": dict(comm.counts), "backward": dict(comm.backward_counts)}
 
 
