@@ -41,8 +41,10 @@ deferred (a ``Partial`` reduced later) is carried by its state until paid. Edge 
 decided lazily, by the edge's first consumer, which tries every redistribution the edge allows;
 graph-output edges are scheduled right after their producer so returned values (KV caches) leave
 the frontier at once. A beam of ``beam_width`` states bounds the work; it ranks states by cost
-plus a lower bound of the reductions their live ``Partial`` values still owe, and pruning is
-reported in the trace.
+plus a lower bound of the reductions their live ``Partial`` values still owe, and also keeps, for
+every placement any live value takes, the best-ranked state with that placement (a *cover*: a
+choice with few follow-up variants, such as an all-reduce, is not crowded out by one with many,
+such as a reduce-scatter whose all-gather is still unpaid). Pruning is reported in the trace.
 
 Repeated blocks: :func:`find_segments` cuts the schedule into blocks that repeat, found from the
 sequence of ops and shapes (never from module names). A block whose structure and incoming states
@@ -50,7 +52,8 @@ sequence of ops and shapes (never from module names). A block whose structure an
 transitions instead of running the rules again (``reused_nodes`` in the trace); the result is the
 same as solving it afresh.
 
-Complexity: ``O(V * S * C * I)`` for ``V`` ATen nodes, ``S <= beam_width`` states, ``C``
+Complexity: ``O(V * S * C * I)`` for ``V`` ATen nodes, ``S <= beam_width + K`` states (``K``
+distinct live (value, placement) pairs for the cover, a few dozen in a transformer block), ``C``
 candidate combinations per node and ``I`` inputs per node; memory ``O(V * S)`` back-pointers.
 Everything is iterative (no recursion in the graph size); repeated blocks cost one block each
 after the frontier has settled (typically the first two or three).
@@ -513,11 +516,26 @@ class _Search:
         if not new_states:
             raise _no_plan(step, self.trace)
         if len(new_states) > self.opts.beam_width:
-            ranked = sorted(new_states.items(), key=lambda kv: kv[1][0] + self.deferred(kv[0][0]))
-            self.trace.pruned_states += len(ranked) - self.opts.beam_width
-            new_states = dict(ranked[: self.opts.beam_width])
+            new_states = self.prune(new_states)
         self.trace.max_states = max(self.trace.max_states, len(new_states))
         return new_states
+
+    def prune(self, states: dict) -> dict:
+        """Keep the ``beam_width`` best-ranked states, plus, for every placement some live value
+        takes in any state, the best-ranked state that has it. Without that cover a placement
+        with few variants is crowded out by one with many (a reduce-scatter whose all-gather is
+        still to come spawns more partial plans than the all-reduce it competes with, and looks
+        cheaper until the all-gather is paid), and the beam loses the cheaper plan for good."""
+        ranked = sorted(states.items(), key=lambda kv: kv[1][0] + self.deferred(kv[0][0]))
+        kept = dict(ranked[: self.opts.beam_width])
+        covered = {item for key in kept for item in key[0]}
+        for key, value in ranked[self.opts.beam_width:]:
+            new = [item for item in key[0] if item not in covered]
+            if new:
+                kept[key] = value
+                covered.update(new)
+        self.trace.pruned_states += len(ranked) - len(kept)
+        return kept
 
     def deferred(self, key: tuple) -> float:
         """Ranking heuristic for the beam (never part of the cost): a live Partial value must be

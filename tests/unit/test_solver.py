@@ -31,12 +31,18 @@ def _capture(model: torch.nn.Module, **inputs: Any) -> tuple[torch.fx.GraphModul
     return captured[0]
 
 
-def _plan(model: torch.nn.Module, world: int, recursion_limit: int | None = None, **inputs: Any):
+def _plan(model: torch.nn.Module, world: int, recursion_limit: int | None = None, beam_width: int = 32,
+          pinned: dict[str, Any] | None = None, **inputs: Any):
+    """Solve one captured forward; ``pinned`` (placeholder name -> placement) fixes the parameters
+    as a later graph of parallelize_model sees them, otherwise the solve decides them."""
     gm, example = _capture(model, **inputs)
     shadow = decompose(gm, example)
-    fixed, free = {}, {}
-    for (aten, _), value in zip(shadow.placeholders, example, strict=True):
-        if isinstance(value, torch.nn.Parameter):
+    fixed, free, param_nodes = {}, {}, set()
+    for (aten, dyn), value in zip(shadow.placeholders, example, strict=True):
+        if isinstance(value, torch.nn.Parameter) and pinned is not None:
+            fixed[aten] = pinned[dyn.name]
+            param_nodes.add(aten)
+        elif isinstance(value, torch.nn.Parameter):
             nbytes = value.numel() * value.element_size()
             free[aten] = ParamChoice([(R, nbytes * (world - 1) / world)]
                                      + [(s, 0.0) for s in shard_candidates(tuple(value.shape), world)])
@@ -48,7 +54,8 @@ def _plan(model: torch.nn.Module, world: int, recursion_limit: int | None = None
         sys.setrecursionlimit(recursion_limit)  # the solver must not recurse per node
     try:
         start = time.perf_counter()
-        solution = solve(shadow, SolverOptions(world_size=world, tokens=tokens), fixed, free, set(free))
+        solution = solve(shadow, SolverOptions(world_size=world, tokens=tokens, beam_width=beam_width), fixed, free,
+                         param_nodes | set(free))
         solution.trace.seconds = time.perf_counter() - start
     finally:
         sys.setrecursionlimit(limit)
@@ -63,7 +70,8 @@ def _plan(model: torch.nn.Module, world: int, recursion_limit: int | None = None
             if e.src is not None and e.src != e.dst and kind_of(e.src, e.dst) and key not in shared:
                 shared.add(key)
                 collectives[kind_of(e.src, e.dst)] += 1
-    params = {dyn.name: solution.placements[aten] for aten, dyn in shadow.placeholders if aten in free}
+    params = {dyn.name: solution.placements[aten] for aten, dyn in shadow.placeholders
+              if aten in free or aten in param_nodes}
     return solution, collectives, params
 
 
@@ -86,3 +94,18 @@ def test_the_llama_plan_is_megatron_with_two_all_reduces_per_block_at_tp4() -> N
     assert by_suffix["o_proj_parameters_weight_"] == "S(1)"
     assert by_suffix["down_proj_parameters_weight_"] == "S(1)"
     assert by_suffix["embed_tokens_parameters_weight_"] == "S(0)"
+
+
+@pytest.mark.parametrize("beam_width", [2, 32])
+def test_a_long_prefill_with_pinned_megatron_weights_keeps_all_reduces_instead_of_scatter_gather_pairs(
+        beam_width: int) -> None:
+    """A reduce-scatter now and an all-gather later move the bytes of one all-reduce, plus one more
+    collective; before its all-gather is paid the pair looks cheaper and spawns more partial plans,
+    which used to crowd the all-reduce out of the beam (at the default width too). The beam keeps
+    the best state for every live placement, so the cheaper plan survives even at width 2."""
+    model = tiny_model("llama", num_hidden_layers=3).eval()
+    _, warmup, megatron = _plan(model, 2, input_ids=torch.tensor([[1, 2, 3, 4, 5]]), use_cache=False)
+    assert warmup == {"all_reduce": 2 * 3 + 1, "all_gather": 1}
+    prompt = (torch.arange(16) % 50 + 1).unsqueeze(0)  # (1, 16)
+    _, prefill, _ = _plan(model, 2, beam_width=beam_width, pinned=megatron, input_ids=prompt, use_cache=False)
+    assert prefill == {"all_reduce": 2 * 3 + 1, "all_gather": 1}
