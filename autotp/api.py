@@ -33,6 +33,7 @@ from autotp.collectives import Comm, attach_health, ensure_process_group, peer_f
 from autotp.config import AutoTPConfig, parse_dtype
 from autotp.context import TPContext, attach_meta, meta_of, shard_of, standin
 from autotp.errors import AutoTPError, CheckpointError, divisors_up_to
+from autotp.memory import release_free_memory
 from autotp.placement import R
 from autotp.weights import (
     Checkpoint,
@@ -322,6 +323,7 @@ def parallelize_model(
             _load_untouched(slots, ctx)
         forward.swap_out()
         checkpoint.close()  # every shard is loaded: drop file handles (and .bin mappings)
+        release_free_memory()  # what loading freed goes back to the OS before the first real call
     if health is not None:
         health.set_phase("loaded")
     return module

@@ -1,0 +1,42 @@
+"""Handing freed heap memory back to the operating system at the points where loading peaks.
+
+Why: a rank's peak resident set while ``parallelize_model`` loads is what decides whether a model
+fits. Tracing, decomposing and solving a graph allocate ~0.1 GB of Python objects and fake
+tensors, and laying out fused weights frees the shards they replace; once those are garbage,
+glibc keeps the freed chunks in its heap (resident) unless asked to give them back. The next
+allocation burst — Dynamo building guards after the backend returns, the warm-up's activations, a
+recompile's decomposition — then lands on top of the shards instead of in pages the process had
+already returned. :func:`release_free_memory` collects cycles and calls glibc's
+``malloc_trim(0)``, which returns every whole free page of every arena (``madvise``), not only the
+top of the heap.
+
+Where it runs (only when a graph did work that leaves garbage, never per call): in
+``compile_graph`` after the solver state of a solved graph is dropped (before this rank reads its
+shards, and before Dynamo builds the graph's guards), at the end of ``parallelize_model``, and —
+:func:`trim_heap` alone, no collection — in the fuse pass after each group it lays out anew.
+Elsewhere than glibc (macOS, musl) only the collection runs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import sys
+
+
+def trim_heap() -> bool:
+    """``malloc_trim(0)`` where the C library has it (glibc); True if it returned memory."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return bool(trim(0))
+
+
+def release_free_memory() -> bool:
+    """Collect garbage cycles, then return the heap's free pages to the OS; True if any were."""
+    gc.collect()
+    return trim_heap()
