@@ -324,7 +324,7 @@ def parallelize_model(
             _load_untouched(slots, ctx)
         forward.swap_out()
         checkpoint.close()  # every shard is loaded: drop file handles (and .bin mappings)
-        release_free_memory()  # what loading freed goes back to the OS before the first real call
+        release_free_memory(collect=False)  # what loading freed goes back to the OS before the first real call
     if health is not None:
         health.set_phase("loaded")
     return module

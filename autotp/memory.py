@@ -11,9 +11,12 @@ already returned. :func:`release_free_memory` collects cycles and calls glibc's
 top of the heap.
 
 Where it runs (only when a graph did work that leaves garbage, never per call): in
-``compile_graph`` after the solver state of a solved graph is dropped (before this rank reads its
-shards, and before Dynamo builds the graph's guards), at the end of ``parallelize_model``, and —
-:func:`trim_heap` alone, no collection — in the fuse pass after each group it lays out anew.
+``compile_graph`` after the solver state of a solved graph is dropped — with a full collection
+when this rank is about to read shards (the tracing's garbage is cyclic: FX graphs), a trim only
+for later graphs (recompiles, decode steps), since a collection walks every live Python object
+(~0.9 s in a rank holding the loaded benchmark model) and the automatic collector frees that
+garbage eventually; then trims alone in the fuse pass after each group it lays out anew and at the
+end of ``parallelize_model``.
 Elsewhere than glibc (macOS, musl) only the collection runs.
 
 One allocation burst is not the model's at all: after a backend returns, Dynamo measures how long
@@ -46,9 +49,12 @@ def trim_heap() -> bool:
     return bool(trim(0))
 
 
-def release_free_memory() -> bool:
-    """Collect garbage cycles, then return the heap's free pages to the OS; True if any were."""
-    gc.collect()
+def release_free_memory(collect: bool = True) -> bool:
+    """Collect garbage cycles (unless ``collect`` is False: a full collection walks every Python
+    object, ~0.9 s in a rank holding a loaded 150M model), then return the heap's free pages to
+    the OS; True if any were."""
+    if collect:
+        gc.collect()
     return trim_heap()
 
 
