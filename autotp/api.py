@@ -33,6 +33,7 @@ from autotp.collectives import Comm, attach_health, ensure_process_group, peer_f
 from autotp.config import AutoTPConfig, parse_dtype
 from autotp.context import TPContext, attach_meta, meta_of, shard_of, standin
 from autotp.errors import AutoTPError, CheckpointError, divisors_up_to
+from autotp.memory import no_guard_latency_profile, release_free_memory
 from autotp.placement import R
 from autotp.weights import (
     Checkpoint,
@@ -133,7 +134,8 @@ class _SwappingForward:
         if self.comm.health is not None:
             self.comm.health.step += 1  # published by the heartbeat thread
         try:
-            with peer_failures(self.comm, "the model was running"), _failures_recorded(self.comm.health):
+            with peer_failures(self.comm, "the model was running"), _failures_recorded(self.comm.health), \
+                    no_guard_latency_profile():
                 return gather_user_values(self.compiled(*args, **kwargs), self.comm)
         except torch._dynamo.exc.BackendCompilerFailed as e:  # Dynamo wraps what the backend raised
             if isinstance(e.inner_exception, AutoTPError):  # the user's error, with its own cause
@@ -322,6 +324,7 @@ def parallelize_model(
             _load_untouched(slots, ctx)
         forward.swap_out()
         checkpoint.close()  # every shard is loaded: drop file handles (and .bin mappings)
+        release_free_memory(collect=False)  # what loading freed goes back to the OS before the first real call
     if health is not None:
         health.set_phase("loaded")
     return module

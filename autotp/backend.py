@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import fnmatch
-import gc
 import os
 import re
 import time
@@ -30,6 +29,7 @@ from autotp.config import AutoTPConfig
 from autotp.context import TPContext, attach_meta, meta_of, shard_of, sharded_standin, standin
 from autotp.errors import AutoTPError, SolverError
 from autotp.inner import inner_compile
+from autotp.memory import release_free_memory
 from autotp.ops.fused import fused_segmentations, strided_candidates
 from autotp.passes.annotate import annotate, replicated_annotation
 from autotp.passes.decompose import decompose
@@ -168,13 +168,15 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: list[Any], ctx: TPCo
             "cost": solution.cost, "comm_cost": solution.comm_cost, "memory_cost": solution.memory_cost,
             "tokens": opts.tokens, "aten_nodes": len(shadow.aten.graph.nodes),
             "dynamo_nodes": len(shadow.dynamo_nodes)})
-    if not ctx.keep_solve_records:
+    if not ctx.keep_solve_records and solution is not None:
         # Memory: the shadow ATen graph and its fake tensors are garbage from here on; free them
-        # before this rank reads its shards, so the reads reuse that memory instead of adding to it.
+        # and hand the pages back (autotp/memory.py). A full collection (~0.9 s with the benchmark
+        # model loaded) only when this rank is about to read shards, so that the reads do not
+        # stack on the tracing's garbage; a later graph (recompile, decode step) only trims.
         shadow = solution = None
         gm.__dict__.pop("autotp_solve", None)
-        if any(meta_of(v).local is None and meta_of(v).checkpoint is not None for v in param_inputs.values()):
-            gc.collect()
+        reads = any(meta_of(v).local is None and meta_of(v).checkpoint is not None for v in param_inputs.values())
+        release_free_memory(collect=reads)
     locals_ = runner.run("materialize", materialize, annotation, param_inputs, ctx)
     report = runner.run("rewrite", rewrite, gm, annotation, locals_, ctx.comm, lint=gm)
     fusion = runner.run("fuse", fuse_sibling_matmuls, gm, lint=gm) if ctx.config.fuse else None

@@ -44,6 +44,8 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
+from autotp.memory import trim_heap
+
 LINEAR_FUNCTIONS = {torch._C._nn.linear, F.linear}
 
 
@@ -123,6 +125,10 @@ def fused_storage(tensors: list[torch.Tensor]) -> tuple[torch.Tensor | None, str
         for t in tensors:
             t.data = fused.narrow(0, start, t.shape[0])  # the shard now lives inside the fused weight
             start += t.shape[0]
+    # The replaced shards' storages are free now; hand their pages back at once, group by group,
+    # so laying out a model's fused weights grows the rank by about one group, not by the heap's
+    # fragments of all of them (autotp/memory.py).
+    trim_heap()
     return fused, "new"
 
 
