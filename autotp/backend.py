@@ -56,8 +56,8 @@ def fqn_of(source_name: str) -> str:
 
 
 #: with ``sequence_parallel``, one byte of a full-size activation per rank costs as much as one
-#: communicated byte per token (any weight > 0 makes sequence shards win once a block's extra
-#: collective latency is spread over enough tokens)
+#: communicated byte per token (the second solve prices no collective latency, so any weight > 0
+#: makes sequence shards win where they are feasible)
 SEQUENCE_PARALLEL_WEIGHT = 1.0
 
 #: ``torch.compile(..., backend="autotp", options={...})`` keys -> AutoTPConfig fields
@@ -414,10 +414,12 @@ def _sequence_parallel(shadow: Any, opts: SolverOptions, fixed: dict[torch.fx.No
                        solution: Solution, param_nodes: set[torch.fx.Node]) -> tuple[Solution, SolverOptions]:
     """Second solve for ``sequence_parallel``: every parameter pinned where the first (pure
     communication) solve stored it, activations re-placed with full-size activations priced
-    (``SolverOptions.activation_weight``). Pinning keeps the Megatron weight layout and leaves the
+    (``SolverOptions.activation_weight``), and no latency per collective: the user asked to trade
+    collectives for activation memory, and a reduce-scatter plus an all-gather move the bytes of
+    the all-reduce they replace. Pinning keeps the Megatron weight layout and leaves the
     search only the activations' placements; where no activation can be sharded (a one-token
     decode step) the first plan's placements come back."""
-    sp_opts = dataclasses.replace(opts, activation_weight=SEQUENCE_PARALLEL_WEIGHT)
+    sp_opts = dataclasses.replace(opts, activation_weight=SEQUENCE_PARALLEL_WEIGHT, latency_bytes=0.0)
     second = solve(shadow, sp_opts, {**fixed, **solution.params}, {}, param_nodes)
     second.params = dict(solution.params)
     return second, sp_opts

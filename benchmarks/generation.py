@@ -24,10 +24,11 @@ rounds and reps; ratios are autotp / transformers_tp and autotp / one_process.
 Each rank uses ``cores // ranks`` threads unless ``OMP_NUM_THREADS`` is set. For autotp the
 output also has the collectives one decode step issued (from ``Comm.counts``) next to what the
 decode graph's plan says (its in-graph collectives plus one all-gather per sharded output the
-user reads: the logits), and the main process plans the checkpoint with ``autotp.planner.plan_model``
-(meta device, simulated group) to compare one decode step's collectives and bytes per rank (= per
-token at batch 1) with what each autotp engine issued (``decode_collectives_vs_plan``; inductor
-graphs count collectives per call but not their bytes).
+user reads: the logits), and the main process plans the checkpoint for a P-token prompt with
+``autotp.planner.plan_model`` (meta device, simulated group) to compare one prefill's and one decode
+step's collectives and bytes per rank (a decode step's = per token at batch 1) with what each
+autotp engine issued (``collectives_vs_plan``; inductor graphs count collectives per call but not
+their bytes).
 """
 
 from __future__ import annotations
@@ -111,8 +112,12 @@ def _worker(engine: str, folder: str, prefill: int, decode: int, reps: int, resu
         warmup_s = time.perf_counter() - t
         comm = model.autotp.context.comm if engine in AUTOTP_VARIANTS else None
         step_collectives: dict[str, Any] = {}
-        if comm is not None:  # one decode step's collectives, counted as they are issued
+        prefill_collectives: dict[str, Any] = {}
+        if comm is not None:  # one prefill's and one decode step's collectives, counted as issued
+            comm.reset_counts()
             _, cache, token = run_prefill()
+            prefill_collectives = {"issued": dict(comm.counts), "bytes_per_rank": dict(comm.bytes),
+                                   "compile_inner": model.autotp.context.config.compile_inner}
             comm.reset_counts()
             model(input_ids=token, past_key_values=cache, use_cache=True,
                   position_ids=torch.tensor([[prefill]]))
@@ -133,7 +138,7 @@ def _worker(engine: str, folder: str, prefill: int, decode: int, reps: int, resu
         Path(result).write_text(json.dumps({
             "engine": engine, "world_size": world, "threads": torch.get_num_threads(), "load_s": load_s,
             "warmup_s": warmup_s, "prefill_s": prefill_s, "decode_step_s": decode_s, "tokens": tokens,
-            "decode_collectives": step_collectives,
+            "decode_collectives": step_collectives, "prefill_collectives": prefill_collectives,
         }))
     if distributed:
         dist.barrier()
@@ -168,24 +173,33 @@ def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "threads_per_rank": runs[0]["threads"],
         "tokens": runs[0]["tokens"],
         "samples": {"prefill": len(prefill), "decode_steps": len(decode)},
-        **({"decode_collectives": runs[0]["decode_collectives"]} if runs[0]["decode_collectives"] else {}),
+        **({key: runs[0][key] for key in ("prefill_collectives", "decode_collectives") if runs[0].get(key)}),
     }
 
 
 def _compare_with_plan(folder: Path, args: argparse.Namespace, summary: dict[str, Any]) -> dict[str, Any]:
-    """One decode step's collectives (count and bytes per rank, i.e. per token at batch 1) as the
-    planner predicts them, next to what each autotp engine issued."""
+    """One prefill's and one decode step's collectives (count and bytes per rank; a decode step's
+    bytes are per token at batch 1) as the planner predicts them for a P-token prompt, next to
+    what each autotp engine issued."""
     import torch
 
     from autotp.planner import plan_model
 
-    report = plan_model(os.fspath(folder), args.tp, dtype=getattr(torch, args.dtype))
-    if report.decode is None:
-        return {"plan": None, "note": report.decode_note}
-    plan = {"counts": dict(report.decode.collectives), "bytes_per_rank": dict(report.decode.collective_bytes)}
+    report = plan_model(os.fspath(folder), args.tp, dtype=getattr(torch, args.dtype), seq_len=args.prefill)
+    out: dict[str, Any] = {}
+    for phase, graph in (("prefill", report.forward), ("decode", report.decode)):
+        if graph is None:
+            out[phase] = {"plan": None, "note": report.decode_note}
+            continue
+        out[phase] = _issued_vs_plan(
+            {"counts": dict(graph.collectives), "bytes_per_rank": dict(graph.collective_bytes)},
+            {engine: s.get(f"{phase}_collectives", {}) for engine, s in summary.items()})
+    return out
+
+
+def _issued_vs_plan(plan: dict[str, Any], issued_by_engine: dict[str, dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {"plan": plan}
-    for engine, s in summary.items():
-        issued = s.get("decode_collectives", {})
+    for engine, issued in issued_by_engine.items():
         if not issued:
             continue
         counted_bytes = issued.get("compile_inner") == "eager"  # compiled graphs do not count bytes
@@ -276,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
                 if variant in summary and base in summary and base != variant:
                     report["ratios"][f"{variant}/{base}:{metric}"] = summary[variant][metric] / summary[base][metric]
     if any(e in AUTOTP_VARIANTS for e in engines):
-        report["decode_collectives_vs_plan"] = _compare_with_plan(folder, args, summary)
+        report["collectives_vs_plan"] = _compare_with_plan(folder, args, summary)
     tokens = {e: s["tokens"] for e, s in summary.items()}
     report["same_greedy_tokens"] = len({tuple(t) for t in tokens.values()}) == 1
     Path(args.out).write_text(json.dumps(report, indent=1) + "\n")

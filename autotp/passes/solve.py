@@ -13,11 +13,12 @@ parameter keeps its storage placement), nor is a value its consumer writes in pl
 ``SolverOptions.sharded_outputs``, where an output may also stay ``Shard`` at no cost (the caller
 keeps KV caches sharded and gathers what the user reads, paying the same gather there). A value that several edges
 redistribute the same way pays for the collective once (the rewrite shares it).
-Objective: ``sum(comm_bytes(edge) + latency) / tokens + memory_weight * sum(replicated parameter
-bytes * (N-1)/N)``, with ring-model bytes from ``collectives.cost_bytes``. Communication is
-normalised per token (``tokens`` = elements of the first integer input, or leading elements of the
-first input) so that the plan does not flip with batch or sequence length; a replicated parameter
-costs the memory it fails to save.
+Objective: ``sum(comm_bytes(edge) / tokens + latency) + memory_weight * sum(replicated parameter
+bytes * (N-1)/N)``, with ring-model bytes from ``collectives.cost_bytes`` and ``latency`` =
+``SolverOptions.latency_bytes`` (default ``LATENCY_BYTES``) per collective. Communication is normalised per token (``tokens`` = elements of
+the first integer input, or leading elements of the first input) and the latency is not divided by
+the tokens, so every term is independent of batch and sequence length and the plan does not flip
+with them; a replicated parameter costs the memory it fails to save.
 
 Sequence parallelism (``activation_weight > 0``; ``sequence_parallel=True`` at the entry points,
 which first solve as above, then re-solve with every parameter pinned where that plan stored it)
@@ -26,7 +27,8 @@ adds ``activation_weight * sum(full-size activation bytes * (N-1)/N) / tokens``,
 depend on the inputs only, are not) and *full-size* means ``R`` or ``Partial``. The all-reduce after
 a row-parallel matmul (``2(N-1)/N`` bytes per element) and a reduce-scatter into sequence shards
 followed by an all-gather before the next column-parallel matmul (``(N-1)/N`` each) move the same
-bytes, so this term makes the solver keep the residual stream, norms and dropout on
+bytes, so this term (with ``latency_bytes=0`` in that second solve: the user asked to trade
+collectives for memory) makes the solver keep the residual stream, norms and dropout on
 ``Shard(sequence)`` between blocks: Megatron's sequence parallelism, found rather than prescribed.
 
 Search
@@ -93,6 +95,8 @@ class SolverOptions:
     #: cost of one byte of a full-size (``R`` or ``Partial``) activation per rank, relative to one
     #: communicated byte per token; > 0 asks for sequence parallelism (see the module docstring)
     activation_weight: float = 0.0
+    #: fixed cost of one collective, in communicated bytes per token (see the module docstring)
+    latency_bytes: float = LATENCY_BYTES
 
 
 @dataclass
@@ -201,7 +205,16 @@ def edge_cost(src: Placement, dst: Placement, spec: TensorSpec, opts: SolverOpti
     kind = kind_of(src, dst)
     if kind is None:
         return NARROW_EPSILON
-    return (cost_bytes(src, dst, spec.nbytes, opts.world_size) + LATENCY_BYTES) / max(opts.tokens, 1)
+    return collective_cost(cost_bytes(src, dst, spec.nbytes, opts.world_size), opts)
+
+
+def collective_cost(nbytes: float, opts: SolverOptions) -> float:
+    """One collective moving ``nbytes`` per rank: its bytes per token plus a fixed latency per
+    token. The latency is not spread over the tokens, so the cost is the same at every batch and
+    sequence length and so is the plan (a latency spread over a long prefill made extra collectives
+    almost free: reduce-scatter/all-to-all/all-gather chains saving a few bytes per token won over
+    Megatron's one all-reduce per region, and the first call's length decided the plan)."""
+    return nbytes / max(opts.tokens, 1) + opts.latency_bytes
 
 
 class _Step:
@@ -650,7 +663,7 @@ class _Search:
 
     def internal_cost(self, c: Candidate) -> float:
         """The cost of the collectives a candidate's local rewrite issues itself (all-reduces)."""
-        return sum((cost_bytes(Partial(), R, nbytes, self.opts.world_size) + LATENCY_BYTES) / max(self.opts.tokens, 1)
+        return sum(collective_cost(cost_bytes(Partial(), R, nbytes, self.opts.world_size), self.opts)
                    for _, nbytes in c.collectives)
 
     def rule(self, step: _Step, ins: tuple) -> list[Candidate]:

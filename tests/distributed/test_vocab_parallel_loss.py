@@ -3,8 +3,10 @@ row statistics all-reduced instead of the logits gathered, and equals one proces
 
 Tolerance: losses within 1e-5 relative and gradients within atol 1e-5 / rtol 1e-4 of one process
 (the all-reduced row sums and the row-parallel all-reduces reorder fp32 additions, ~1e-6 relative).
-The vocabulary is 4096 so that, by the solver's cost model, all-reducing per-row statistics is
-cheaper than gathering the logits (with a 128-token vocabulary gathering is cheaper, and chosen).
+The vocabulary (and the classifier's classes) is 16384 so that, by the solver's cost model,
+three all-reduces of per-row statistics (3 x 4 KB of latency per token) are cheaper than gathering
+the logits (16384 x 4 B x (N-1)/N = 32 KB per token); with a 1024-class head gathering is cheaper,
+and chosen. Real vocabularies are 32K-256K entries.
 """
 
 from __future__ import annotations
@@ -20,9 +22,9 @@ from tests._tiny import save_tiny
 
 pytestmark = pytest.mark.dist
 
-VOCAB = 4096
+VOCAB = 16384
 LAYERS = 2
-IDS = torch.tensor([[5, 17, 99, 3, 64, 12, 7, 9], [8, 1, 2, 3, 4000, 77, 31, 40]])
+IDS = torch.tensor([[5, 17, 99, 3, 64, 12, 7, 9], [8, 1, 2, 3, 16000, 77, 31, 40]])
 LABELS = torch.where(torch.arange(8) < 3, -100, IDS)  # the first three positions are ignored
 
 
@@ -73,7 +75,7 @@ def test_a_causal_lm_loss_with_ignored_labels_is_vocab_parallel_and_equals_one_p
             torch.testing.assert_close(grad, expected, atol=1e-5, rtol=1e-4, msg=name)
 
 
-HIDDEN, CLASSES, ROWS = 16, 1024, 12
+HIDDEN, CLASSES, ROWS = 16, 16384, 12
 
 
 class ClassifierHead(torch.nn.Module):

@@ -109,3 +109,16 @@ def test_a_long_prefill_with_pinned_megatron_weights_keeps_all_reduces_instead_o
     prompt = (torch.arange(16) % 50 + 1).unsqueeze(0)  # (1, 16)
     _, prefill, _ = _plan(model, 2, beam_width=beam_width, pinned=megatron, input_ids=prompt, use_cache=False)
     assert prefill == {"all_reduce": 2 * 3 + 1, "all_gather": 1}
+
+
+def test_the_plan_of_a_long_prompt_is_the_plan_of_a_short_one() -> None:
+    """Every cost term is per token (a collective's latency included), so a 64-token first call
+    stores the weights and reduces exactly as a 5-token one."""
+    model = tiny_model("llama", num_hidden_layers=3).eval()
+    short, short_collectives, short_params = _plan(model, 2, input_ids=torch.tensor([[1, 2, 3, 4, 5]]),
+                                                   use_cache=False)
+    prompt = (torch.arange(64) % 50 + 1).unsqueeze(0)  # (1, 64)
+    long, long_collectives, long_params = _plan(model, 2, input_ids=prompt, use_cache=False)
+    assert long_collectives == short_collectives == {"all_reduce": 2 * 3 + 1, "all_gather": 1}
+    assert long_params == short_params
+    assert long.cost == pytest.approx(short.cost, rel=1e-9)
