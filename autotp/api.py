@@ -231,6 +231,7 @@ def parallelize_model(
     sequence_parallel: bool = False,
     fuse: bool = True,
     compile_inner: str | None = None,
+    shared_memory: bool = True,
     **overrides: Any,
 ) -> torch.nn.Module:
     """Load ``model`` (Hub id or local folder) tensor-parallel over the current process group.
@@ -258,6 +259,10 @@ def parallelize_model(
     ``compile_inner`` runs each rank's rewritten graph with ``"eager"`` (FX code) or ``"inductor"``
     (``autotp/inner.py``); None picks the default for the device (:func:`default_compile_inner`).
     ``fuse=False`` keeps sibling matmuls (q/k/v, gate/up) as separate GEMMs (``autotp/passes/fuse.py``).
+    ``shared_memory`` (CPU ranks on one x86-64 host): all-reduces and small all-gathers (up to
+    256 KB per rank, e.g. a decode step's logits) go through a shared-memory segment instead of
+    gloo's TCP loopback (:class:`~autotp.collectives.SharedMemoryCollectives`); ``False`` keeps
+    gloo for all.
     """
     dtype = parse_dtype(dtype)
     trace_dir = trace_dir or os.environ.get("AUTOTP_TRACE_DIR") or None
@@ -283,6 +288,9 @@ def parallelize_model(
     if device is None:
         device = torch.device(f"cuda:{torch.cuda.current_device()}") if comm.backend == "nccl" else torch.device("cpu")
     device = torch.device(device)
+    if shared_memory and device.type == "cpu" and comm.backend == "gloo":
+        # the same patience as the process group's collectives (gloo's default: 30 minutes)
+        comm.use_shared_memory(timeout_s=timeout.total_seconds() if timeout is not None else 1800.0)
     if compile_inner is None:
         config = dataclasses.replace(config, compile_inner=default_compile_inner(device))
     show_progress = bool(progress) and comm.rank == 0

@@ -93,27 +93,33 @@ def _rank_program(rank: int, n: int) -> dict[str, Any]:
     collectives.ensure_process_group(None, datetime.timedelta(seconds=30))  # no-op: already set up
     out: dict[str, Any] = {mode: _redistribute_all(rank, n, emulate) for mode, emulate in EMULATE.items()}
     comm = Comm.from_default_group()
+    assert comm.use_shared_memory(capacity=64)  # 64-byte slots: most all-reduces go in pieces
+    out["shared_memory"] = _redistribute_all(rank, n, (), comm.shared_memory)
+    out["shared_memory_calls"] = comm.shared_memory.calls
     out["broadcast"] = collectives.broadcast_object({"from": rank}, comm)
     collectives.barrier(comm)
     out["embedding"] = _embedding_rank(rank, n, *_embedding_inputs(n))
     return out
 
 
-def _redistribute_all(rank: int, n: int, emulate: tuple[str, ...]) -> dict[str, Any]:
+def _redistribute_all(rank: int, n: int, emulate: tuple[str, ...],
+                      shared_memory: collectives.SharedMemoryCollectives | None = None) -> dict[str, Any]:
     """Run every pair; return per pair the local output, local input grad and the comm counters."""
     out: dict[str, Any] = {}
     for i, (src, dst, gp) in enumerate(PAIRS):
         try:
-            out[_pair_id(src, dst, gp)] = _one_pair(rank, n, i, src, dst, gp, emulate)
+            out[_pair_id(src, dst, gp)] = _one_pair(rank, n, i, src, dst, gp, emulate, shared_memory)
         except Exception:  # noqa: BLE001 - reported per pair by the parent
             out[_pair_id(src, dst, gp)] = {"error": traceback.format_exc()}
     return out
 
 
 def _one_pair(rank: int, n: int, i: int, src: Placement, dst: Placement, gp: bool,
-              emulate: tuple[str, ...]) -> dict[str, Any]:
+              emulate: tuple[str, ...], shared_memory: collectives.SharedMemoryCollectives | None = None
+              ) -> dict[str, Any]:
     x_full, g_full = _global(n, seed=i)
     comm = Comm.from_default_group(emulate=emulate)
+    comm.shared_memory = shared_memory
     x = _local(x_full, src, rank, n, seed=1000 + i).requires_grad_()
     y = redistribute(x, src, dst, comm, grad_partial=gp)
     # Gradient arriving at y: partial summands if grad_partial, a shard for S(d), else (R or P
@@ -237,10 +243,15 @@ def _results(n: int) -> list[dict[str, Any]]:
     return _CACHE[n]
 
 
-@pytest.mark.parametrize("mode", list(EMULATE))
+@pytest.mark.parametrize("mode", [*EMULATE, "shared_memory"])
 @pytest.mark.parametrize("n", [2, 4])
 def test_redistribute_pairs(n: int, mode: str) -> None:
+    """Every pair, through the process group's native collectives, the emulations, and the
+    shared-memory transport (all-reduces in 64-byte pieces, small all-gathers; replicated results
+    must be bitwise equal across ranks, which the rank-order sum guarantees)."""
     per_rank = [r[mode] for r in _results(n)]
+    if mode == "shared_memory":
+        assert all(r["shared_memory_calls"] > len(PAIRS) for r in _results(n))  # the pieces went through it
     failures = []
     for i, (src, dst, gp) in enumerate(PAIRS):
         name = _pair_id(src, dst, gp)
@@ -270,7 +281,7 @@ def test_redistribute_pairs(n: int, mode: str) -> None:
                 assert r["backward_counts"] == bwd, ("backward counts", r["backward_counts"], bwd)
                 assert set(r["bytes"]) == set(fwd)
                 assert r["contiguous"]
-                assert set(r["emulated"]) == set(EMULATE[mode])
+                assert set(r["emulated"]) == set(EMULATE.get(mode, ()))
         except AssertionError as err:
             failures.append(f"{name}: {err}")
     assert not failures, "\n".join(failures)
