@@ -9,9 +9,12 @@ Same checkpoint for every engine (``benchmarks/_checkpoint.py``: 154M-parameter 
 
 * ``one_process``: plain transformers, one process, all the threads the ranks share;
 * ``transformers_tp``: ``from_pretrained(..., tp_plan="auto")`` on ``--tp`` ranks (gloo, CPU);
-* ``autotp``: ``parallelize_model`` on ``--tp`` ranks, fused sibling matmuls, eager inner graphs;
+* ``autotp``: ``parallelize_model`` on ``--tp`` ranks, fused sibling matmuls, eager inner graphs,
+  all-reduces and small all-gathers through shared memory (the CPU default);
+* ``autotp_gloo``: the same with ``shared_memory=False`` (every collective through gloo);
 * ``autotp_unfused``: the same with ``fuse=False``;
-* ``autotp_inductor``: the same as ``autotp`` with ``compile_inner="inductor"``.
+* ``autotp_inductor``: the same as ``autotp`` with ``compile_inner="inductor"`` (its graphs use
+  torch's functional collectives, i.e. gloo).
 
 Every engine runs in its own launch (torch's elastic launcher, ``--standalone``); launches
 alternate A B C A B C for ``--rounds`` rounds, so drift on a shared machine hits all engines alike.
@@ -46,10 +49,11 @@ from typing import Any
 
 sys.path.insert(0, os.fspath(Path(__file__).resolve().parent))
 
-ENGINES = ("one_process", "transformers_tp", "autotp", "autotp_unfused", "autotp_inductor")
+ENGINES = ("one_process", "transformers_tp", "autotp", "autotp_gloo", "autotp_unfused", "autotp_inductor")
 #: autotp engines -> parallelize_model options
 AUTOTP_VARIANTS: dict[str, dict[str, Any]] = {
     "autotp": {"fuse": True, "compile_inner": "eager"},
+    "autotp_gloo": {"fuse": True, "compile_inner": "eager", "shared_memory": False},
     "autotp_unfused": {"fuse": False, "compile_inner": "eager"},
     "autotp_inductor": {"fuse": True, "compile_inner": "inductor"},
 }
