@@ -229,7 +229,7 @@ def _plot(report: dict[str, Any], path: Path) -> None:
     for ax, metric, label in ((axes[0], "prefill_ms", f"prefill 1x{report['prefill']} (ms)"),
                               (axes[1], "decode_ms_per_token", "decode (ms/token)")):
         values = [report["engines"][e][metric] for e in engines]
-        colors = {"one_process": "#999999", "transformers_tp": "#d08030", "autotp": "#3070c0",
+        colors = {"one_process": "#999999", "transformers_tp": "#d08030", "autotp": "#3070c0", "autotp_gloo": "#80a8e0",
                   "autotp_unfused": "#80a8e0", "autotp_inductor": "#205090"}
         ax.bar(engines, values, color=[colors[e] for e in engines])
         ax.tick_params(axis="x", labelrotation=20)
