@@ -410,6 +410,11 @@ def peer_failures(comm: Comm, during: str) -> Iterator[None]:
         comm.during = before
 
 
+#: a shared-memory wait spins (yielding) this many times, about a millisecond, then sleeps
+SPIN_SLEEP_AFTER = 4096
+SPIN_SLEEP_S = 50e-6
+
+
 class SharedMemoryCollectives:
     """All-reduce and small all-gathers for CPU ranks on one host through a shared-memory segment.
 
@@ -429,7 +434,8 @@ class SharedMemoryCollectives:
     keeps stores in program order (and loads likewise), so :meth:`Comm.use_shared_memory` enables
     this only there; copies are capped at ``capacity`` (256 KB), below glibc's threshold for
     non-temporal (weakly ordered) stores. Waiting ranks spin (yielding the core when there are
-    more ranks than cores); a rank that failed or died, by the rank-health records, or that does
+    more ranks than cores), then sleep 50 us at a time once a wait has lasted about a millisecond
+    (a peer still computing should get the core); a rank that failed or died, by the rank-health records, or that does
     not arrive within ``timeout_s``, makes them raise a :class:`~autotp.health.RankFailure` naming
     it.
 
@@ -497,7 +503,9 @@ class SharedMemoryCollectives:
         next_check, spins = start + 0.5, 0
         while int(flags.min()) < call:
             spins += 1
-            if spins > 64:
+            if spins > SPIN_SLEEP_AFTER:
+                time.sleep(SPIN_SLEEP_S)  # a long wait (a peer still computing): free the core
+            elif spins > 64:
                 os.sched_yield()  # more ranks than cores: let the others run
             if spins % 1024 == 0 and time.monotonic() > next_check:
                 next_check = time.monotonic() + 0.5
