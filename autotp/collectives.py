@@ -59,7 +59,12 @@ import atexit
 import collections
 import contextlib
 import datetime
+import mmap
 import os
+import platform
+import socket
+import time
+import uuid
 import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -150,7 +155,7 @@ class Comm:
         self.health: RankHealth | None = None
         #: what the rank is doing, for failure messages ("the model was loading", ...)
         self.during = ""
-        #: small CPU all-reduces through shared memory instead of the process group
+        #: CPU all-reduces and small all-gathers through shared memory instead of the process group
         #: (:class:`SharedMemoryCollectives`, :meth:`use_shared_memory`); None: the group does them
         self.shared_memory: SharedMemoryCollectives | None = None
 
@@ -195,14 +200,12 @@ class Comm:
     def use_shared_memory(self, capacity: int = 256 * 1024, timeout_s: float = 1800.0) -> bool:
         """Do this group's CPU all-reduces (in ``capacity``-byte pieces) and all-gathers of at most
         ``capacity`` bytes per rank through one shared-memory segment when every rank runs on this
-        host (:class:`SharedMemoryCollectives`); collective: every rank must call it. Returns whether it is on (False: one process, a simulated group, ranks
-        on several hosts, or a CPU other than x86-64, whose store order the protocol relies on)."""
+        host (:class:`SharedMemoryCollectives`); collective: every rank must call it. Returns
+        whether it is on (False: one process, a simulated group, ranks on several hosts, or a CPU
+        other than x86-64, whose store order the protocol relies on)."""
         if self.group is None or self.world_size == 1 or self.shared_memory is not None:
             return self.shared_memory is not None
         hosts: list[Any] = [None] * self.world_size
-        import platform
-        import socket
-
         with _guard(self, "all_gather_object"):
             dist.all_gather_object(hosts, (socket.gethostname(), platform.machine()), group=self.group)
         if len(set(hosts)) != 1 or hosts[0][1] not in ("x86_64", "AMD64") or not os.path.isdir("/dev/shm"):
@@ -420,7 +423,7 @@ class SharedMemoryCollectives:
 
     Why: a decode step all-reduces one token's hidden state (a few KB) twice per block, and gloo
     pays ~0.1-1 ms of TCP loopback per call on a CPU host: measured on the 154M Llama at tp=2 on 2
-    cores, gloo decodes at ~100-120 ms/token and this at ~50. DeepSpeed's CPU inference does the
+    cores, gloo decodes at 85 ms/token and this at 45 (``benchmarks/generation.py``). DeepSpeed's CPU inference does the
     same (a shared-memory all-reduce). Larger all-reduces (a prefill's) go piece by piece, one
     slot per call; all-gathers larger than a slot stay with the process group.
 
@@ -435,19 +438,16 @@ class SharedMemoryCollectives:
     this only there; copies are capped at ``capacity`` (256 KB), below glibc's threshold for
     non-temporal (weakly ordered) stores. Waiting ranks spin (yielding the core when there are
     more ranks than cores), then sleep 50 us at a time once a wait has lasted about a millisecond
-    (a peer still computing should get the core); a rank that failed or died, by the rank-health records, or that does
-    not arrive within ``timeout_s``, makes them raise a :class:`~autotp.health.RankFailure` naming
-    it.
+    (a peer still computing should get the core). A rank that failed or died (by the rank-health
+    records), or that does not arrive within ``timeout_s``, makes them raise a
+    :class:`~autotp.health.RankFailure` naming it.
 
     The segment is a file in ``/dev/shm`` created by rank 0, mapped by every rank and unlinked as
     soon as all have mapped it, so nothing is left behind whatever happens to the processes.
     """
 
     def __init__(self, comm: Comm, capacity: int, timeout_s: float, folder: str = "/dev/shm") -> None:
-        import mmap
-        import uuid
-
-        import numpy as np
+        import numpy as np  # transformers' dependency; torch itself does not need it
 
         self.rank, self.world_size, self.capacity, self.timeout_s = comm.rank, comm.world_size, capacity, timeout_s
         self.comm = comm  # its health record names a rank that died while the others wait
@@ -497,8 +497,6 @@ class SharedMemoryCollectives:
         flags = self.flags
         if int(flags.min()) >= call:
             return
-        import time
-
         start = time.monotonic()
         next_check, spins = start + 0.5, 0
         while int(flags.min()) < call:
