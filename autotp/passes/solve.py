@@ -15,10 +15,11 @@ keeps KV caches sharded and gathers what the user reads, paying the same gather 
 redistribute the same way pays for the collective once (the rewrite shares it).
 Objective: ``sum(comm_bytes(edge) / tokens + latency) + memory_weight * sum(replicated parameter
 bytes * (N-1)/N)``, with ring-model bytes from ``collectives.cost_bytes`` and ``latency`` =
-``SolverOptions.latency_bytes`` (default ``LATENCY_BYTES``) per collective. Communication is normalised per token (``tokens`` = elements of
-the first integer input, or leading elements of the first input) and the latency is not divided by
-the tokens, so every term is independent of batch and sequence length and the plan does not flip
-with them; a replicated parameter costs the memory it fails to save.
+``SolverOptions.latency_bytes`` (default ``LATENCY_BYTES``) per collective. Communication is
+normalised per token (``tokens`` = elements of the first integer input, or leading elements of the
+first input) and the latency is not divided by the tokens, so every term is independent of batch
+and sequence length and the plan does not flip with them; a replicated parameter costs the memory
+it fails to save.
 
 Sequence parallelism (``activation_weight > 0``; ``sequence_parallel=True`` at the entry points,
 which first solve as above, then re-solve with every parameter pinned where that plan stored it)
