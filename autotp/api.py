@@ -255,7 +255,8 @@ def parallelize_model(
     first call of every graph against a replicated run and raises at the first diverging node.
     ``sequence_parallel=True`` keeps the activations between tensor-parallel regions (residual
     stream, norms, dropout) sharded on the sequence: reduce-scatter + all-gather replace each
-    all-reduce, same bytes, 1/N of those activations per rank (for training and long prefills).
+    all-reduce, same bytes, 1/N of those activations per rank (for training and long prefills);
+    as in Megatron, every sequence length must then divide by the number of ranks (pad the batch).
     ``compile_inner`` runs each rank's rewritten graph with ``"eager"`` (FX code) or ``"inductor"``
     (``autotp/inner.py``); None picks the default for the device (:func:`default_compile_inner`).
     ``fuse=False`` keeps sibling matmuls (q/k/v, gate/up) as separate GEMMs (``autotp/passes/fuse.py``).

@@ -418,8 +418,12 @@ def _sequence_parallel(shadow: Any, opts: SolverOptions, fixed: dict[torch.fx.No
     collectives for activation memory, and a reduce-scatter plus an all-gather move the bytes of
     the all-reduce they replace. Pinning keeps the Megatron weight layout and leaves the
     search only the activations' placements; where no activation can be sharded (a one-token
-    decode step) the first plan's placements come back."""
-    sp_opts = dataclasses.replace(opts, activation_weight=SEQUENCE_PARALLEL_WEIGHT, latency_bytes=0.0)
+    decode step) the first plan's placements come back. Symbolic sizes (a dynamic-shape graph's
+    sequence length) may be sharded here, as in Megatron: with sequence parallelism every
+    sequence length must divide by the world size (a length that does not raises a
+    ``ShardingError`` naming it), where the first solve's plan runs at any length."""
+    sp_opts = dataclasses.replace(opts, activation_weight=SEQUENCE_PARALLEL_WEIGHT, latency_bytes=0.0,
+                                  shard_symbolic_dims=True)
     second = solve(shadow, sp_opts, {**fixed, **solution.params}, {}, param_nodes)
     second.params = dict(solution.params)
     return second, sp_opts

@@ -39,10 +39,16 @@ PlacementOut = Placement | tuple[Placement | None, ...] | None
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """Global (logical) shape and dtype of a tensor argument or result."""
+    """Global (logical) shape and dtype of a tensor argument or result. ``symbolic``: the dims
+    whose size is symbolic in a dynamic-shape graph (never sharded: the graph runs at every size)."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype
+    symbolic: frozenset[int] = frozenset()
+
+    def shardable(self, dim: int) -> bool:
+        """False for a symbolic dim (see ``symbolic``)."""
+        return dim not in self.symbolic
 
     @property
     def ndim(self) -> int:

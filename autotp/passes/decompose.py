@@ -79,6 +79,9 @@ class ShadowGraph:
     # edges into an argument that their Dynamo node writes in place: the solver keeps them
     # identity, so the write lands in the tensor later readers see
     inplace_edges: set[torch.fx.Node] = field(default_factory=set)
+    #: how the dims whose size is symbolic were found (see :func:`mark_symbolic_dims`); each such
+    #: ATen node carries them as ``meta["autotp_symbolic_dims"]``
+    symbolic_sizes: str = "static graph"
 
 
 @functools.cache
@@ -129,19 +132,28 @@ def decompose(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> ShadowGrap
     Node by node with memoization (:func:`decompose_by_node`) when every node is functional, which
     makes a model of ``L`` repeated blocks cost one block's tracing plus ``L`` cheap graph copies;
     the whole graph in one functionalized trace (:func:`decompose_whole`) when some node mutates
-    a tensor or global state, because only a whole-graph trace sees the aliasing."""
+    a tensor or global state, because only a whole-graph trace sees the aliasing.
+
+    A dynamic-shape graph (Dynamo made some sizes symbolic, e.g. the sequence length) is decomposed
+    at the current sizes and then once more at shifted sizes, to find which dims of which values
+    are symbolic (:func:`mark_symbolic_dims`): the solver never shards those, because the graph is
+    reused for every length and a length that does not divide by the world size could not be split."""
     with torch.set_grad_enabled(torch.is_grad_enabled()):  # a traced grad-mode switch must not leak
         try:
-            return decompose_by_node(gm, example_inputs)
+            build, shadow = decompose_by_node, decompose_by_node(gm, example_inputs)
         except NotNodeLocal:
-            return decompose_whole(gm, example_inputs)
+            build, shadow = decompose_whole, decompose_whole(gm, example_inputs)
+        mark_symbolic_dims(shadow, build)
+    return shadow
 
 
-def decompose_whole(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> ShadowGraph:
-    """Trace ``gm`` on fake copies of ``example_inputs`` into a bracketed core-ATen graph."""
+def decompose_whole(gm: torch.fx.GraphModule, example_inputs: list[Any],
+                    resized: dict[int, Any] | None = None) -> ShadowGraph:
+    """Trace ``gm`` on fake copies of ``example_inputs`` into a bracketed core-ATen graph
+    (``resized``: see :func:`_fake_input`)."""
     interpreter = _Bracketing(gm)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
-    fake_inputs = [fake_mode.from_tensor(x) if isinstance(x, Tensor) else _concrete(x) for x in example_inputs]
+    fake_inputs = [_fake_input(fake_mode, x, (resized or {}).get(i)) for i, x in enumerate(example_inputs)]
 
     def run(*args: Any) -> Any:
         return interpreter.run(*args)
@@ -279,7 +291,8 @@ def _trace_node(n: torch.fx.Node, flat: list[Any], spec: Any, fake_mode: FakeTen
     return _NodeTrace(graph=graph, spec=holder["spec"], values=holder["values"], mutated=frozenset(mutated))
 
 
-def decompose_by_node(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> ShadowGraph:
+def decompose_by_node(gm: torch.fx.GraphModule, example_inputs: list[Any],
+                      resized: dict[int, Any] | None = None) -> ShadowGraph:
     """Build the shadow graph by decomposing each Dynamo node on its own and copying the result.
 
     Each node's decomposition depends only on its target, its constants and its inputs' metadata
@@ -289,16 +302,18 @@ def decompose_by_node(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Sh
     its edge into that input is recorded in ``inplace_edges``: the solver may not redistribute it,
     so the local write lands in the very tensor later readers of that value see, with the
     placement they expect. A node that mutates otherwise, or changes global state, raises
-    :class:`NotNodeLocal` and :func:`decompose` falls back to the whole-graph trace."""
-    return _NodeByNode(gm, example_inputs).build()
+    :class:`NotNodeLocal` and :func:`decompose` falls back to the whole-graph trace. ``resized``:
+    see :func:`_fake_input`."""
+    return _NodeByNode(gm, example_inputs, resized or {}).build()
 
 
 class _NodeByNode:
     """The state of :func:`decompose_by_node`: the ATen graph being built, the traces by key, and
     the value of every Dynamo node seen so far (tensors as :class:`_Ref`)."""
 
-    def __init__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> None:
+    def __init__(self, gm: torch.fx.GraphModule, example_inputs: list[Any], resized: dict[int, Any]) -> None:
         self.fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
+        self.resized = resized
         self.table = decomposition_table()
         self.memo: dict[tuple, _NodeTrace] = {}
         self.graph = torch.fx.Graph()
@@ -312,11 +327,12 @@ class _NodeByNode:
         shadow = self.shadow
         for dst, n in enumerate(shadow.dynamo_nodes):
             if n.op == "placeholder":
-                x = shadow.example_inputs[len(shadow.placeholders)]
+                position = len(shadow.placeholders)
+                x = _fake_input(self.fake_mode, shadow.example_inputs[position], self.resized.get(position))
                 ph = self.graph.placeholder(n.name)
                 ph.meta["stack_trace"] = n.meta.get("stack_trace")
                 shadow.placeholders.append((ph, n))
-                self.env[n] = _produced(ph, self.fake_mode.from_tensor(x)) if isinstance(x, Tensor) else _concrete(x)
+                self.env[n] = _produced(ph, x) if isinstance(x, Tensor) else x
                 continue
             if n.op not in ("call_function", "call_method", "output"):
                 raise NotNodeLocal(f"{n.op} node {n.name}")
@@ -424,3 +440,185 @@ def _concrete(x: Any) -> Any:
 def _origin_name(n: torch.fx.Node) -> str | None:
     sources = n.meta.get("from_node") or []
     return getattr(sources[0], "name", None) if sources else None
+
+
+def _fake_input(fake_mode: FakeTensorMode, x: Any, resized: Any = None) -> Any:
+    """The analysis value of one graph input: a fake copy of tensor ``x`` (with the sizes and
+    strides ``resized`` gives, if any), or a size input's int (``resized``, or the SymInt's value)."""
+    if not isinstance(x, Tensor):
+        return resized if resized is not None else _concrete(x)
+    if resized is None:
+        return fake_mode.from_tensor(x)
+    sizes, strides = resized
+    with fake_mode:
+        return torch.empty_strided(sizes, strides, dtype=x.dtype, device=x.device).requires_grad_(x.requires_grad)
+
+
+# --------------------------------------------------------------------------------------------------
+# Symbolic sizes
+# --------------------------------------------------------------------------------------------------
+
+#: ``node.meta`` key: the dims of an ATen value whose size is symbolic (a frozenset, or a tuple of
+#: them for an op with several outputs)
+SYMBOLIC_DIMS = "autotp_symbolic_dims"
+
+
+def _symbols(gm: torch.fx.GraphModule) -> tuple[Any, dict[Any, int]] | None:
+    """The shape environment of a dynamic-shape Dynamo graph and other values for its free size
+    symbols (:func:`_shifted_values`); None for a static graph."""
+    import sympy
+
+    shape_env, free = None, set()
+    for n in gm.graph.nodes:
+        if n.op != "placeholder":
+            continue
+        value = n.meta.get("example_value")
+        sizes = list(value.shape) + list(value.stride()) if isinstance(value, Tensor) else [value]
+        for s in sizes:
+            if isinstance(s, torch.SymInt) and isinstance(s.node.expr, sympy.Expr):
+                shape_env = s.node.shape_env
+                free |= shape_env.simplify(s.node.expr).free_symbols  # a symbol a guard fixed is no longer free
+    if shape_env is None or not free:
+        return None
+    return shape_env, _shifted_values(shape_env, sorted(free, key=str))
+
+
+#: how many assignments :func:`_shifted_values` tries before it settles for a partial one
+_SHIFT_TRIES = 2048
+
+
+def _shifted_values(shape_env: Any, symbols: list[Any]) -> dict[Any, int]:
+    """Values for ``symbols`` at which the graph is still valid (every guard of ``shape_env`` holds,
+    every symbol within its range) and which differ from the current ones, for as many symbols as
+    possible: first every symbol + 1 (or - 1), then a bounded search (a guard such as
+    ``Eq(batch * length, 16)`` admits only other factorizations). A symbol no tried assignment
+    could move keeps its value; the graph's guards then hold it (almost) fixed."""
+    import sympy
+
+    current = {sym: int(shape_env.backed_var_to_val[sym]) for sym in symbols}
+    guards = [shape_env.simplify(g.expr) for g in shape_env.guards]  # replacements applied (s17 -> s27*s77)
+
+    def as_int(x: Any, unbounded: int) -> int:
+        try:
+            return int(x)
+        except (TypeError, ValueError, AttributeError, OverflowError):  # +-oo (sympy's or torch's)
+            return unbounded
+
+    def bounds(sym: Any) -> tuple[int, int]:
+        r = shape_env.var_to_range.get(sym)
+        if r is None:
+            return 0, 1 << 62
+        return as_int(r.lower, 0), as_int(r.upper, 1 << 62)
+
+    def valid(assign: dict[Any, int]) -> bool:
+        if any(not (bounds(k)[0] <= v <= bounds(k)[1]) for k, v in assign.items()):
+            return False
+        subs = {k: sympy.Integer(v) for k, v in assign.items()}
+        try:
+            return all(bool(g.xreplace(subs) == sympy.true) for g in guards)
+        except (TypeError, ValueError):
+            return False
+
+    for step in (1, -1):
+        trial = {k: v + step for k, v in current.items()}
+        if valid(trial):
+            return trial
+    choices = [[v + d for d in (1, -1, 2, -2)] + [c for c in range(2, 65) if abs(c - v) > 2] for v in current.values()]
+    best = dict(current)
+    for tries, combo in enumerate(itertools.product(*choices)):
+        if tries >= _SHIFT_TRIES:
+            break
+        trial = dict(zip(current, combo, strict=True))
+        if valid(trial):
+            return trial  # every symbol moved
+    for sym in symbols:  # one symbol at a time, the others where the best so far put them
+        for value in choices[symbols.index(sym)]:
+            trial = {**best, sym: value}
+            if valid(trial):
+                best = trial
+                break
+    return best
+
+
+def _evaluate(size: Any, shifted: dict[Any, int]) -> int:
+    if isinstance(size, torch.SymInt):
+        return int(size.node.shape_env.simplify(size.node.expr).xreplace(shifted))
+    return int(size)
+
+
+def _resized_inputs(gm: torch.fx.GraphModule, shifted: dict[Any, int]) -> dict[int, Any]:
+    """Per placeholder position with a symbolic size: its sizes and strides (tensors) or its value
+    (size inputs) with every symbol at its shifted value."""
+    out: dict[int, Any] = {}
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for i, n in enumerate(placeholders):
+        value = n.meta.get("example_value")
+        if isinstance(value, Tensor):
+            if any(isinstance(s, torch.SymInt) for s in (*value.shape, *value.stride())):
+                out[i] = ([_evaluate(s, shifted) for s in value.shape], [_evaluate(s, shifted) for s in value.stride()])
+        elif isinstance(value, torch.SymInt):
+            out[i] = _evaluate(value, shifted)
+    return out
+
+
+def _differing_dims(a: Any, b: Any) -> Any:
+    """Dims where two values of the same node differ in size (per output for a tuple)."""
+    if isinstance(a, Tensor) and isinstance(b, Tensor) and a.dim() == b.dim():
+        return frozenset(d for d, (x, y) in enumerate(zip(a.shape, b.shape, strict=True)) if x != y)
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)) and len(a) == len(b):
+        return tuple(_differing_dims(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, Tensor):
+        return frozenset(range(a.dim()))  # shapes that do not even agree in rank: every dim is suspect
+    return None
+
+
+def _equal_sized_dims(value: Any, sizes: set[int]) -> Any:
+    if isinstance(value, Tensor):
+        return frozenset(d for d, s in enumerate(value.shape) if int(s) in sizes)
+    if isinstance(value, (tuple, list)):
+        return tuple(_equal_sized_dims(v, sizes) for v in value)
+    return None
+
+
+def mark_symbolic_dims(shadow: ShadowGraph, build: Any) -> None:
+    """Record, on every ATen value of a dynamic-shape graph, the dims whose size is symbolic.
+
+    Dynamo compiles a graph once and reuses it for every size its guards admit, but the shadow
+    graph is traced at the current sizes, where a sequence of 8 tokens divides by 2. So the graph
+    is decomposed a second time (``build``: the same decomposer) with every size symbol shifted by
+    one; the two ATen graphs are node-for-node the same program, and a dim whose size differs
+    between them depends on a symbol. If the second decomposition fails or differs in structure,
+    every dim whose size equals the current size of an input's symbolic dim is marked instead
+    (conservative: such a dim may be symbolic), and ``shadow.symbolic_sizes`` says so."""
+    found = _symbols(shadow.dynamo)
+    if found is None:
+        return
+    _, shifted = found
+    ours = list(shadow.aten.graph.nodes)
+    reason = None
+    try:
+        other = list(build(shadow.dynamo, shadow.example_inputs, _resized_inputs(shadow.dynamo, shifted)).aten.graph.nodes)
+        if len(other) != len(ours) or any(m.op != n.op or m.target != n.target for m, n in zip(ours, other, strict=True)):
+            reason = "the graph decomposes differently at shifted sizes"
+    except Exception as e:  # any failure only makes the marking conservative
+        reason = f"decomposing at shifted sizes failed ({type(e).__name__})"
+    if reason is None:
+        for m, n in zip(ours, other, strict=True):
+            dims = _differing_dims(m.meta.get("val"), n.meta.get("val"))
+            if dims:
+                m.meta[SYMBOLIC_DIMS] = dims
+        shadow.symbolic_sizes = f"dynamic: symbolic dims found by decomposing at shifted sizes {_names(shifted)}"
+        return
+    current = {int(v) for v in found[0].backed_var_to_val.values()}
+    sizes = {int(s.node.expr.xreplace(found[0].backed_var_to_val)) for ph in shadow.dynamo.graph.nodes
+             if ph.op == "placeholder" and isinstance(ph.meta.get("example_value"), Tensor)
+             for s in ph.meta["example_value"].shape if isinstance(s, torch.SymInt)} | current
+    for m in ours:
+        dims = _equal_sized_dims(m.meta.get("val"), sizes)
+        if dims:
+            m.meta[SYMBOLIC_DIMS] = dims
+    shadow.symbolic_sizes = f"dynamic: {reason}; every dim of size {sorted(sizes)} is treated as symbolic"
+
+
+def _names(shifted: dict[Any, int]) -> str:
+    return "{" + ", ".join(f"{k}={v}" for k, v in sorted(shifted.items(), key=lambda kv: str(kv[0]))) + "}"

@@ -77,7 +77,7 @@ import torch.fx
 from autotp.collectives import cost_bytes, kind_of
 from autotp.errors import SolverError
 from autotp.ops.registry import Candidate, OpCall, TensorSpec, lookup, reject
-from autotp.passes.decompose import EDGE, MARK, ShadowGraph
+from autotp.passes.decompose import EDGE, MARK, SYMBOLIC_DIMS, ShadowGraph
 from autotp.passes.hosts import hosted_tags, needs_host
 from autotp.placement import Partial, Placement, R, Replicate, Shard, StridedShard, shard_candidates
 
@@ -98,6 +98,9 @@ class SolverOptions:
     activation_weight: float = 0.0
     #: fixed cost of one collective, in communicated bytes per token (see the module docstring)
     latency_bytes: float = LATENCY_BYTES
+    #: may a dim whose size is symbolic (``TensorSpec.symbolic``) be sharded? Only where the caller
+    #: guarantees every size the graph meets divides by the world size (sequence parallelism)
+    shard_symbolic_dims: bool = False
 
 
 @dataclass
@@ -153,12 +156,21 @@ class _Hist:
         self.parent, self.index, self.placement, self.local, self.param = parent, index, placement, local, param
 
 
-def _spec(value: Any) -> Any:
+def _spec(value: Any, symbolic: Any = None) -> Any:
+    """The TensorSpec of a node's value; ``symbolic``: its ``SYMBOLIC_DIMS`` meta, if any."""
     if isinstance(value, torch.Tensor):
-        return TensorSpec(tuple(int(s) for s in value.shape), value.dtype)
+        return TensorSpec(tuple(int(s) for s in value.shape), value.dtype, frozenset(symbolic or ()))
     if isinstance(value, (tuple, list)):
-        return tuple(_spec(v) for v in value)
+        dims = symbolic if isinstance(symbolic, tuple) else (None,) * len(value)
+        return tuple(_spec(v, d) for v, d in zip(value, dims, strict=False))
     return None
+
+
+def _shards_symbolic_dim(out: Any, spec: Any) -> bool:
+    """True if placement ``out`` shards a dim that ``spec`` marks symbolic."""
+    if isinstance(out, tuple) and isinstance(spec, tuple):
+        return any(_shards_symbolic_dim(o, s) for o, s in zip(out, spec, strict=False))
+    return isinstance(out, Shard) and isinstance(spec, TensorSpec) and not spec.shardable(out.dim)
 
 
 def _arg_specs(arg: Any) -> Any:
@@ -184,19 +196,21 @@ def _tensor_input_nodes(n: torch.fx.Node) -> list[torch.fx.Node]:
 
 
 def edge_targets(p: Placement, spec: TensorSpec, world_size: int) -> list[Placement]:
-    """Placements an edge may move a tensor to from ``p`` (identity first)."""
+    """Placements an edge may move a tensor to from ``p`` (identity first); never a shard of a
+    symbolic dim (``TensorSpec.symbolic``)."""
     out: list[Placement] = [p]
     if isinstance(p, StridedShard):  # a fused layout is consumed in place, never redistributed
         return out
     floating = spec.dtype.is_floating_point or spec.dtype.is_complex
+    shards = [s for s in shard_candidates(spec.shape, world_size) if spec.shardable(s.dim)]
     if isinstance(p, Partial):
         out.append(R)
-        out.extend(s for s in shard_candidates(spec.shape, world_size) if floating)
+        out.extend(s for s in shards if floating)
     elif isinstance(p, Replicate):
-        out.extend(shard_candidates(spec.shape, world_size))
+        out.extend(shards)
     elif isinstance(p, Shard):
         out.append(R)
-        out.extend(s for s in shard_candidates(spec.shape, world_size) if s != p)
+        out.extend(s for s in shards if s != p)
     return out
 
 
@@ -255,7 +269,7 @@ def solve(shadow: ShadowGraph, opts: SolverOptions, fixed: dict[torch.fx.Node, P
         ins = [index[a] for a in _tensor_input_nodes(n)]
         if n.target is operator.getitem:
             ins = [index[n.args[0]]]
-        spec = _spec(n.meta.get("val"))
+        spec = _spec(n.meta.get("val"), None if opts.shard_symbolic_dims else n.meta.get(SYMBOLIC_DIMS))
         owner = dyn_names[shadow.owner[n]] if n in shadow.owner else "?"
         hosts = hosted_tags(shadow.dynamo_nodes[shadow.owner[n]]) if n in shadow.owner else frozenset()
         if n.target is EDGE:
@@ -759,6 +773,12 @@ def _candidates(step: _Step, ins: tuple) -> list[Candidate]:
             return [Candidate(out)]
         return reject(f"no rule for {step.node.target}: replicated, so every input must be R")
     cands = step.rule(step.opcall, ins)
+    if cands and any(_shards_symbolic_dim(c.output, step.spec) for c in cands):
+        kept = [c for c in cands if not _shards_symbolic_dim(c.output, step.spec)]
+        if not kept:
+            return reject(f"every candidate shards a dim of symbolic size {step.spec}: the graph runs at "
+                          "sizes that may not divide by the world size")
+        cands = kept
     if not any(needs_host(c.local) and c.local not in step.hosts for c in cands):
         return cands
     kept = [c for c in cands if not needs_host(c.local) or c.local in step.hosts]

@@ -13,6 +13,7 @@ import torch
 from autotp.passes.decompose import (
     EDGE,
     MARK,
+    SYMBOLIC_DIMS,
     NotNodeLocal,
     ShadowGraph,
     decompose,
@@ -22,7 +23,7 @@ from autotp.passes.decompose import (
 from tests._tiny import tiny_model
 
 
-def _capture(fn: Any, *args: Any, **kwargs: Any) -> tuple[torch.fx.GraphModule, list]:
+def _capture(fn: Any, *args: Any, dynamic: bool | None = None, **kwargs: Any) -> tuple[torch.fx.GraphModule, list]:
     captured: list = []
 
     def backend(gm: torch.fx.GraphModule, example_inputs: list) -> Any:
@@ -31,7 +32,7 @@ def _capture(fn: Any, *args: Any, **kwargs: Any) -> tuple[torch.fx.GraphModule, 
 
     torch._dynamo.reset()
     with torch.no_grad():
-        torch.compile(fn, backend=backend, fullgraph=True)(*args, **kwargs)
+        torch.compile(fn, backend=backend, fullgraph=True, dynamic=dynamic)(*args, **kwargs)
     return captured[0]
 
 
@@ -117,3 +118,73 @@ def test_an_index_assignment_returns_nothing_and_pins_its_target() -> None:
     dyn = shadow.dynamo_nodes.index(setitem)
     assert shadow.inplace_edges == {shadow.edges[(dyn, 0, 0)]}
     assert not any(key[0] == dyn for key in shadow.marks)  # nothing produced, nothing marked
+
+
+def _capture_recompiled(model: torch.nn.Module, first: torch.Tensor, second: torch.Tensor) -> tuple:
+    """The graph Dynamo compiles for a second call whose sequence length differs from the first:
+    automatic dynamic shapes make the length symbolic (what parallelize_model's calls after the
+    warm-up get)."""
+    captured: list = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list) -> Any:
+        captured.append((gm, example_inputs))
+        return gm.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    with torch.no_grad():
+        compiled(input_ids=first, use_cache=False)
+        compiled(input_ids=second, use_cache=False)
+    return captured[-1]
+
+
+def _symbolic(shadow: ShadowGraph) -> dict[str, Any]:
+    return {n.name: n.meta[SYMBOLIC_DIMS] for n in shadow.aten.graph.nodes if SYMBOLIC_DIMS in n.meta}
+
+
+def test_a_dynamic_graph_marks_the_sequence_dims_symbolic_and_nothing_else() -> None:
+    model = tiny_model("llama", num_hidden_layers=1).eval()
+    gm, example = _capture_recompiled(model, torch.tensor([[1, 2, 3, 4, 5]]), torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8]]))
+    shadow = decompose(gm, example)
+    assert shadow.symbolic_sizes.startswith("dynamic: symbolic dims found by decomposing at shifted sizes")
+    marked = _symbolic(shadow)
+    vals = {n.name: n.meta.get("val") for n in shadow.aten.graph.nodes}
+    for name, dims in marked.items():
+        for d in dims if isinstance(dims, frozenset) else ():  # the length S = 8, or S + 1 (a mask's width)
+            assert vals[name].shape[d] in (8, 9), f"{name}: dim {d} of {tuple(vals[name].shape)} is not the sequence"
+    for name, v in vals.items():  # and every value with a dim of size S has it marked
+        if isinstance(v, torch.Tensor) and 8 in v.shape:
+            assert name in marked, f"{name} {tuple(v.shape)} has a sequence dim but no mark"
+    # the embedding's output (1, S, 64) and the q/k/v projections' (1, S, 64) outputs are marked on S
+    q_proj = [n for n in shadow.aten.graph.nodes if n.op == "call_function" and n.target is torch.ops.aten.mm.default]
+    assert q_proj and all(marked.get(n.name) == frozenset({0}) for n in q_proj)  # (S, out) after the flatten
+    # a parameter's edge is never symbolic
+    params = {ph.name for ph, dyn in shadow.placeholders if "parameters" in dyn.name}
+    assert not any(name in marked for name in params)
+
+
+def test_a_static_graph_marks_no_dim_symbolic() -> None:
+    model = tiny_model("llama", num_hidden_layers=1).eval()
+    gm, example = _capture(model, input_ids=torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8]]), use_cache=False, dynamic=False)
+    shadow = decompose(gm, example)
+    assert shadow.symbolic_sizes == "static graph"
+    assert _symbolic(shadow) == {}
+
+
+def test_sizes_a_guard_ties_together_move_together_and_their_product_stays_static() -> None:
+    """``x.view(16)`` guards ``batch * length == 16``: the second decomposition picks another
+    factorization, so batch and length are symbolic while the flat 16 is not."""
+
+    def fn(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return x.reshape(16) * y
+
+    torch._dynamo.reset()
+    gm, example = _capture(fn, torch.ones(2, 8), torch.ones(16), dynamic=True)
+    shadow = decompose(gm, example)
+    assert "found by decomposing" in shadow.symbolic_sizes
+    vals = {n.name: n.meta.get("val") for n in shadow.aten.graph.nodes}
+    marked = _symbolic(shadow)
+    two_d = [name for name, v in vals.items() if isinstance(v, torch.Tensor) and v.dim() == 2]
+    flat = [name for name, v in vals.items() if isinstance(v, torch.Tensor) and v.dim() == 1]
+    assert two_d and all(marked.get(name) == frozenset({0, 1}) for name in two_d)
+    assert flat and not any(name in marked for name in flat)

@@ -14,11 +14,14 @@ from autotp.collectives import kind_of
 from autotp.passes.annotate import annotate
 from autotp.passes.decompose import decompose
 from autotp.passes.solve import ParamChoice, SolverOptions, solve
-from autotp.placement import R, shard_candidates
+from autotp.placement import R, Shard, shard_candidates
 from tests._tiny import tiny_model
 
 
-def _capture(model: torch.nn.Module, **inputs: Any) -> tuple[torch.fx.GraphModule, list]:
+def _capture(model: torch.nn.Module, first: dict[str, Any] | None = None,
+             **inputs: Any) -> tuple[torch.fx.GraphModule, list]:
+    """The graph Dynamo compiles for a call with ``inputs``; after a call with ``first`` (other
+    sizes) when given, so that graph is the dynamic-shape recompile."""
     captured: list = []
 
     def backend(gm: torch.fx.GraphModule, example_inputs: list) -> Any:
@@ -26,16 +29,21 @@ def _capture(model: torch.nn.Module, **inputs: Any) -> tuple[torch.fx.GraphModul
         return gm.forward
 
     torch._dynamo.reset()
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
     with torch.no_grad():
-        torch.compile(model, backend=backend, fullgraph=True)(**inputs)
-    return captured[0]
+        if first is not None:
+            compiled(**first)
+        compiled(**inputs)
+    return captured[-1]
 
 
 def _plan(model: torch.nn.Module, world: int, recursion_limit: int | None = None, beam_width: int = 32,
-          pinned: dict[str, Any] | None = None, **inputs: Any):
+          pinned: dict[str, Any] | None = None, first: dict[str, Any] | None = None,
+          options: dict[str, Any] | None = None, **inputs: Any):
     """Solve one captured forward; ``pinned`` (placeholder name -> placement) fixes the parameters
-    as a later graph of parallelize_model sees them, otherwise the solve decides them."""
-    gm, example = _capture(model, **inputs)
+    as a later graph of parallelize_model sees them, otherwise the solve decides them; ``first``:
+    see :func:`_capture`; ``options``: more :class:`SolverOptions` fields."""
+    gm, example = _capture(model, first, **inputs)
     shadow = decompose(gm, example)
     fixed, free, param_nodes = {}, {}, set()
     for (aten, dyn), value in zip(shadow.placeholders, example, strict=True):
@@ -54,8 +62,8 @@ def _plan(model: torch.nn.Module, world: int, recursion_limit: int | None = None
         sys.setrecursionlimit(recursion_limit)  # the solver must not recurse per node
     try:
         start = time.perf_counter()
-        solution = solve(shadow, SolverOptions(world_size=world, tokens=tokens, beam_width=beam_width), fixed, free,
-                         param_nodes | set(free))
+        solution = solve(shadow, SolverOptions(world_size=world, tokens=tokens, beam_width=beam_width, **(options or {})),
+                         fixed, free, param_nodes | set(free))
         solution.trace.seconds = time.perf_counter() - start
     finally:
         sys.setrecursionlimit(limit)
@@ -122,3 +130,31 @@ def test_the_plan_of_a_long_prompt_is_the_plan_of_a_short_one() -> None:
     assert long_collectives == short_collectives == {"all_reduce": 2 * 3 + 1, "all_gather": 1}
     assert long_params == short_params
     assert long.cost == pytest.approx(short.cost, rel=1e-9)
+
+
+
+#: sequence parallelism's objective (backend._sequence_parallel): full-size activations priced,
+#: no latency per collective, so a reduce-scatter into sequence shards beats an all-reduce
+SEQUENCE_PARALLEL = {"activation_weight": 1.0, "latency_bytes": 0.0}
+
+
+@pytest.mark.parametrize(("dynamic", "shard_symbolic_dims", "splits_sequence"), [
+    (False, False, True),  # a static 16-token graph: 16 divides by 2, the sequence is split
+    (True, False, False),  # the same graph after a 5-token call: its length is a symbol, kept whole
+    (True, True, True),    # unless the caller vouches that every length divides (sequence_parallel)
+])
+def test_a_dynamic_graph_splits_its_symbolic_length_only_when_every_length_is_known_to_divide(
+        dynamic: bool, shard_symbolic_dims: bool, splits_sequence: bool) -> None:
+    """Dynamo reuses a dynamic-shape graph for every length, so a plan that splits a length of 16
+    would fail on 15 tokens (a reduce-scatter of an odd length)."""
+    model = tiny_model("llama", num_hidden_layers=2).eval()
+    _, _, megatron = _plan(model, 2, input_ids=torch.tensor([[1, 2, 3, 4, 5]]), use_cache=False)
+    prompt = (torch.arange(16) % 50 + 1).unsqueeze(0)  # (1, 16)
+    first = {"input_ids": torch.tensor([[1, 2, 3, 4, 5]]), "use_cache": False} if dynamic else None
+    solution, collectives, _ = _plan(model, 2, pinned=megatron, first=first,
+                                     options={**SEQUENCE_PARALLEL, "shard_symbolic_dims": shard_symbolic_dims},
+                                     input_ids=prompt, use_cache=False)
+    split = [n.name for n, p in solution.placements.items()  # values split on a dim of size 16 (the length)
+             if isinstance(p, Shard) and isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].shape[p.dim] == 16]
+    assert bool(split) is splits_sequence, split[:5]
+    assert "reduce_scatter" in collectives  # sequence parallelism still scatters (on the hidden dim if it must)
