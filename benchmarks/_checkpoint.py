@@ -6,9 +6,14 @@ later calls (from this or any other benchmark) find it there and return at once.
 a temporary sibling folder that is renamed into place, so an interrupted run never leaves a
 half-written checkpoint that a later run would trust.
 
-Sizes (``CONFIG``): hidden 768, 14 layers, 12 heads over 4 key/value heads (head_dim 64), MLP
-2560, vocabulary 32000, untied embeddings: 153.8M parameters, 615 MB in fp32. Every split size is
-even, so tp 2 and 4 are valid.
+Sizes (``CONFIG``, ``SIZES["150m"]``): hidden 768, 14 layers, 12 heads over 4 key/value heads
+(head_dim 64), MLP 2560, vocabulary 32000, untied embeddings: 153.8M parameters, 615 MB in fp32.
+Every split size is divisible by 4, so tp 2 and 4 are valid. ``SIZES`` adds two larger members of
+the same family for measurements that need several checkpoint sizes (``load_memory.py --sizes``);
+they keep the 14 layers, head_dim 64 and vocabulary, so the traced graph has the same nodes and only
+the tensors grow: ``"300m"`` (hidden 1024, 16 heads over 8, MLP 4608: 307.8M parameters, 1231 MB in
+fp32, 2.00x) and ``"600m"`` (hidden 1536, 24 heads over 8, MLP 6656: 615.8M parameters, 2463 MB in
+fp32, 4.00x).
 """
 
 from __future__ import annotations
@@ -36,10 +41,15 @@ CONFIG: dict[str, Any] = dict(
 )
 SEED = 0
 
-#: ``size`` -> LlamaConfig fields: the benchmark model, and a small one for smoke runs of the
+#: ``size`` -> LlamaConfig fields: the benchmark model, two larger ones of the same family (same
+#: layers, head_dim and vocabulary; 2x and 4x the bytes), and a small one for smoke runs of the
 #: scripts (hidden 256, 2 layers, vocabulary 4096: 6.3M parameters) that proves nothing about speed.
 SIZES: dict[str, dict[str, Any]] = {
     "150m": CONFIG,
+    "300m": {**CONFIG, "hidden_size": 1024, "num_attention_heads": 16, "num_key_value_heads": 8,
+             "intermediate_size": 4608},
+    "600m": {**CONFIG, "hidden_size": 1536, "num_attention_heads": 24, "num_key_value_heads": 8,
+             "intermediate_size": 6656},
     "small": {**CONFIG, "hidden_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
               "num_key_value_heads": 2, "intermediate_size": 512, "vocab_size": 4096},
 }

@@ -25,13 +25,35 @@ imports in both modes), after loading, and after one forward of 8 tokens. Report
 The 0.55 criterion is read against ``ratio_above_baseline`` (a python + torch + transformers
 process is ~0.3-0.4 GB before it loads anything, the same for both libraries); both are printed.
 
+Several checkpoint sizes (``--sizes 150m,300m,600m``: the same Llama family at 615 MB, 1.23 GB and
+2.46 GB in fp32, 1x / 2x / 4x the bytes, all with 14 layers so the traced graph has the same nodes;
+``_checkpoint.SIZES``). What a rank adds above the import baseline has two parts: a fixed cost that
+does not grow with the checkpoint (torch.compile's stack, transformers' modeling imports, Dynamo's
+trace of the model and the compile state built while tracing) and a part proportional to the
+checkpoint's bytes, the one tensor parallelism controls (ideal: 1/tp). One size cannot tell them
+apart: at 615 MB autotp's fixed cost alone is ~0.46 of the checkpoint, so 0.55 is out of reach at
+that size whatever the sharding does. With more than one size, one ``fit`` line per library is
+appended: a least-squares line through (checkpoint bytes, the worst rank's ``peak_minus_baseline``):
+``fixed_bytes`` + ``slope`` x checkpoint bytes, with ``max_abs_residual_bytes``, the per-size
+``ratios_above_baseline``, and ``checkpoint_bytes_to_meet_0.55`` = fixed / (0.55 - slope), the size
+from which the ratio stays <= 0.55 (null when the slope is >= 0.55: no size does);
+``above_compile_baseline`` repeats the fit above the RSS after the compile warm-up. Measured at tp=2
+(``benchmarks/results/load_memory_tp2_fp32_sizes.json``): autotp fixed 282 MB, slope 0.500
+(ratios 0.96 / 0.73 / 0.61), meets 0.55 from a 5.6 GB checkpoint; transformers fixed 125 MB (~102
+MB of it the compile warm-up this script runs in both modes), slope 0.78 (ratios 0.99 / 0.88 /
+0.83), never.
+
     python benchmarks/load_memory.py [--cache DIR] [--tp 2] [--out FILE.jsonl] [--which autotp,transformers]
+                                     [--sizes 150m[,300m,600m]]
 
 Output: one JSON line per (library, rank) and one summary line per library, to stdout and
 ``--out`` (appended; an ``--out`` ending in ``.json`` gets one JSON document with all the lines
 instead, as in ``benchmarks/results/load_memory_tp2_fp32.json``). Each rank's line carries
 ``phases``: how much the peak RSS grew in each phase (imports, the compile stack, tracing and
-solving, the reads, the rest of the warm-up, the forward).
+solving, the reads, the rest of the warm-up, the forward). With more than one size, every line also
+carries ``size``, each summary the launch's ``wall_s``, the fit lines come last, and the JSON
+document names ``checkpoints`` (size -> folder) instead of ``checkpoint``; one size (the default,
+150m) gives the output as before.
 """
 
 from __future__ import annotations
@@ -204,12 +226,53 @@ def _summarize(records: list[dict[str, Any]], ckpt_bytes: int) -> tuple[list[dic
     return lines, summary
 
 
+def _line_fit(xs: list[float], ys: list[float]) -> tuple[float, float, float]:
+    """Least squares ``y = fixed + slope * x``: (fixed, slope, largest absolute residual)."""
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum((x - mx) ** 2 for x in xs)
+    fixed = my - slope * mx
+    return fixed, slope, max(abs(y - fixed - slope * x) for x, y in zip(xs, ys, strict=True))
+
+
+def _meet(fixed: float, slope: float, bar: float = 0.55) -> int | None:
+    """Checkpoint bytes from which ``(fixed + slope x bytes) / bytes <= bar``; None if never."""
+    return None if slope >= bar else max(0, round(fixed / (bar - slope)))
+
+
+def _fit(library: str, tp: int, summaries: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Least-squares line through (checkpoint bytes, worst rank's peak RSS above the import baseline)
+    over the sizes that ran: ``fixed_bytes`` + ``slope`` x checkpoint bytes, and the checkpoint size
+    from which the ratio stays <= 0.55 (``fixed / (0.55 - slope)``; None when the slope is >= 0.55).
+    ``above_compile_baseline``: the same fit above the RSS after warming torch.compile's stack."""
+    xs = [float(summaries[s]["checkpoint_bytes"]) for s in summaries]
+    fixed, slope, residual = _line_fit(xs, [float(summaries[s]["max_peak_minus_baseline"]) for s in summaries])
+    cfixed, cslope, cresidual = _line_fit(
+        xs, [float(summaries[s]["max_peak_minus_compile_baseline"]) for s in summaries])
+    return {
+        "library": library, "tp": tp, "fit": True,
+        "model": "max over ranks of peak_minus_baseline = fixed_bytes + slope x checkpoint_bytes",
+        "fixed_bytes": round(fixed), "slope": round(slope, 4), "ideal_slope": round(1 / tp, 4),
+        "sizes": list(summaries),
+        "checkpoint_bytes": {s: summaries[s]["checkpoint_bytes"] for s in summaries},
+        "peak_minus_baseline": {s: summaries[s]["max_peak_minus_baseline"] for s in summaries},
+        "ratios_above_baseline": {s: summaries[s]["max_ratio_above_baseline"] for s in summaries},
+        "max_abs_residual_bytes": round(residual),
+        "checkpoint_bytes_to_meet_0.55": _meet(fixed, slope),
+        "above_compile_baseline": {
+            "fixed_bytes": round(cfixed), "slope": round(cslope, 4), "max_abs_residual_bytes": round(cresidual),
+            "checkpoint_bytes_to_meet_0.55": _meet(cfixed, cslope)},
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cache", type=Path, default=DEFAULT_CACHE, help="where the checkpoint is written once")
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--out", type=Path, default=None, help="append the JSON lines here too")
     parser.add_argument("--which", default="autotp,transformers")
+    parser.add_argument("--sizes", default="150m",
+                        help="comma-separated checkpoint sizes (keys of _checkpoint.SIZES, e.g. 150m,300m,600m); "
+                             "with more than one, a fixed + slope x bytes fit per library is appended")
     parser.add_argument("--rank", nargs=3, metavar=("LIBRARY", "FOLDER", "RESULT_DIR"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.rank:
@@ -218,19 +281,46 @@ def main(argv: list[str] | None = None) -> int:
 
     sys.path.insert(0, os.fspath(HERE))
     import torch
-    from _checkpoint import checkpoint_bytes, make_checkpoint
+    from _checkpoint import SIZES, checkpoint_bytes, make_checkpoint
 
-    folder = make_checkpoint(args.cache, torch.float32)
-    ckpt_bytes = checkpoint_bytes(folder)
+    sizes = args.sizes.split(",")
+    unknown = [s for s in sizes if s not in SIZES]
+    if unknown:
+        parser.error(f"unknown --sizes {unknown}; known: {sorted(SIZES)}")
+    libraries = args.which.split(",")
+    several = len(sizes) > 1
+    folders = {size: make_checkpoint(args.cache, torch.float32, size=size) for size in sizes}
     out_lines: list[dict[str, Any]] = []
+    summaries: dict[str, dict[str, dict[str, Any]]] = {library: {} for library in libraries}
     with tempfile.TemporaryDirectory(prefix="autotp-loadmem-") as tmp:
-        for library in args.which.split(","):
-            lines, summary = _summarize(_launch(library, folder, args.tp, Path(tmp)), ckpt_bytes)
-            for line in [*lines, summary]:
-                print(json.dumps(line), flush=True)
-                out_lines.append(line)
+        for size in sizes:
+            folder = folders[size]
+            ckpt_bytes = checkpoint_bytes(folder)
+            result_dir = Path(tmp, size)
+            result_dir.mkdir()
+            for library in libraries:
+                started = time.perf_counter()
+                lines, summary = _summarize(_launch(library, folder, args.tp, result_dir), ckpt_bytes)
+                if several:  # which size each line is about (a single size keeps the original format)
+                    for line in [*lines, summary]:
+                        line["size"] = size
+                    summary["wall_s"] = round(time.perf_counter() - started, 1)
+                summaries[library][size] = {
+                    **summary, "max_peak_minus_baseline": max(x["peak_minus_baseline"] for x in lines),
+                    "max_peak_minus_compile_baseline": max(x["peak_bytes"] - x["baseline_with_compile_stack_bytes"]
+                                                           for x in lines)}
+                for line in [*lines, summary]:
+                    print(json.dumps(line), flush=True)
+                    out_lines.append(line)
+    if several:
+        for library in libraries:
+            line = _fit(library, args.tp, summaries[library])
+            print(json.dumps(line), flush=True)
+            out_lines.append(line)
     if args.out and args.out.suffix == ".json":  # one document (benchmarks/results/)
-        args.out.write_text(json.dumps({"checkpoint": os.fspath(folder), "tp": args.tp, "dtype": "float32",
+        where = ({"checkpoints": {size: os.fspath(folder) for size, folder in folders.items()}} if several
+                 else {"checkpoint": os.fspath(folders[sizes[0]])})
+        args.out.write_text(json.dumps({**where, "tp": args.tp, "dtype": "float32",
                                         "cores": os.cpu_count(), "lines": out_lines}, indent=1) + "\n")
     elif args.out:
         with open(args.out, "a") as f:
