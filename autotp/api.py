@@ -328,8 +328,7 @@ def parallelize_model(
         with _read_progress(checkpoint, len({id(p) for _, _, p in slots}), show_progress), \
                 peer_failures(comm, "the model was loading"), _failures_recorded(health):
             with torch.no_grad():
-                module(**{k: v.to(device) if isinstance(v, torch.Tensor) else v
-                          for k, v in _warmup_inputs(module, world).items()})
+                module(**_on_device(_warmup_inputs(module, world), device))
             _load_untouched(slots, ctx)
         forward.swap_out()
         checkpoint.close()  # every shard is loaded: drop file handles (and .bin mappings)
@@ -435,18 +434,33 @@ def _install_standins(module: torch.nn.Module, checkpoint: Checkpoint, dtype: to
 def _warmup_inputs(module: torch.nn.Module, world_size: int) -> dict[str, Any]:
     """A tiny call that reaches every layer: the model's own ``dummy_inputs`` keys, one sequence of
     ``2N+1`` tokens (neither batch nor length divides by ``N``, so the plan that pins every
-    parameter splits heads and hidden features, not the warm-up's batch or sequence), and no KV
-    cache (so that first plan describes one plain forward)."""
+    parameter splits heads and hidden features, not the warm-up's batch or sequence), and the
+    model's own ``use_cache`` default. The token dim is marked dynamic, so the warm-up's graph
+    is the one a user's first plain call ``model(input_ids=...)`` (any length, same keywords)
+    runs, instead of a recompile of several seconds and a second graph's memory; its length is
+    symbolic and never split (``passes/decompose.py: mark_symbolic_dims``)."""
     dummy = getattr(module, "dummy_inputs", None)
     inputs: dict[str, Any] = dict(dummy) if isinstance(dummy, dict) and dummy else {}
     ids = torch.arange(1, 2 * world_size + 2).unsqueeze(0)  # (1, 2N+1)
     for key in ("input_ids", "decoder_input_ids"):
         if key in inputs or key == "input_ids":
-            inputs[key] = ids
+            inputs[key] = ids.clone()
+            torch._dynamo.maybe_mark_dynamic(inputs[key], 1)
     inputs.pop("attention_mask", None)
-    if "use_cache" in inspect.signature(type(module).forward).parameters:
-        inputs["use_cache"] = False
     return inputs
+
+
+def _on_device(inputs: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    """``inputs`` moved to ``device``; a tensor's dynamic-dim mark goes with it."""
+    out = {}
+    for k, v in inputs.items():
+        if isinstance(v, torch.Tensor) and v.device != device:
+            moved = v.to(device)
+            for dim in getattr(v, "_dynamo_weak_dynamic_indices", ()):
+                torch._dynamo.maybe_mark_dynamic(moved, dim)
+            v = moved
+        out[k] = v
+    return out
 
 
 def _load_untouched(slots: list[tuple[torch.nn.Module, str, torch.nn.Parameter]], ctx: TPContext) -> None:
