@@ -31,17 +31,17 @@ Several checkpoint sizes (``--sizes 150m,300m,600m``: the same Llama family at 6
 does not grow with the checkpoint (torch.compile's stack, transformers' modeling imports, Dynamo's
 trace of the model and the compile state built while tracing) and a part proportional to the
 checkpoint's bytes, the one tensor parallelism controls (ideal: 1/tp). One size cannot tell them
-apart: at 615 MB autotp's fixed cost alone is ~0.46 of the checkpoint, so 0.55 is out of reach at
+apart: at 615 MB autotp's fixed cost alone is ~0.42 of the checkpoint, so 0.55 is out of reach at
 that size whatever the sharding does. With more than one size, one ``fit`` line per library is
 appended: a least-squares line through (checkpoint bytes, the worst rank's ``peak_minus_baseline``):
 ``fixed_bytes`` + ``slope`` x checkpoint bytes, with ``max_abs_residual_bytes``, the per-size
 ``ratios_above_baseline``, and ``checkpoint_bytes_to_meet_0.55`` = fixed / (0.55 - slope), the size
 from which the ratio stays <= 0.55 (null when the slope is >= 0.55: no size does);
 ``above_compile_baseline`` repeats the fit above the RSS after the compile warm-up. Measured at tp=2
-(``benchmarks/results/load_memory_tp2_fp32_sizes.json``): autotp fixed 282 MB, slope 0.500
-(ratios 0.96 / 0.73 / 0.61), meets 0.55 from a 5.6 GB checkpoint; transformers fixed 125 MB (~102
-MB of it the compile warm-up this script runs in both modes), slope 0.78 (ratios 0.99 / 0.88 /
-0.83), never.
+(``benchmarks/results/load_memory_tp2_fp32_sizes.json``): autotp fixed 255 MB, slope 0.51
+(ratios 0.93 / 0.72 / 0.61), meets 0.55 from a ~6.5 GB checkpoint; transformers fixed 179 MB (~102
+MB of it the compile warm-up this script runs in both modes), slope 0.78 (ratios 1.06 / 0.94 /
+0.85), never.
 
     python benchmarks/load_memory.py [--cache DIR] [--tp 2] [--out FILE.jsonl] [--which autotp,transformers]
                                      [--sizes 150m[,300m,600m]]
@@ -168,7 +168,7 @@ def _phases(rec: dict[str, Any], ckpt_bytes: int) -> dict[str, dict[str, float]]
     model, Dynamo tracing, decomposition and solving of the warm-up graph: everything before the
     first checkpoint read), ``reads`` (first to last slice read), ``warmup_rest`` (the rest of
     ``parallelize_model``: rewriting, the warm-up's run); for transformers ``load``; then
-    ``forward`` (the 8-token forward, a recompile for autotp: the warm-up used 5 tokens)."""
+    ``forward`` (the 8-token forward; for autotp it reuses the warm-up's dynamic-length graph)."""
     marks = [("imports", rec["baseline"]["VmHWM"]), ("compile_stack", rec["baseline_compile"]["VmHWM"])]
     if rec.get("reads"):
         marks += [("trace_solve", rec["reads"]["before_first_read"]["VmHWM"]),
