@@ -29,7 +29,6 @@ parameter pinned to each alternative, and :func:`to_tp_plan` for transformers' `
 from __future__ import annotations
 
 import fnmatch
-import inspect
 import os
 import re
 import time
@@ -48,6 +47,7 @@ from autotp.collectives import Comm, kind_of
 from autotp.config import AutoTPConfig, parse_dtype
 from autotp.context import TPContext, attach_meta, meta_of, output_path_of
 from autotp.errors import AutoTPError, SolverError
+from autotp.kv_cache import cache_keyword, returned_cache
 from autotp.passes.decompose import EDGE, MARK
 from autotp.passes.solve import ParamChoice, solve
 from autotp.placement import Placement, R, Shard, local_shape
@@ -226,7 +226,9 @@ def _module_path(node: torch.fx.Node) -> str:
     path = list(stack.values())[-1][0]
     if not isinstance(path, str):
         return node.name
-    path = re.sub(r"^[A-Z]\['[^']*'\]\.?", "", path)  # L['self'].model.layers.0.mlp -> model.layers.0.mlp
+    # L['self'].model.layers.0.mlp -> model.layers.0.mlp; a forward behind a decorator
+    # (transformers' deprecate_kwarg) sees its module as L['args'][0]
+    path = re.sub(r"^[A-Z]\['[^']*'\](?:\[0\])?\.?", "", path)
     return re.sub(r"\._(?:modules|parameters)\['([^']+)'\]|\[(\d+)\]", lambda m: "." + (m.group(1) or m.group(2)), path)
 
 
@@ -330,10 +332,10 @@ def plan_model(model: Any, tp: int, *, dtype: str | torch.dtype | None = None, b
     # whole plan and changes no collective: the plan is for the given B and S
     forward = torch.compile(type(module).forward.__get__(module), backend=backend, dynamic=False)
     ids = torch.zeros((batch, seq_len), dtype=torch.long, device="meta")  # (B, S)
-    with_cache = decode and "past_key_values" in inspect.signature(type(module).forward).parameters
+    keyword = cache_keyword(type(module).forward) if decode else None
     # the forward is the prefill when a decode step follows: it leaves the (sharded) KV cache
-    kwargs = {"input_ids": ids, "past_key_values": _empty_cache(config, next(module.parameters()).dtype),
-                                           "use_cache": True} if with_cache \
+    kwargs = {"input_ids": ids, keyword: _empty_cache(config, next(module.parameters()).dtype),
+              "use_cache": True} if keyword \
         else {"input_ids": ids, "use_cache": False}
     fwd, prefill = _run_graph("forward", forward, kwargs, comm, seen)
     record = getattr(seen[0].gm, "autotp_solve", None) if seen else None
@@ -341,14 +343,14 @@ def plan_model(model: Any, tp: int, *, dtype: str | torch.dtype | None = None, b
     dec, note, kv_rank, kv_total = None, None, None, None
     if decode:
         try:
-            cache = getattr(prefill, "past_key_values", None)
-            if cache is None:
+            cache = returned_cache(prefill)
+            if cache is None or keyword is None:
                 raise AutoTPError(f"{type(module).__name__}'s forward returned no KV cache")
             new = torch.zeros((batch, 1), dtype=torch.long, device="meta")  # (B, 1)
             first = len(seen)
-            dec, _ = _run_graph("decode", forward, {"input_ids": new, "past_key_values": cache, "use_cache": True},
+            dec, _ = _run_graph("decode", forward, {"input_ids": new, keyword: cache, "use_cache": True},
                                 comm, seen)
-            kv_rank, kv_total = _kv_bytes(seen[first:], tp)
+            kv_rank, kv_total = _kv_bytes(seen[first:], tp, keyword)
         except SolverError:
             raise
         except Exception as e:  # a model whose decode step does not trace on meta: say so, don't guess
@@ -441,7 +443,7 @@ def _boundary_sites(gm: torch.fx.GraphModule, record: SolveRecord, result: Any) 
     """The all-gathers ``parallelize_model`` issues when the call returns: one per sharded graph
     output the user reads (the logits), none for the KV-cache entries kept sharded (found by the
     output path their stand-ins carry)."""
-    cache = getattr(result, "past_key_values", None)
+    cache = returned_cache(result)
     kept = {output_path_of(t) for layer in getattr(cache, "layers", []) or []
             for t in (getattr(layer, "keys", None), getattr(layer, "values", None))}
     shadow, placements = record.shadow, record.solution.placements
@@ -465,9 +467,11 @@ def _boundary_sites(gm: torch.fx.GraphModule, record: SolveRecord, result: Any) 
     return out
 
 
-def _kv_bytes(compiled: list[_Compiled], tp: int) -> tuple[int | None, int | None]:
-    """KV-cache bytes (global and per rank) the decode graph reads: its ``past_key_values`` inputs,
-    with the placement the solver held them at."""
+def _kv_bytes(compiled: list[_Compiled], tp: int, keyword: str) -> tuple[int | None, int | None]:
+    """KV-cache bytes (global and per rank) the decode graph reads: the inputs Dynamo found under
+    the cache ``keyword`` (source ``L['kwargs']['cache']...`` or placeholder
+    ``l_kwargs_cache_layers_0_keys``), with the placement the solver held them at."""
+    from_cache = re.compile(rf"\['{keyword}'\]|^l_(?:kwargs_)?{keyword}_")
     per_rank = total = 0
     found = False
     for c in compiled:
@@ -477,7 +481,7 @@ def _kv_bytes(compiled: list[_Compiled], tp: int) -> tuple[int | None, int | Non
         for ph, value in zip(phs, c.example_inputs, strict=True):
             arg = ph.meta.get("grapharg")
             source = arg.source.name if arg is not None and hasattr(arg, "source") else ph.name
-            if "past_key_values" not in source or not isinstance(value, torch.Tensor):
+            if not from_cache.search(source) or not isinstance(value, torch.Tensor):
                 continue
             found = True
             placement = rec.fixed.get(aten_of.get(ph), R) if rec else R

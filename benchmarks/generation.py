@@ -72,6 +72,8 @@ def _worker(engine: str, folder: str, prefill: int, decode: int, reps: int, resu
         dist.init_process_group("gloo")
     rank = dist.get_rank() if distributed else 0
     world = dist.get_world_size() if distributed else 1
+    from autotp.kv_cache import cache_keyword, returned_cache
+
     dtype = getattr(torch, dtype_name)
     t0 = time.perf_counter()
     if engine in AUTOTP_VARIANTS:
@@ -90,12 +92,14 @@ def _worker(engine: str, folder: str, prefill: int, decode: int, reps: int, resu
         if distributed:
             dist.barrier()
 
+    keyword = cache_keyword(type(model).forward)  # "cache" from transformers 5.24, "past_key_values" before
+
     def run_prefill() -> tuple[float, Any, torch.Tensor]:
         cache = DynamicCache(config=model.config)
         barrier()
         start = time.perf_counter()
-        out = model(input_ids=ids, past_key_values=cache, use_cache=True)
-        return time.perf_counter() - start, out.past_key_values, out.logits[:, -1:].argmax(-1)
+        out = model(input_ids=ids, use_cache=True, **{keyword: cache})
+        return time.perf_counter() - start, returned_cache(out), out.logits[:, -1:].argmax(-1)
 
     def run_decode(steps: int) -> tuple[list[float], list[int]]:
         _, cache, token = run_prefill()
@@ -104,9 +108,9 @@ def _worker(engine: str, folder: str, prefill: int, decode: int, reps: int, resu
             position = torch.tensor([[prefill + i]])
             barrier()
             start = time.perf_counter()
-            out = model(input_ids=token, past_key_values=cache, use_cache=True, position_ids=position)
+            out = model(input_ids=token, use_cache=True, position_ids=position, **{keyword: cache})
             times.append(time.perf_counter() - start)
-            cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+            cache, token = returned_cache(out), out.logits[:, -1:].argmax(-1)
             tokens.append(int(token))
         return times, tokens
 
@@ -123,8 +127,7 @@ def _worker(engine: str, folder: str, prefill: int, decode: int, reps: int, resu
             prefill_collectives = {"issued": dict(comm.counts), "bytes_per_rank": dict(comm.bytes),
                                    "compile_inner": model.autotp.context.config.compile_inner}
             comm.reset_counts()
-            model(input_ids=token, past_key_values=cache, use_cache=True,
-                  position_ids=torch.tensor([[prefill]]))
+            model(input_ids=token, use_cache=True, position_ids=torch.tensor([[prefill]]), **{keyword: cache})
             plan = model.autotp.plans[-1]
             step_collectives = {
                 "issued": dict(comm.counts), "bytes_per_rank": dict(comm.bytes),

@@ -45,12 +45,14 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import DynamicCache
 
     from autotp import parallelize_model
+    from autotp.kv_cache import cache_keyword, returned_cache
 
     dtype = getattr(torch, args.dtype)
     folder = make_checkpoint(args.cache, dtype, size=args.size)
     load_start = os.getloadavg()
     models = {c: parallelize_model(os.fspath(folder), compile_inner=c, dtype=dtype, progress=False) for c in COMPILERS}
     vocab = models["eager"].config.vocab_size
+    keyword = cache_keyword(type(models["eager"]).forward)  # "cache" from transformers 5.24
     P = args.prefill
     ids = (torch.arange(P) * 7919 % (vocab - 1) + 1).unsqueeze(0)  # (1, P)
     prefill: dict[str, list[float]] = {c: [] for c in COMPILERS}
@@ -61,19 +63,19 @@ def main(argv: list[str] | None = None) -> int:
             state: dict[str, Any] = {}
             for c, m in models.items():
                 start = time.perf_counter()
-                out = m(input_ids=ids, past_key_values=DynamicCache(config=m.config), use_cache=True)
+                out = m(input_ids=ids, use_cache=True, **{keyword: DynamicCache(config=m.config)})
                 if rep > 0:
                     prefill[c].append(time.perf_counter() - start)
-                state[c] = (out.past_key_values, out.logits[:, -1:].argmax(-1))
+                state[c] = (returned_cache(out), out.logits[:, -1:].argmax(-1))
             for i in range(args.decode):
                 for c, m in models.items():
                     cache, token = state[c]
                     start = time.perf_counter()
-                    out = m(input_ids=token, past_key_values=cache, use_cache=True,
-                            position_ids=torch.tensor([[P + i]]))
+                    out = m(input_ids=token, use_cache=True, position_ids=torch.tensor([[P + i]]),
+                            **{keyword: cache})
                     if rep > 0 or i >= 4:
                         decode[c].append(time.perf_counter() - start)
-                    state[c] = (out.past_key_values, out.logits[:, -1:].argmax(-1))
+                    state[c] = (returned_cache(out), out.logits[:, -1:].argmax(-1))
                     if rep == args.reps - 1:
                         tokens[c].append(int(state[c][1]))
     summary = {c: {"prefill_ms": 1000 * statistics.median(prefill[c]) if prefill[c] else None,

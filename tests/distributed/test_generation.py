@@ -39,13 +39,14 @@ def _rank_decode(rank: int, world: int, folder: str, new_tokens: int) -> dict:
     from transformers import DynamicCache
 
     from autotp import parallelize_model
+    from autotp.kv_cache import cache_keyword, returned_cache
 
     model = parallelize_model(folder, tp_size=world)
     ids = torch.tensor(PROMPT)
     with torch.no_grad():
         cache = DynamicCache(config=model.config)
-        out = model(input_ids=ids, past_key_values=cache, use_cache=True)
-        stored, logical = _cache_bytes(out.past_key_values)
+        out = model(input_ids=ids, use_cache=True, **{cache_keyword(type(model).forward): cache})
+        stored, logical = _cache_bytes(returned_cache(out))
         graphs_before = model.autotp.context.graphs_compiled
         greedy = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=PAD_ID)
         graphs_for_generate = model.autotp.context.graphs_compiled - graphs_before
