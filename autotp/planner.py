@@ -28,18 +28,20 @@ parameter pinned to each alternative, and :func:`to_tp_plan` for transformers' `
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import os
 import re
 import time
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.fx
+from torch._subclasses.fake_tensor import fake_tensor_tls
 
 from autotp.api import gather_user_values
 from autotp.backend import SolveRecord, check_override_styles, compile_graph, matching_overrides
@@ -397,6 +399,21 @@ def _check_override_names(module: torch.nn.Module, overrides: Mapping[str, str])
         )
 
 
+@contextlib.contextmanager
+def _meta_constants_allowed() -> Iterator[None]:
+    """Let fake-tensor tracing take a real tensor constant, for the planner's calls only. On the
+    meta device a list index (Falcon's ``fused_qkv[..., [-2], :]``) becomes a real *meta* tensor
+    constant, which Dynamo's and decompose's fake modes otherwise refuse; a meta tensor holds no
+    data, so nothing real enters the trace. ``parallelize_model`` (real tensors) never needs this."""
+    tls = fake_tensor_tls
+    before = tls.allow_non_fake_inputs_override
+    tls.allow_non_fake_inputs_override = True
+    try:
+        yield
+    finally:
+        tls.allow_non_fake_inputs_override = before
+
+
 def _run_graph(name: str, forward: Any, kwargs: dict[str, Any], comm: Comm, seen: list[_Compiled]
                ) -> tuple[GraphReport, Any]:
     """One compiled call; the graphs it compiled (normally one) make up its report."""
@@ -404,7 +421,7 @@ def _run_graph(name: str, forward: Any, kwargs: dict[str, Any], comm: Comm, seen
     first = len(seen)
     t, cpu = time.perf_counter(), time.process_time()
     try:
-        with torch.no_grad():
+        with torch.no_grad(), _meta_constants_allowed():
             out = forward(**kwargs)
             out = gather_user_values(out, comm)  # what parallelize_model does on return (logits)
     except torch._dynamo.exc.BackendCompilerFailed as e:  # Dynamo wraps what the backend raised
