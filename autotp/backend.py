@@ -177,7 +177,9 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: list[Any], ctx: TPCo
         gm.__dict__.pop("autotp_solve", None)
         reads = any(meta_of(v).local is None and meta_of(v).checkpoint is not None for v in param_inputs.values())
         release_free_memory(collect=reads)
-    locals_ = runner.run("materialize", materialize, annotation, param_inputs, ctx)
+    # with fusion on, materialize reads each group the fuse pass will fuse into one buffer
+    locals_ = runner.run("materialize", materialize, annotation, param_inputs, ctx,
+                         gm.graph if ctx.config.fuse else None)
     report = runner.run("rewrite", rewrite, gm, annotation, locals_, ctx.comm, lint=gm)
     fusion = runner.run("fuse", fuse_sibling_matmuls, gm, lint=gm) if ctx.config.fuse else None
     gm.autotp_fusion = fusion.as_dict() if fusion is not None else None

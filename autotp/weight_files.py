@@ -79,7 +79,8 @@ class WeightFile(Protocol):
 
     def info(self, name: str) -> tuple[tuple[int, ...], torch.dtype]: ...
 
-    def read(self, name: str, dim: int | None, start: int, stop: int) -> torch.Tensor: ...
+    def read(self, name: str, dim: int | None, start: int, stop: int,
+             out: torch.Tensor | None = None) -> torch.Tensor: ...
 
     def close(self) -> None: ...
 
@@ -176,7 +177,11 @@ class SafetensorsFile:
         shape, dtype, _, _ = self._entries[name]
         return shape, dtype
 
-    def read(self, name: str, dim: int | None, start: int, stop: int) -> torch.Tensor:
+    def read(self, name: str, dim: int | None, start: int, stop: int,
+             out: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows ``[start, stop)`` of ``dim`` (None: all) of ``name``, read straight into ``out``
+        when given (a contiguous CPU tensor of the slice's shape and stored dtype), else into a
+        fresh tensor."""
         shape, dtype, begin, _ = self._entries[name]
         if self._fd is None:
             raise ValueError(f"{self.path} is closed")
@@ -186,7 +191,12 @@ class SafetensorsFile:
             inner = _numel(shape[dim + 1 :])
             out_shape = (*shape[:dim], stop - start, *shape[dim + 1 :])
             runs, run_len, stride, first = _numel(shape[:dim]), (stop - start) * inner, shape[dim] * inner, start * inner
-        out = torch.empty(out_shape, dtype=dtype)
+        if out is None:
+            out = torch.empty(out_shape, dtype=dtype)
+        elif (tuple(out.shape) != tuple(out_shape) or out.dtype != dtype or out.device.type != "cpu"
+              or not out.is_contiguous()):
+            raise ValueError(f"cannot read {name!r}{list(out_shape)} {dtype} into {out.dtype}{list(out.shape)} "
+                             f"on {out.device} (contiguous: {out.is_contiguous()})")  # internal
         item = dtype.itemsize
         if out.numel() == 0:
             return out
@@ -253,10 +263,12 @@ class TorchFile:
         t = self._load()[name]
         return tuple(int(s) for s in t.shape), t.dtype
 
-    def read(self, name: str, dim: int | None, start: int, stop: int) -> torch.Tensor:
+    def read(self, name: str, dim: int | None, start: int, stop: int,
+             out: torch.Tensor | None = None) -> torch.Tensor:
         t = self._load()[name]
         view = t if dim is None else t.narrow(dim, start, stop - start)
-        out = torch.empty(tuple(view.shape), dtype=view.dtype)
+        if out is None:
+            out = torch.empty(tuple(view.shape), dtype=view.dtype)
         out.copy_(view)  # one copy out of the mapping; the result shares nothing with it
         return out
 

@@ -581,7 +581,8 @@ class Checkpoint:
         return self.read_slice(name, None, 0, 0, dtype=dtype)
 
     def read_slice(
-        self, name: str, dim: int | None, start: int, stop: int, dtype: torch.dtype | None = None
+        self, name: str, dim: int | None, start: int, stop: int, dtype: torch.dtype | None = None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Rows/columns ``[start, stop)`` of ``dim`` of ``name``; only those bytes are requested.
 
@@ -589,14 +590,20 @@ class Checkpoint:
         file into a fresh contiguous tensor (never a view of a mapping) and converted to ``dtype``
         afterwards, so a conversion holds at most the slice twice, never the full tensor.
         A converted name (:meth:`add_conversions`) reads the stored rows its slice needs.
+
+        ``out`` (a tensor of the slice's shape, in ``dtype``) receives the slice and is returned:
+        a stored-dtype slice into a contiguous CPU ``out`` is read straight into it, with no
+        intermediate tensor; anything else is read as above and copied in.
         """
         source = self._converted.get(name)
         if source is not None:
-            return read_source(source, self._read_stored, self._meta, dim, start, stop, dtype)
-        return self._read_stored(name, dim, start, stop, dtype)
+            value = read_source(source, self._read_stored, self._meta, dim, start, stop, dtype)
+            return value if out is None else out.copy_(value)
+        return self._read_stored(name, dim, start, stop, dtype, out)
 
     def _read_stored(
-        self, name: str, dim: int | None, start: int, stop: int, dtype: torch.dtype | None = None
+        self, name: str, dim: int | None, start: int, stop: int, dtype: torch.dtype | None = None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         shape, stored = self._meta(name)
         if dim is None:
@@ -610,15 +617,18 @@ class Checkpoint:
                     f"slice [{start}, {stop}) out of range for dim {dim} of {name!r} of shape {shape}"
                 )
             numel = _numel(shape) // shape[dim] * (stop - start) if shape[dim] else 0
-        out = self._handle(self._file_name(name)).read(name, dim, start, stop)  # stored dtype
-        if dtype is not None and dtype != stored:
-            out = out.to(dtype)  # per slice: the stored-dtype slice is freed right after
+        direct = out is not None and out.dtype == stored and out.device.type == "cpu" and out.is_contiguous()
+        value = self._handle(self._file_name(name)).read(name, dim, start, stop, out if direct else None)
+        if out is not None and not direct:
+            value = out.copy_(value)  # converts per slice; the stored-dtype slice is freed right after
+        elif dtype is not None and dtype != stored:
+            value = value.to(dtype)  # per slice: the stored-dtype slice is freed right after
         self.bytes_read += numel * stored.itemsize
         record = SliceRead(name, dim, start, stop)
         self.reads.append(record)
         if self.on_read is not None:
             self.on_read(record)
-        return out
+        return value
 
     # -- lifetime ----------------------------------------------------------------------------------
 
@@ -846,8 +856,13 @@ class ParameterMeta:
         world_size: int,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Read exactly ``rank``'s shard from the checkpoint, as ``dtype`` (default :attr:`dtype`)."""
+        """Read exactly ``rank``'s shard from the checkpoint, as ``dtype`` (default :attr:`dtype`).
+
+        ``out`` (the local shape, in ``dtype``; its device wins over ``device``) receives the shard
+        and is returned: materialize passes rows of a fused group's buffer, so the group is laid
+        out once, without a second copy (``autotp/passes/materialize.py``)."""
         if self.checkpoint is None or self.checkpoint_key is None:
             also = f" (tied with {', '.join(t for t in self.tied if t != self.fqn)})" if self.tied else ""
             raise CheckpointError(
@@ -863,6 +878,17 @@ class ParameterMeta:
                 f"weights disagree: check config.json's {_config_hint(self.fqn)}."
             )
         dim, pieces = self._pieces(rank, world_size)
+        if out is not None:
+            if tuple(out.shape) != self.local_shape(world_size, rank):
+                raise ValueError(f"{self.fqn}: out has shape {tuple(out.shape)}, the shard "
+                                 f"{self.local_shape(world_size, rank)}")  # internal
+            at = 0
+            for start, stop in pieces:  # fused: q_r | k_r | v_r, each into its place
+                rows = stop - start if dim is not None else out.shape[0]
+                self.checkpoint.read_slice(self.checkpoint_key, dim, start, stop, dtype=out.dtype,
+                                           out=out if dim is None else out.narrow(dim, at, rows))
+                at += rows
+            return out
         parts = [self.checkpoint.read_slice(self.checkpoint_key, dim, start, stop, dtype=dtype or self.dtype)
                  for start, stop in pieces]
         out = parts[0] if len(parts) == 1 else torch.cat(parts, dim)  # fused: q_r | k_r | v_r

@@ -12,8 +12,9 @@ Every split size is divisible by 4, so tp 2 and 4 are valid. ``SIZES`` adds two 
 the same family for measurements that need several checkpoint sizes (``load_memory.py --sizes``);
 they keep the 14 layers, head_dim 64 and vocabulary, so the traced graph has the same nodes and only
 the tensors grow: ``"300m"`` (hidden 1024, 16 heads over 8, MLP 4608: 307.8M parameters, 1231 MB in
-fp32, 2.00x) and ``"600m"`` (hidden 1536, 24 heads over 8, MLP 6656: 615.8M parameters, 2463 MB in
-fp32, 4.00x).
+fp32, 2.00x), ``"600m"`` (hidden 1536, 24 heads over 8, MLP 6656: 615.8M parameters, 2463 MB in
+fp32, 4.00x) and ``"2b"`` (hidden 3072, 48 heads over 8, MLP 11264: ~1.96B parameters, ~7.8 GB in
+fp32, ~12.7x; writing it takes ~8 GB of memory and disk).
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ SIZES: dict[str, dict[str, Any]] = {
              "intermediate_size": 4608},
     "600m": {**CONFIG, "hidden_size": 1536, "num_attention_heads": 24, "num_key_value_heads": 8,
              "intermediate_size": 6656},
+    "2b": {**CONFIG, "hidden_size": 3072, "num_attention_heads": 48, "num_key_value_heads": 8,
+           "intermediate_size": 11264},
     "small": {**CONFIG, "hidden_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
               "num_key_value_heads": 2, "intermediate_size": 512, "vocab_size": 4096},
 }

@@ -16,10 +16,13 @@ GEMM instead of k; the kernel may block the reduction differently, so results ar
 unfused ones up to fp32 rounding (the tests use ``atol=1e-5, rtol=1e-4``), bitwise on most
 inputs.
 
-Memory: the fused weight *owns* the storage. The concatenation is allocated once and each
-original local shard (the ``Parameter`` objects ``model.parameters()``, optimizers, checkpoints and
-other graphs hold) is re-pointed at its rows of it (``p.data = fused[a:b]``), so the old storages
-are freed and parameter bytes are unchanged. A later graph (a decode step, a recompile) that fuses
+Memory: a group lives in one storage. Normally materialize has already read the group's shards
+into consecutive rows of one buffer (it asks :func:`sibling_linears` before reading), so the pass
+finds them back to back and takes a view: no copy, no transient. Shards loaded apart (a training
+graph compiled first) are concatenated once and each original local shard (the ``Parameter``
+objects ``model.parameters()``, optimizers, checkpoints and other graphs hold) is re-pointed at its
+rows (``p.data = fused[a:b]``), so the old storages are freed and parameter bytes are unchanged.
+A later graph (a decode step, a recompile) that fuses
 the same siblings finds them already back to back in one storage and takes a view, no copy; a
 sibling set that is laid out differently (part of another fused group) is left unfused and noted.
 
@@ -37,6 +40,7 @@ from __future__ import annotations
 import operator
 import re
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -138,31 +142,50 @@ def _sanitize(name: str) -> str:
     return re.sub(r"[^0-9a-zA-Z_]", "_", name)
 
 
-def fuse_sibling_matmuls(gm: torch.fx.GraphModule) -> FuseReport:
-    """Fuse the sibling linears of ``gm`` (see the module docstring); returns what it did."""
-    report = FuseReport()
-    graph = gm.graph
-    groups: dict[tuple, list[tuple[torch.fx.Node, torch.fx.Node, Any]]] = defaultdict(list)
+Member = tuple[torch.fx.Node, torch.fx.Node, Any]  # (linear call, weight node, bias node or None)
+
+
+def sibling_linears(graph: torch.fx.Graph, tensor_of: Callable[[Any], torch.Tensor | None],
+                    ) -> list[tuple[torch.fx.Node, list[Member]]]:
+    """The groups of two or more linears the pass fuses, in graph order: same input node, 2-D
+    weights of the same in-features, dtype and device, all with or all without a bias of one dtype;
+    each weight once. ``tensor_of`` gives a weight or bias node's local tensor (None: not a
+    parameter). The fuse pass calls it on the rewritten graph (``get_attr`` shards); materialize
+    calls it before reading, with the shards' future shapes, to lay each group out in one buffer."""
+    groups: dict[tuple, list[Member]] = defaultdict(list)
     for n in graph.nodes:
         parts = _linear_parts(n)
         if parts is None:
             continue
         x, w_node, b_node = parts
-        w = _attr_tensor(gm, w_node)
-        b = _attr_tensor(gm, b_node) if b_node is not None else None
+        w = tensor_of(w_node)
+        b = tensor_of(b_node) if b_node is not None else None
         if not isinstance(x, torch.fx.Node) or w is None or w.dim() != 2 or (b_node is not None and b is None):
             continue
         key = (x, w.shape[1], w.dtype, w.device, b is not None, b.dtype if b is not None else None)
         groups[key].append((n, w_node, b_node))
-
+    out = []
     for (x, *_), members in groups.items():
-        seen: set[str] = set()
+        seen: set[Any] = set()
         members = [m for m in members if not (m[1].target in seen or seen.add(m[1].target))]
-        if len(members) < 2:
-            continue
+        if len(members) >= 2:
+            out.append((x, members))
+    return out
+
+
+def is_training(members: list[Member]) -> bool:
+    """The linears' outputs require grad (or are unknown): autograd must reach each Parameter."""
+    value = [m[0].meta.get("example_value") for m in members]
+    return any(not isinstance(v, torch.Tensor) or v.requires_grad for v in value)
+
+
+def fuse_sibling_matmuls(gm: torch.fx.GraphModule) -> FuseReport:
+    """Fuse the sibling linears of ``gm`` (see the module docstring); returns what it did."""
+    report = FuseReport()
+    graph = gm.graph
+    for x, members in sibling_linears(graph, lambda node: _attr_tensor(gm, node)):
         names = [str(m[1].target) for m in members]
-        value = [m[0].meta.get("example_value") for m in members]
-        if any(not isinstance(v, torch.Tensor) or v.requires_grad for v in value):
+        if is_training(members):
             report.skipped.append({"input": x.name, "weights": names,
                                    "reason": "training graph (outputs require grad): not fused"})
             continue

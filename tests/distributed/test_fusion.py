@@ -1,6 +1,6 @@
 """Sibling-matmul fusion on a tiny Llama / Qwen2 at tp=2 (gloo, CPU): per block, q/k/v become one
 matmul and gate/up another, in the prefill and decode graphs; logits and greedy tokens match the
-unfused model; parameter bytes (distinct storages) are unchanged.
+unfused model; parameter bytes (distinct storages) are unchanged; every group is read into place.
 
 Tolerance: fused vs unfused logits at atol=1e-5, rtol=1e-4 (one GEMM instead of three may block
 the fp32 reduction differently; the row-parallel all-reduces are the same). Tokens are identical.
@@ -64,6 +64,9 @@ def test_qkv_and_gate_up_fuse_per_block_with_unchanged_results_and_memory(tmp_pa
             report = json.loads((folder_g / "fusion.json").read_text())
             groups = sorted(tuple(w.rsplit("_", 3)[-3] for w in grp["weights"]) for grp in report["groups"])
             assert groups == sorted([("q", "k", "v"), ("gate", "up")] * layers), groups
+            # materialize read each group's shards into one buffer, so the pass takes views and a
+            # rank never holds a group twice (no concatenation), in the first graph too
+            assert {grp["storage"] for grp in report["groups"]} == {"view"}, report["groups"]
             code = (folder_g / "rewritten_graph.py").read_text()
             unfused = (tmp_path / "trace" / "False" / f"rank{rank}" / f"graph{g:03d}" / "rewritten_graph.py").read_text()
             # per block: 7 linears -> 4 (qkv, o, gate|up, down); plus the lm_head

@@ -17,8 +17,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from autotp.checkpoint_keys import Concatenated, Stored
 from autotp.errors import AutoTPError, CheckpointError, ShardingError
-from autotp.placement import P, R, Shard
+from autotp.placement import P, R, Shard, StridedShard
 from autotp.weights import (
     Checkpoint,
     ParameterMeta,
@@ -437,6 +438,36 @@ def test_load_local_and_shard_from_cut_the_same_chunks(llama_dir, name, placemen
         copy = meta.shard_from(full, 0, world_size)
         copy.zero_()
         assert torch.equal(full, ck.read(name))  # shard_from copies; the source is untouched
+
+
+@pytest.mark.parametrize("folder", ["llama_dir", "llama_bf16"])
+def test_a_shard_read_into_rows_of_a_buffer_equals_the_shard_read_alone(folder, request):
+    """What materialize does for a group the fuse pass will fuse: a shard read into its rows of an
+    fp32 buffer (the fp32 checkpoint straight from the file, the bf16 one converted per slice)
+    equals the shard read on its own, for a colwise, a rowwise and a fused q|k|v (strided) shard,
+    and each shard's bytes are read once. Exact (bf16 -> fp32 is exact)."""
+    folder = request.getfixturevalue(folder)
+    world_size, rank, before = 2, 1, 3
+    layer = "model.layers.0."
+    with Checkpoint(folder) as ck:
+        ck.add_conversions({"qkv": Concatenated(0, tuple(Stored(f"{layer}self_attn.{p}_proj.weight") for p in "qkv"))})
+        q, k = ck.shape(layer + "self_attn.q_proj.weight"), ck.shape(layer + "self_attn.k_proj.weight")
+        metas = [
+            ParameterMeta("q", q, torch.float32, layer + "self_attn.q_proj.weight", ck, placement=Shard(0)),
+            ParameterMeta("o", q, torch.float32, layer + "self_attn.o_proj.weight", ck, placement=Shard(1)),
+            ParameterMeta("qkv", (q[0] + 2 * k[0], q[1]), torch.float32, "qkv", ck,
+                          placement=StridedShard(0, (q[0], k[0], k[0]))),
+        ]
+        itemsize = ck.dtype(layer + "self_attn.q_proj.weight").itemsize
+        for meta in metas:
+            alone = meta.load_local(rank, world_size, dtype=torch.float32)
+            rows, width = meta.local_shape(world_size, rank)
+            buffer = torch.zeros(before + rows, width)  # (rows of an earlier sibling + this shard's, in-features)
+            ck.bytes_read = 0
+            got = meta.load_local(rank, world_size, out=buffer.narrow(0, before, rows))
+            assert got.data_ptr() == buffer[before].data_ptr(), meta.fqn
+            assert torch.equal(buffer[before:], alone) and not buffer[:before].any(), meta.fqn
+            assert ck.bytes_read == alone.numel() * itemsize, meta.fqn
 
 
 def test_shape_mismatch_names_both_shapes_and_the_config_field(llama_dir):
