@@ -25,8 +25,9 @@ imports in both modes), after loading, and after one forward of 8 tokens. Report
 The 0.55 criterion is read against ``ratio_above_baseline`` (a python + torch + transformers
 process is ~0.3-0.4 GB before it loads anything, the same for both libraries); both are printed.
 
-Several checkpoint sizes (``--sizes 150m,300m,600m``: the same Llama family at 615 MB, 1.23 GB and
-2.46 GB in fp32, 1x / 2x / 4x the bytes, all with 14 layers so the traced graph has the same nodes;
+Several checkpoint sizes (``--sizes 150m,300m,600m,2b``: the same Llama family at 615 MB, 1.23 GB,
+2.46 GB and 7.83 GB in fp32, 1x / 2x / 4x / 12.7x the bytes, all with 14 layers so the traced graph
+has the same nodes;
 ``_checkpoint.SIZES``). What a rank adds above the import baseline has two parts: a fixed cost that
 does not grow with the checkpoint (torch.compile's stack, transformers' modeling imports, Dynamo's
 trace of the model and the compile state built while tracing) and a part proportional to the
@@ -38,13 +39,13 @@ appended: a least-squares line through (checkpoint bytes, the worst rank's ``pea
 ``ratios_above_baseline``, and ``checkpoint_bytes_to_meet_0.55`` = fixed / (0.55 - slope), the size
 from which the ratio stays <= 0.55 (null when the slope is >= 0.55: no size does);
 ``above_compile_baseline`` repeats the fit above the RSS after the compile warm-up. Measured at tp=2
-(``benchmarks/results/load_memory_tp2_fp32_sizes.json``): autotp fixed 255 MB, slope 0.51
-(ratios 0.93 / 0.72 / 0.61), meets 0.55 from a ~6.5 GB checkpoint; transformers fixed 179 MB (~102
-MB of it the compile warm-up this script runs in both modes), slope 0.78 (ratios 1.06 / 0.94 /
-0.85), never.
+(``benchmarks/results/load_memory_tp2_fp32_sizes.json``): autotp fixed 263 MB, slope 0.500
+(ratios 0.93 / 0.72 / 0.61 / 0.53), meets 0.55 from a ~5.3 GB checkpoint; transformers fixed 91 MB,
+slope 0.81 (ratios 1.00 / 0.88 / 0.83 / 0.82), never. (Its fixed part varies by ~50 MB between
+runs; ~102 MB of each library's is the compile warm-up this script runs in both modes.)
 
     python benchmarks/load_memory.py [--cache DIR] [--tp 2] [--out FILE.jsonl] [--which autotp,transformers]
-                                     [--sizes 150m[,300m,600m]]
+                                     [--sizes 150m[,300m,600m,2b]]
 
 Output: one JSON line per (library, rank) and one summary line per library, to stdout and
 ``--out`` (appended; an ``--out`` ending in ``.json`` gets one JSON document with all the lines
