@@ -9,11 +9,15 @@ solve -> annotate -> materialize -> rewrite as on ``tp`` ranks, in one process. 
 runs on meta tensors; its collectives are counted exactly (count and payload bytes per rank) and
 return shape-correct stand-ins.
 
-Two calls, as in generation:
+Two calls, as in generation (three when ``(B, S)`` is not the warm-up shape):
 
-1. **prefill**: ``input_ids`` of shape ``(B, S)`` and no KV cache. This graph fixes every
-   parameter's placement (the plan). The default shape ``(1, 2N+1)`` is ``parallelize_model``'s
-   warm-up, so the plan is the one ``parallelize_model`` would pick.
+0. **warm-up** (only when ``(B, S)`` differs from ``(1, 2N+1)``): ``parallelize_model``'s warm-up
+   shape. Its free solve fixes every parameter's placement (the plan), as the warm-up does on
+   the ranks.
+1. **prefill**: ``input_ids`` of shape ``(B, S)`` (into an empty KV cache when a decode step
+   follows). At the default shape ``(1, 2N+1)`` this graph is the warm-up and fixes the plan;
+   otherwise it is solved with the parameters pinned, as a long prefill is on the ranks, so the
+   collectives it reports are the ones they issue.
 2. **decode** (``decode=True``): one new token per sequence with a KV cache of ``S`` positions,
    solved with every parameter pinned, as a real decode step is: the collectives per generated
    token and the KV-cache bytes each rank holds. If it cannot be compiled, the report says why and
@@ -21,7 +25,7 @@ Two calls, as in generation:
 
 What the report holds beyond the plan: per-graph timings (Dynamo trace, decompose, solve, the
 rest), where each collective sits (the module whose output it redistributes, read off the
-solution's edges), the solver record of the prefill graph (:class:`autotp.backend.SolveRecord`),
+solution's edges), the solver record of the graph that fixed the plan (:class:`autotp.backend.SolveRecord`),
 which :func:`explain` uses to say why a parameter got its placement by re-solving with that
 parameter pinned to each alternative, and :func:`to_tp_plan` for transformers' ``tp_plan``.
 """
@@ -304,7 +308,7 @@ def plan_model(model: Any, tp: int, *, dtype: str | torch.dtype | None = None, b
         raise AutoTPError(f"tp must be a positive integer, got {tp!r}")
     if batch < 1 or (seq_len is not None and seq_len < 1):
         raise AutoTPError(f"batch and seq_len must be positive, got batch={batch}, seq_len={seq_len}")
-    seq_len = seq_len or 2 * tp + 1
+    seq_len = seq_len or _warmup_shape(tp)[1]
     t_start, cpu_start = time.perf_counter(), time.process_time()
     config = load_config(model, revision=revision, cache_dir=cache_dir, local_files_only=local_files_only)
     check_divisible(config, tp)
@@ -339,8 +343,20 @@ def plan_model(model: Any, tp: int, *, dtype: str | torch.dtype | None = None, b
     kwargs = {"input_ids": ids, keyword: _empty_cache(config, next(module.parameters()).dtype),
               "use_cache": True} if keyword \
         else {"input_ids": ids, "use_cache": False}
+    warmup = None
+    if (batch, seq_len) != _warmup_shape(tp):
+        # parallelize_model fixes every parameter's placement in its warm-up call and solves later
+        # graphs (a long prefill) with them pinned; plan the same way, so the report is what the
+        # ranks issue. (A free solve at the requested shape is a larger search whose beam can end
+        # in a costlier plan: 3 all-gathers + 3 all-reduces + 2 reduce-scatters for a 16-token
+        # prefill of a 2-layer Llama, where the pinned solve finds Megatron's 5 + 1.)
+        warm = torch.zeros(_warmup_shape(tp), dtype=torch.long, device="meta")  # (1, 2*tp+1)
+        warm_kwargs = {**kwargs, "input_ids": warm}
+        if keyword:  # a fresh cache: the prefill fills the one it gets
+            warm_kwargs[keyword] = _empty_cache(config, next(module.parameters()).dtype)
+        warmup, _ = _run_graph("warm-up", forward, warm_kwargs, comm, seen)
     fwd, prefill = _run_graph("forward", forward, kwargs, comm, seen)
-    record = getattr(seen[0].gm, "autotp_solve", None) if seen else None
+    record = getattr(seen[0].gm, "autotp_solve", None) if seen else None  # the free solve
 
     dec, note, kv_rank, kv_total = None, None, None, None
     if decode:
@@ -367,14 +383,17 @@ def plan_model(model: Any, tp: int, *, dtype: str | torch.dtype | None = None, b
             styles.setdefault(name, e["style"])
     params, bytes_rank, bytes_total = _parameter_table(module, tp, styles)
     timings = {"build_s": build_s}
+    graphs = [g for g in (warmup, fwd, dec) if g is not None]
     for key in ("trace_s", "decompose_s", "solve_s", "annotate_s", "rewrite_s"):
-        timings[key] = sum(g.timings.get(key, 0.0) for g in (fwd, dec) if g is not None)
+        timings[key] = sum(g.timings.get(key, 0.0) for g in graphs)
+    if warmup is not None:
+        timings["warmup_s"] = warmup.timings["total_s"]
     timings["forward_s"] = fwd.timings["total_s"]
     if dec is not None:
         timings["decode_s"] = dec.timings["total_s"]
     timings["total_s"] = time.perf_counter() - t_start
     for key in ("trace_cpu_s", "decompose_cpu_s", "solve_cpu_s"):
-        timings[key] = sum(g.timings.get(key, 0.0) for g in (fwd, dec) if g is not None)
+        timings[key] = sum(g.timings.get(key, 0.0) for g in graphs)
     timings["total_cpu_s"] = time.process_time() - cpu_start
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     return PlanReport(
@@ -386,6 +405,12 @@ def plan_model(model: Any, tp: int, *, dtype: str | torch.dtype | None = None, b
         forward=fwd, decode=dec, decode_note=note, kv_cache_bytes_per_rank=kv_rank, kv_cache_bytes_total=kv_total,
         timings=timings, tp_plan=to_tp_plan(params, module), overrides=overrides, record=record,
     )
+
+
+def _warmup_shape(tp: int) -> tuple[int, int]:
+    """``(B, S)`` of ``parallelize_model``'s warm-up call (``api._warmup_inputs``), whose solve
+    fixes every parameter's placement."""
+    return 1, 2 * tp + 1
 
 
 def _check_override_names(module: torch.nn.Module, overrides: Mapping[str, str]) -> None:

@@ -83,8 +83,19 @@ def test_a_decode_step_gives_collectives_per_token_and_the_kv_cache_per_rank(rep
     assert report.kv_cache_bytes_per_rank == report.kv_cache_bytes_total // 2
 
 
+def test_a_long_prefill_is_planned_with_the_placements_the_warm_up_fixed() -> None:
+    """parallelize_model fixes every placement in its (1, 2*tp+1) warm-up and solves a longer
+    prefill with them pinned; the planner does the same, so a 16-token prefill reports Megatron's
+    collectives. (A free solve at 16 tokens ended in 3 all-gathers + 3 all-reduces + 2
+    reduce-scatters: the beam of the larger search lost the cheaper plan.)"""
+    r = plan_model(tiny_config("llama"), 2, seq_len=16)
+    assert r.forward.input_shape == (1, 16) and r.timings["warmup_s"] > 0.0
+    assert r.collectives == FORWARD and r.decode.collectives == DECODE
+    assert r.block_collectives() == {0: {"all_reduce": 2}, 1: {"all_reduce": 2}}
+
+
 def test_timings_cover_trace_decompose_and_solve(report: PlanReport) -> None:
-    for key in ("build_s", "trace_s", "decompose_s", "solve_s", "forward_s", "decode_s", "total_s"):
+    for key in ("build_s", "trace_s", "decompose_s", "solve_s", "warmup_s", "forward_s", "decode_s", "total_s"):
         assert report.timings[key] >= 0.0, key
     assert report.timings["solve_s"] > 0.0
 
