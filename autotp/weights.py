@@ -884,10 +884,11 @@ class ParameterMeta:
                                  f"{self.local_shape(world_size, rank)}")  # internal
             at = 0
             for start, stop in pieces:  # fused: q_r | k_r | v_r, each into its place
-                rows = stop - start if dim is not None else out.shape[0]
+                target = out if dim is None else out.narrow(dim, at, stop - start)
                 self.checkpoint.read_slice(self.checkpoint_key, dim, start, stop, dtype=out.dtype,
-                                           out=out if dim is None else out.narrow(dim, at, rows))
-                at += rows
+                                           out=target)
+                if dim is not None:
+                    at += stop - start
             return out
         parts = [self.checkpoint.read_slice(self.checkpoint_key, dim, start, stop, dtype=dtype or self.dtype)
                  for start, stop in pieces]

@@ -468,6 +468,11 @@ def test_a_shard_read_into_rows_of_a_buffer_equals_the_shard_read_alone(folder, 
             assert got.data_ptr() == buffer[before].data_ptr(), meta.fqn
             assert torch.equal(buffer[before:], alone) and not buffer[:before].any(), meta.fqn
             assert ck.bytes_read == alone.numel() * itemsize, meta.fqn
+        norm = layer + "input_layernorm.weight"  # replicated: the whole tensor lands in out
+        meta = ParameterMeta("norm", ck.shape(norm), torch.float32, norm, ck, placement=R)
+        out = torch.zeros(ck.shape(norm))
+        assert meta.load_local(rank, world_size, out=out) is out
+        assert torch.equal(out, meta.load_local(rank, world_size, dtype=torch.float32))
 
 
 def test_shape_mismatch_names_both_shapes_and_the_config_field(llama_dir):
