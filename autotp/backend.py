@@ -330,7 +330,7 @@ def _apply_overrides(free: dict[torch.fx.Node, ParamChoice], aten_params: dict[t
                     "Use one of those styles, 'replicate', or 'shard(d)' for a dim that divides by the tp size."
                 )
             options = allowed
-        free[node] = ParamChoice(options)
+        free[node] = free[node].narrowed(options)
     unmatched = [pat for pat, hits in used.items() if not hits]
     if check_unmatched and unmatched:
         known = [names[0] for names, _, _ in aten_params.values()]
@@ -371,10 +371,10 @@ def _solve(gm: torch.fx.GraphModule, example_inputs: list[Any], param_inputs: di
             fixed[aten_of[ph]] = meta.placement
         else:
             nbytes = value.numel() * value.element_size()
-            options = [(R, ctx.config.memory_weight * nbytes * (world - 1) / world)]
+            options = [(R, nbytes * (world - 1) / world)]
             options += [(s, 0.0) for s in shard_candidates(tuple(value.shape), world)]
             options += [(s, 0.0) for s in strided_candidates(tuple(value.shape), fused)]  # fused q|k|v
-            free[aten_of[ph]] = ParamChoice(options)
+            free[aten_of[ph]] = ParamChoice(options, tuple(value.shape))
     for ph, value in user_inputs:  # inputs are replicated, except KV-cache entries a graph left sharded
         shard = shard_of(value)
         fixed[aten_of[ph]] = shard[1] if shard else R

@@ -55,7 +55,7 @@ from autotp.context import TPContext, attach_meta, meta_of, output_path_of
 from autotp.errors import AutoTPError, SolverError
 from autotp.kv_cache import cache_keyword, returned_cache
 from autotp.passes.decompose import EDGE, MARK
-from autotp.passes.solve import ParamChoice, solve
+from autotp.passes.solve import solve
 from autotp.placement import Placement, R, Shard, local_shape
 from autotp.plan import style_of
 
@@ -732,7 +732,7 @@ def _alternatives(rec: SolveRecord, param: torch.fx.Node, entry: Mapping[str, An
             sol = rec.solution
         else:
             free = dict(rec.free)
-            free[param] = ParamChoice([(p, mem)])
+            free[param] = rec.free[param].narrowed([(p, mem)])
             try:
                 sol = solve(rec.shadow, rec.opts, rec.fixed, free, rec.param_nodes)
             except SolverError as e:

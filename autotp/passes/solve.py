@@ -13,13 +13,31 @@ parameter keeps its storage placement), nor is a value its consumer writes in pl
 ``SolverOptions.sharded_outputs``, where an output may also stay ``Shard`` at no cost (the caller
 keeps KV caches sharded and gathers what the user reads, paying the same gather there). A value that several edges
 redistribute the same way pays for the collective once (the rewrite shares it).
-Objective: ``sum(comm_bytes(edge) / tokens + latency) + memory_weight * sum(replicated parameter
-bytes * (N-1)/N)``, with ring-model bytes from ``collectives.cost_bytes`` and ``latency`` =
-``SolverOptions.latency_bytes`` (default ``LATENCY_BYTES``) per collective. Communication is
-normalised per token (``tokens`` = elements of the first integer input, or leading elements of the
-first input) and the latency is not divided by the tokens, so every term is independent of batch
-and sequence length and the plan does not flip with them; a replicated parameter costs the memory
-it fails to save.
+Objective: lexicographic, in three tiers, because the units differ. Memory is paid once and is what
+tensor parallelism is for; communication is paid on every token. So (1) shard every *large* parameter
+(leave none replicated that a feasible plan can shard), then (2) communicate the least per token,
+then (3) replicate the fewest *small* parameter bytes. A parameter is small when it holds at most
+``SolverOptions.small_rows`` (1/16) of the rows of the graph's widest parameter, counting rows along
+each parameter's longest dim (:func:`rows`: a norm weight or bias is 1 row, an MoE router one per
+expert, a hidden x hidden matrix ``hidden``): its bytes are worth a few tokens' activations, and a
+collective on every token never pays for them. Everything else is large. The tiers depend neither
+on depth, vocabulary nor world size (a share-of-bytes budget did: a 250880-entry embedding made a
+2-layer BLOOM's attention output projection "small" and replicated). The tiers are one scalar:
+``W * large replicated bytes + C + eps * small replicated bytes``, where ``C`` is the communication
+(below), ``W = (upper bound of C over all plans + 1) / the smallest large parameter's replicated
+bytes`` and ``eps = 1 / (all small replicated bytes + 1)``. So replicating any large parameter costs
+more than any difference in ``C`` between two plans, and all small-parameter memory together weighs
+less than one communicated byte per token: the plan never trades per-token communication for a few
+KB of memory (it did: Gemma-2's widths got every norm weight sharded on the hidden dim and an
+all-gather before each consumer of the residual stream). Replicated bytes are a parameter's bytes
+x (N-1)/N; ``memory_weight`` scales tiers 1 and 3 (0: memory is free, everything replicates).
+
+``C = sum(comm_bytes(edge) / tokens + latency)`` over the collectives, with ring-model bytes from
+``collectives.cost_bytes`` and ``latency`` = ``SolverOptions.latency_bytes`` (default
+``LATENCY_BYTES``) per collective. Communication is normalised per token (``tokens`` = elements of
+the first integer input, or leading elements of the first input) and the latency is not divided by
+the tokens, so every term is independent of batch and sequence length and the plan does not flip
+with them.
 
 Sequence parallelism (``activation_weight > 0``; ``sequence_parallel=True`` at the entry points,
 which first solve as above, then re-solve with every parameter pinned where that plan stored it)
@@ -48,6 +66,14 @@ plus a lower bound of the reductions their live ``Partial`` values still owe, an
 every placement any live value takes, the best-ranked state with that placement (a *cover*: a
 choice with few follow-up variants, such as an all-reduce, is not crowded out by one with many,
 such as a reduce-scatter whose all-gather is still unpaid). Pruning is reported in the trace.
+
+Certificate: every state the beam drops has paid a cost that only grows on the way to a complete
+plan (all costs are >= 0), so ``lower_bound = min(best plan found, cheapest dropped state)`` bounds
+the optimum from below; ``Solution.gap = cost - lower_bound`` (0: the plan is optimal for the
+objective above, proved). With ``SolverOptions.exact`` the beam is widened (x8, up to
+``MAX_WIDENING``) until the gap is 0. Without a dropped state the search was exhaustive and the gap
+is 0 by construction. The bound is weak where many cheap partial plans are dropped early; it is
+never wrong.
 
 Repeated blocks: :func:`find_segments` cuts the schedule into blocks that repeat, found from the
 sequence of ops and shapes (never from module names). A block whose structure and incoming states
@@ -82,6 +108,8 @@ from autotp.passes.hosts import hosted_tags, needs_host
 from autotp.placement import Partial, Placement, R, Replicate, Shard, StridedShard, shard_candidates
 
 LATENCY_BYTES = 4096.0  # one collective's fixed cost, in byte-equivalents
+SMALL_ROWS = 1 / 16  # a parameter with at most this share of the widest one's rows is "small"
+MAX_WIDENING = 64  # the widest beam tried, as a multiple of SolverOptions.beam_width
 NARROW_EPSILON = 1e-6  # a collective-free R->S edge is preferred only when it is needed
 
 
@@ -101,13 +129,80 @@ class SolverOptions:
     #: may a dim whose size is symbolic (``TensorSpec.symbolic``) be sharded? Only where the caller
     #: guarantees every size the graph meets divides by the world size (sequence parallelism)
     shard_symbolic_dims: bool = False
+    #: a parameter with at most this share of the widest parameter's rows is "small" (tier 3 of the
+    #: objective, :func:`memory_tiers`); everything else is "large" (tier 1)
+    small_rows: float = SMALL_ROWS
+    #: widen the beam until the certificate proves the plan optimal (gap 0), up to MAX_WIDENING x
+    exact: bool = False
 
 
 @dataclass
 class ParamChoice:
-    """Storage placements a parameter may take, with the memory cost of each."""
+    """Storage placements a parameter may take, each with the bytes per rank it fails to save
+    (``nbytes * (N-1)/N`` for ``R``, 0 for a shard); :func:`solve` prices them by tier."""
 
     options: list[tuple[Placement, float]]
+    #: the parameter's global shape (its tier, :func:`memory_tiers`)
+    shape: tuple[int, ...] = ()
+    #: the bytes it fails to save if replicated (what prices the tiers, whatever options an override
+    #: leaves); 0: the largest option's
+    replicated: float = 0.0
+
+    def narrowed(self, options: list[tuple[Placement, float]]) -> ParamChoice:
+        """The same parameter with fewer options (an override); it keeps its tier and prices."""
+        return ParamChoice(options, self.shape, self.replicated or max((m for _, m in self.options), default=0.0))
+
+
+def rows(shape: tuple[int, ...]) -> int:
+    """How many vectors of its longest dim a parameter holds: 1 for a norm weight or a bias, one per
+    expert for an MoE router, ``hidden`` for a hidden x hidden matrix. Its bytes are worth that
+    many tokens' activations of that width, which is the unit communication is paid in."""
+    longest = max(shape, default=1)
+    numel = 1
+    for size in shape:
+        numel *= size
+    return numel // max(longest, 1)
+
+
+def memory_tiers(shapes: dict[Any, tuple[int, ...]], small_rows: float) -> set[Any]:
+    """The *small* parameters of tier 3 of the objective: those with at most ``small_rows`` x the
+    :func:`rows` of the graph's widest parameter (vectors, routers); the rest are *large* (tier 1).
+    Depends neither on depth nor on the vocabulary nor on the world size."""
+    widest = max((rows(s) for s in shapes.values()), default=0)
+    return {key for key, shape in shapes.items() if rows(shape) <= small_rows * widest}
+
+
+def _comm_upper_bound(steps: list[_Step], opts: SolverOptions) -> float:
+    """More than any plan's communication term: every edge an all-reduce of its tensor, and every
+    op's own collectives (a sharded softmax's statistics, a vocab-parallel loss) at most two
+    all-reduces of the largest tensor it reads or writes."""
+    def nbytes(spec: Any) -> float:
+        if isinstance(spec, tuple):
+            return sum(nbytes(s) for s in spec)
+        return float(spec.nbytes) if isinstance(spec, TensorSpec) else 0.0
+
+    by_index = {s.index: s for s in steps}
+    total = 0.0
+    for s in steps:
+        if s.kind == "edge":
+            total += collective_cost(2.0 * nbytes(s.spec), opts)
+        elif s.kind == "op":
+            biggest = max([nbytes(s.spec)] + [nbytes(by_index[j].spec) for j in s.inputs if j in by_index])
+            total += 2 * collective_cost(2.0 * biggest, opts)
+    return total
+
+
+def _price_memory(free: dict[int, ParamChoice], steps: list[_Step], opts: SolverOptions) -> dict[int, ParamChoice]:
+    """Turn each option's unsaved bytes into the objective's tiers (see the module docstring)."""
+    replicated = {j: c.replicated or max((m for _, m in c.options), default=0.0) for j, c in free.items()}
+    if not opts.memory_weight or not any(replicated.values()):
+        return {j: ParamChoice([(p, 0.0) for p, _ in c.options], c.shape, replicated[j]) for j, c in free.items()}
+    small = memory_tiers({j: c.shape for j, c in free.items()}, opts.small_rows)
+    large = [m for j, m in replicated.items() if j not in small and m > 0]
+    weight = (_comm_upper_bound(steps, opts) + 1.0) / min(large) if large else 0.0
+    epsilon = 1.0 / (sum(m for j, m in replicated.items() if j in small) + 1.0)
+    return {j: ParamChoice([(p, opts.memory_weight * m * (epsilon if j in small else weight)) for p, m in c.options],
+                           c.shape, replicated[j]) for j, c in free.items()}
 
 
 @dataclass
@@ -128,6 +223,10 @@ class SolveTrace:
     backtracks: list[dict] = field(default_factory=list)
     backtrack_count: int = 0
     pruned_states: int = 0
+    #: the cheapest cost of any dropped state (the certificate's lower bound, with the best plan)
+    pruned_min: float = float("inf")
+    #: states dropped because another state dominates them (no plan lost)
+    dominated_states: int = 0
     max_states: int = 0
     reused_nodes: int = 0
     widened_to: int | None = None
@@ -144,6 +243,15 @@ class Solution:
     comm_cost: float
     memory_cost: float
     trace: SolveTrace
+    #: the certificate: no plan costs less (see the module docstring)
+    lower_bound: float = 0.0
+    #: parameter bytes per rank the plan leaves replicated (beyond 1/N of each)
+    replicated_bytes: float = 0.0
+
+    @property
+    def gap(self) -> float:
+        """How much cheaper than this plan the optimum could be (0: proved optimal)."""
+        return max(self.cost - self.lower_bound, 0.0)
 
 
 class _Hist:
@@ -294,7 +402,7 @@ def solve(shadow: ShadowGraph, opts: SolverOptions, fixed: dict[torch.fx.Node, P
             last_use[j] = max(last_use.get(j, -1), k)
 
     fixed_idx = {index[n]: p for n, p in fixed.items()}
-    free_idx = {index[n]: c for n, c in free_params.items()}
+    free_idx = _price_memory({index[n]: c for n, c in free_params.items()}, steps, opts)
     param_idx = {index[n] for n in param_nodes} | set(free_idx)
     pinned_edges = {index[n] for n in shadow.inplace_edges}
     for n in nodes:
@@ -302,18 +410,24 @@ def solve(shadow: ShadowGraph, opts: SolverOptions, fixed: dict[torch.fx.Node, P
             fixed_idx[index[n]] = R
 
     width = opts.beam_width
-    while True:  # a beam can lose every feasible plan; widen it before giving up
+    while True:  # a beam can lose every feasible plan (or, with ``exact``, leave a gap): widen it
+        trace.pruned_states, trace.pruned_min = 0, float("inf")
         search = _Search(steps, position, last_use, fixed_idx, free_idx, param_idx,
                          dataclasses.replace(opts, beam_width=width), trace, pinned_edges)
         try:
             states = search.run()
-            break
         except SolverError:
-            if trace.pruned_states == 0 or width >= opts.beam_width * 64:
+            if trace.pruned_states == 0 or width >= opts.beam_width * MAX_WIDENING:
                 raise
             width *= 8
             trace.widened_to = width
-            trace.pruned_states = 0
+            continue
+        best = min(v[0] for v in states.values())
+        if opts.exact and trace.pruned_min < best and width < opts.beam_width * MAX_WIDENING:
+            width *= 8
+            trace.widened_to = width
+            continue
+        break
 
     best_cost, best_comm, best_mem, hist = min(states.values(), key=lambda v: v[0])
     placements: dict[torch.fx.Node, Any] = {}
@@ -333,7 +447,10 @@ def solve(shadow: ShadowGraph, opts: SolverOptions, fixed: dict[torch.fx.Node, P
         placements[n] = p
     _record_decisions(steps, placements, local, trace, fixed_idx)
     trace.seconds = time.perf_counter() - t0
-    return Solution(placements, local, params, best_cost, best_comm, best_mem, trace)
+    replicated = sum(dict(free_params[nodes[j]].options).get(R, 0.0) for j in free_idx
+                     if params.get(nodes[j]) == R)
+    return Solution(placements, local, params, best_cost, best_comm, best_mem, trace,
+                    lower_bound=min(best_cost, trace.pruned_min), replicated_bytes=replicated)
 
 
 @dataclass(frozen=True)
@@ -378,6 +495,13 @@ class _Search:
         self.rule_cache: dict[tuple[int, tuple], list[Candidate]] = {}
         #: op nodes computed from a parameter (what sequence parallelism prices when replicated)
         self.activations = _downstream(steps, params) if opts.activation_weight else set()
+        #: Dynamo-node outputs (marks) read only through edges that may redistribute them: a state
+        #: may differ from another in their placement and still be matched later (``dominates``)
+        step_of = {s.node: s.index for s in steps}
+        self.movable = {s.index for s in steps if s.kind == "mark"
+                        and all(u.target is EDGE and step_of.get(u) is not None and step_of[u] not in pinned_edges
+                                for u in s.node.users)}
+        self.conversions: dict[tuple, float] = {}
 
     def run(self) -> dict[State, tuple[float, float, float, _Hist | None]]:
         states: dict[State, tuple[float, float, float, _Hist | None]] = {((), frozenset()): (0.0, 0.0, 0.0, None)}
@@ -407,12 +531,17 @@ class _Search:
         memo_key = (sig, tuple((c, round(v[0] - base, 6)) for c, _, v in canon))
         if memo_key in memo:
             self.trace.reused_nodes += k1 - k0
-            return self.replay(memo[memo_key], canon, externals, k0)
+            rows, dropped = memo[memo_key]
+            self.trace.pruned_min = min(self.trace.pruned_min, base + dropped)
+            return self.replay(rows, canon, externals, k0)
         incoming = {id(v[3]): n for n, (_, _, v) in enumerate(canon)}
+        before, self.trace.pruned_min = self.trace.pruned_min, float("inf")
         out = states
         for k in range(k0, k1):
             out = self.advance(self.steps[k], out)
-        memo[memo_key] = self.record(out, canon, incoming, ext_id, k0, k1)
+        # the states this segment dropped, relative to its incoming states (replays drop the same)
+        memo[memo_key] = (self.record(out, canon, incoming, ext_id, k0, k1), self.trace.pruned_min - base)
+        self.trace.pruned_min = min(before, self.trace.pruned_min)
         return out
 
     def where(self, j: int, ext_id: dict[int, int], k0: int, k1: int) -> tuple:
@@ -549,12 +678,22 @@ class _Search:
         return new_states
 
     def prune(self, states: dict) -> dict:
-        """Keep the ``beam_width`` best-ranked states, plus, for every placement some live value
-        takes in any state, the best-ranked state that has it. Without that cover a placement
-        with few variants is crowded out by one with many (a reduce-scatter whose all-gather is
-        still to come spawns more partial plans than the all-reduce it competes with, and looks
-        cheaper until the all-gather is paid), and the beam loses the cheaper plan for good."""
-        ranked = sorted(states.items(), key=lambda kv: kv[1][0] + self.deferred(kv[0][0]))
+        """Bound the frontier. First drop every state another state *dominates* (exact: no plan is
+        lost, see :meth:`dominates`); then, if more than ``beam_width`` remain, keep the
+        ``beam_width`` best-ranked states, plus, for every placement some live value takes in any
+        state, the best-ranked state that has it. Without that cover a placement with few variants
+        is crowded out by one with many (a reduce-scatter whose all-gather is still to come spawns
+        more partial plans than the all-reduce it competes with, and looks cheaper until the
+        all-gather is paid), and the beam loses the cheaper plan for good. The cheapest state the
+        beam drops bounds the optimum from below (the certificate)."""
+        survivors: list[tuple[State, tuple]] = []
+        for key, value in sorted(states.items(), key=lambda kv: kv[1][0]):
+            if not any(self.dominates(k, v[0], key, value[0]) for k, v in survivors):
+                survivors.append((key, value))
+        self.trace.dominated_states += len(states) - len(survivors)
+        if len(survivors) <= self.opts.beam_width:
+            return dict(survivors)
+        ranked = sorted(survivors, key=lambda kv: kv[1][0] + self.deferred(kv[0][0]))
         kept = dict(ranked[: self.opts.beam_width])
         covered = {item for key in kept for item in key[0]}
         for key, value in ranked[self.opts.beam_width:]:
@@ -563,7 +702,68 @@ class _Search:
                 kept[key] = value
                 covered.update(new)
         self.trace.pruned_states += len(ranked) - len(kept)
+        dropped = min((v[0] for k, v in ranked[self.opts.beam_width:] if k not in kept), default=float("inf"))
+        self.trace.pruned_min = min(self.trace.pruned_min, dropped)
         return kept
+
+    def dominates(self, a: State, cost_a: float, b: State, cost_b: float) -> bool:
+        """True if every completion of state ``b`` has a completion of ``a`` that costs no more.
+
+        Both states cover the same step, so the same values are live. Where they place a value
+        differently, that value must be *movable* (a Dynamo-node output read only through edges
+        that may redistribute it, or a pending edge): ``a``'s plan can then follow ``b``'s by
+        redistributing the value at its edges to whatever ``b``'s plan uses there, which costs
+        at most :meth:`conversion` more. ``a`` dominates if its cost plus those conversions does
+        not exceed ``b``'s. Values ``b`` already holds in extra placements (``ready``) must be
+        ready in ``a`` too."""
+        if cost_a > cost_b:
+            return False
+        (live_a, ready_a), (live_b, ready_b) = a, b
+        if not ready_b <= ready_a or len(live_a) != len(live_b):
+            return False
+        slack = cost_b - cost_a
+        for (j, pa), (jb, pb) in zip(live_a, live_b, strict=True):
+            if j != jb:
+                return False
+            if pa == pb:
+                continue
+            if not isinstance(pb, Pending) and j not in self.movable:
+                return False
+            slack -= self.conversion(j, pa, pb)
+            if slack < 0:
+                return False
+        return True
+
+    def conversion(self, j: int, pa: Any, pb: Any) -> float:
+        """An upper bound of what a plan pays more for value ``j`` starting from placement ``pa``
+        than from ``pb`` whatever the later edges ask for: the sum, over every placement ``q``
+        ``pb`` can reach, of ``max(0, cost(pa -> q) - cost(pb -> q))`` (each redistribution of a
+        value to one placement is paid once and shared). ``inf`` where ``pa`` cannot reach a
+        placement ``pb`` reaches (a fused layout, ``R -> P``)."""
+        key = (j, pa, pb)
+        cached = self.conversions.get(key)
+        if cached is not None:
+            return cached
+        spec = self.spec_of.get(j)
+        src_a, free_a = (pa.src, pa.ready | {pa.src}) if isinstance(pa, Pending) else (pa, frozenset([pa]))
+        src_b, free_b = (pb.src, pb.ready | {pb.src}) if isinstance(pb, Pending) else (pb, frozenset([pb]))
+        if not isinstance(spec, TensorSpec) or not isinstance(src_a, Placement) or not isinstance(src_b, Placement):
+            total = float("inf")
+        else:
+            reach_a = set(edge_targets(src_a, spec, self.opts.world_size))
+
+            def cost_a(q: Placement) -> float:
+                if q in free_a:
+                    return 0.0
+                return edge_cost(src_a, q, spec, self.opts) if q in reach_a else float("inf")
+
+            def cost_b(q: Placement) -> float:
+                return 0.0 if q in free_b else edge_cost(src_b, q, spec, self.opts)
+
+            targets = set(edge_targets(src_b, spec, self.opts.world_size)) | free_b
+            total = sum(max(0.0, cost_a(q) - cost_b(q)) for q in targets)
+        self.conversions[key] = total
+        return total
 
     def deferred(self, key: tuple) -> float:
         """Ranking heuristic for the beam (never part of the cost): a live Partial value must be

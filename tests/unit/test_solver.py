@@ -53,7 +53,8 @@ def _plan(model: torch.nn.Module, world: int, recursion_limit: int | None = None
         elif isinstance(value, torch.nn.Parameter):
             nbytes = value.numel() * value.element_size()
             free[aten] = ParamChoice([(R, nbytes * (world - 1) / world)]
-                                     + [(s, 0.0) for s in shard_candidates(tuple(value.shape), world)])
+                                     + [(s, 0.0) for s in shard_candidates(tuple(value.shape), world)],
+                                     tuple(value.shape))
         else:
             fixed[aten] = R
     tokens = inputs["input_ids"].numel()
