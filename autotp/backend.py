@@ -166,6 +166,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: list[Any], ctx: TPCo
     if folder and solution is not None:
         trace_summary = (solution.trace, {
             "cost": solution.cost, "comm_cost": solution.comm_cost, "memory_cost": solution.memory_cost,
+            "lower_bound": solution.lower_bound, "gap": solution.gap, "replicated_bytes": solution.replicated_bytes,
             "tokens": opts.tokens, "aten_nodes": len(shadow.aten.graph.nodes),
             "dynamo_nodes": len(shadow.dynamo_nodes)})
     if not ctx.keep_solve_records and solution is not None:

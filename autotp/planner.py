@@ -82,6 +82,13 @@ class GraphReport:
     timings: dict[str, float]
     cost: float | None = None
     extra_cost_of_overrides: float | None = None
+    #: the solver's certificate, summed over the graph's solves: no plan costs less than
+    #: ``lower_bound``; ``gap = cost - lower_bound`` (0: proved optimal)
+    lower_bound: float | None = None
+
+    @property
+    def gap(self) -> float | None:
+        return None if self.cost is None or self.lower_bound is None else max(self.cost - self.lower_bound, 0.0)
 
 
 @dataclass
@@ -130,6 +137,7 @@ class PlanReport:
             "batch": self.batch, "seq_len": self.seq_len, "num_layers": self.num_layers,
             "parameters": self.parameters,
             "collectives": self.forward.collectives,
+            "solver": {"cost": self.forward.cost, "lower_bound": self.forward.lower_bound, "gap": self.forward.gap},
             "collective_bytes_per_rank": self.forward.collective_bytes,
             "collectives_per_token": self.decode.collectives if self.decode else None,
             "collective_bytes_per_token_per_rank": self.decode.collective_bytes if self.decode else None,
@@ -462,7 +470,7 @@ def _run_graph(name: str, forward: Any, kwargs: dict[str, Any], comm: Comm, seen
     timings = {"trace_s": wall - backend_s, "total_s": wall,
                "trace_cpu_s": cpu - sum(c.backend_cpu_s for c in new), "total_cpu_s": cpu}
     sites: list[dict[str, Any]] = []
-    cost, extra = 0.0, None
+    cost, bound, extra = 0.0, 0.0, None
     for c in new:
         rec: SolveRecord | None = getattr(c.gm, "autotp_solve", None)
         if rec is None:  # tp == 1: nothing solved
@@ -471,14 +479,16 @@ def _run_graph(name: str, forward: Any, kwargs: dict[str, Any], comm: Comm, seen
             timings[key] = timings.get(key, 0.0) + rec.timings.get(key, 0.0)
         sites += _sites(rec) + _boundary_sites(c.gm, rec, out)
         cost += rec.solution.cost
+        bound += rec.solution.lower_bound
         if rec.free_cost is not None:
             extra = (extra or 0.0) + rec.solution.cost - rec.free_cost
     timings["rewrite_s"] = backend_s - sum(timings.get(k, 0.0) for k in ("decompose_s", "solve_s", "annotate_s"))
     shape = tuple(kwargs["input_ids"].shape)
+    solved = any(hasattr(c.gm, "autotp_solve") for c in new)
     return GraphReport(name=name, input_shape=shape, collectives=dict(sorted(comm.counts.items())),
                        collective_bytes=dict(sorted(comm.bytes.items())), sites=sites, timings=timings,
-                       cost=cost if any(hasattr(c.gm, "autotp_solve") for c in new) else None,
-                       extra_cost_of_overrides=extra), out
+                       cost=cost if solved else None, extra_cost_of_overrides=extra,
+                       lower_bound=bound if solved else None), out
 
 
 def _boundary_sites(gm: torch.fx.GraphModule, record: SolveRecord, result: Any) -> list[dict[str, Any]]:

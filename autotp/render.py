@@ -209,6 +209,11 @@ def render_text(report: PlanReport) -> str:
         per = next(iter(kinds)) if len(kinds) == 1 else "varies"
         lines.append(f"  per decoder block: {per}; outside blocks: "
                      + (", ".join(f"{s['kind']} after {s['after']}" for s in f.sites if s["layer"] is None) or "none"))
+    if f.cost is not None:
+        lines.append(f"  solver: cost {f.cost:.1f} byte-equivalents per token; "
+                     + ("proved optimal (gap 0)" if not f.gap else
+                        f"the optimum is at least {f.lower_bound:.1f} (gap {f.gap:.1f}: the beam dropped cheaper "
+                        "partial plans: a wider beam, plan_model(beam_width=...), may close it)"))
     if d is not None:
         lines.append(f"collectives per generated token (input {tuple(d.input_shape)}, KV cache of {report.seq_len} "
                      f"positions, bytes per rank): {_counts_bytes(d.collectives, d.collective_bytes)}")

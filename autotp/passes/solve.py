@@ -154,14 +154,12 @@ class ParamChoice:
 
 
 def rows(shape: tuple[int, ...]) -> int:
-    """How many vectors of its longest dim a parameter holds: 1 for a norm weight or a bias, one per
-    expert for an MoE router, ``hidden`` for a hidden x hidden matrix. Its bytes are worth that
-    many tokens' activations of that width, which is the unit communication is paid in."""
-    longest = max(shape, default=1)
-    numel = 1
-    for size in shape:
-        numel *= size
-    return numel // max(longest, 1)
+    """How many vectors of its longest dim one matrix of a parameter holds: its second-largest
+    dim (1 for a norm weight or a bias, one per expert for an MoE router, ``hidden`` for a hidden x
+    hidden matrix and for each expert of a stacked ``(E, I, H)`` weight). Its bytes are worth that
+    many tokens' activations of that width, the unit communication is paid in."""
+    sizes = sorted(shape, reverse=True)
+    return sizes[1] if len(sizes) > 1 else 1
 
 
 def memory_tiers(shapes: dict[Any, tuple[int, ...]], small_rows: float) -> set[Any]:

@@ -159,3 +159,78 @@ def test_a_dynamic_graph_splits_its_symbolic_length_only_when_every_length_is_kn
              if isinstance(p, Shard) and isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].shape[p.dim] == 16]
     assert bool(split) is splits_sequence, split[:5]
     assert "reduce_scatter" in collectives  # sequence parallelism still scatters (on the hidden dim if it must)
+
+
+class _Block(torch.nn.Module):
+    """A pre-norm residual MLP block: the smallest graph with Megatron's choices in it (column- then
+    row-parallel, a norm weight that may be sharded or not, a residual that is reduced or gathered)."""
+
+    def __init__(self, hidden: int = 64, inner: int = 256) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(hidden)
+        self.up = torch.nn.Linear(hidden, inner)
+        self.down = torch.nn.Linear(inner, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
+
+
+class _TwoBlocks(torch.nn.Module):
+    def __init__(self, hidden: int = 64) -> None:
+        super().__init__()
+        self.first, self.second = _Block(hidden), _Block(hidden)
+        self.head = torch.nn.Linear(hidden, 128, bias=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = torch.nn.functional.one_hot(input_ids, 64).float()  # (B, S, hidden)
+        return self.head(self.second(self.first(x)))
+
+
+EXHAUSTIVE = 10**6  # a beam no small graph fills: nothing is ever dropped
+
+
+def _fqns(params: dict[str, Any]) -> dict[str, Any]:
+    """Dynamo's placeholder names (``l_self_modules_first_modules_up_parameters_weight_``) as FQNs."""
+    return {k.removeprefix("l_self_modules_").replace("_modules_", ".").replace("_parameters_", ".").rstrip("_"): v
+            for k, v in params.items()}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_on_small_graphs_the_beam_finds_the_optimum_that_exhaustive_search_finds(world: int) -> None:
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    exhaustive, _, best_params = _plan(_TwoBlocks(), world, beam_width=EXHAUSTIVE, input_ids=ids)
+    best_params = _fqns(best_params)
+    assert exhaustive.trace.pruned_states == 0 and exhaustive.gap == 0  # searched everything: proved optimal
+    for beam in (1, 4, 32):
+        solution, _, _ = _plan(_TwoBlocks(), world, beam_width=beam, input_ids=ids)
+        # the certificate never lies: the optimum lies between the bound and the plan found
+        assert solution.lower_bound <= exhaustive.cost + 1e-6 <= solution.cost + 2e-6
+        if beam == 32:
+            assert solution.cost == pytest.approx(exhaustive.cost, abs=1e-6)
+    # and the optimum is Megatron's: column- then row-parallel, the norm weights replicated
+    assert best_params["first.up.weight"] == Shard(0) and best_params["first.down.weight"] == Shard(1)
+    assert best_params["first.norm.weight"] == R
+
+
+def test_a_small_parameter_never_buys_its_memory_with_communication() -> None:
+    """Sharding the norm weights saves their bytes once and costs a collective on every token:
+    the tiers rank every plan that replicates them and communicates less above any plan that
+    shards them and communicates more."""
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    solution, collectives, params = _plan(_TwoBlocks(), 2, input_ids=ids)
+    params = _fqns(params)
+    assert {k: v for k, v in params.items() if "norm" in k} == {
+        "first.norm.weight": R, "first.norm.bias": R, "second.norm.weight": R, "second.norm.bias": R}
+    assert collectives == Counter({"all_reduce": 2, "all_gather": 1})
+    assert solution.replicated_bytes == pytest.approx(sum(4 * 64 / 2 for k in params if "norm" in k)
+                                                      + 2 * 4 * 64 / 2)  # + the row-parallel biases
+
+
+def test_memory_tiers_count_rows_of_the_longest_dim_not_shares_of_the_bytes() -> None:
+    from autotp.passes.solve import memory_tiers, rows
+
+    assert rows((3584,)) == 1 and rows((8, 4096)) == 8 and rows((4096, 14336)) == 4096
+    assert rows((8, 28672, 4096)) == 4096  # per expert
+    shapes = {"norm": (4096,), "router": (8, 4096), "k_proj": (1024, 4096), "embed": (128256, 4096),
+              "experts": (8, 28672, 4096)}
+    assert memory_tiers(shapes, 1 / 16) == {"norm", "router"}
