@@ -33,6 +33,7 @@ from autotp.collectives import Comm, attach_health, ensure_process_group, peer_f
 from autotp.config import AutoTPConfig, parse_dtype
 from autotp.context import TPContext, attach_meta, meta_of, shard_of, standin
 from autotp.errors import AutoTPError, CheckpointError, divisors_up_to
+from autotp.inputs import TokenIdCheck
 from autotp.memory import no_guard_latency_profile, release_free_memory
 from autotp.placement import R
 from autotp.weights import (
@@ -123,12 +124,16 @@ class _SwappingForward:
     """``model.forward`` replacement: stand-ins in for the compiled call, local shards out."""
 
     def __init__(self, compiled: Callable[..., Any], slots: list[tuple[torch.nn.Module, str, torch.nn.Parameter]],
-                 comm: Comm):
+                 comm: Comm, check_inputs: TokenIdCheck | None = None):
         self.compiled = compiled
         self.slots = slots
         self.comm = comm
+        self.check_inputs = check_inputs  # the user's token ids, before anything runs (autotp/inputs.py)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.check_inputs is not None:
+            with _failures_recorded(self.comm.health):  # a rank alone in refusing is named to the others
+                self.check_inputs(args, kwargs)
         for module, name, stand in self.slots:
             module._parameters[name] = stand
         if self.comm.health is not None:
@@ -182,7 +187,8 @@ def _compile_encoder(module: torch.nn.Module, slots: list[tuple[torch.nn.Module,
     if encoder is module or not isinstance(encoder, torch.nn.Module):
         return
     compiled = torch.compile(type(encoder).forward.__get__(encoder), backend=make_backend(ctx), dynamic=None)
-    entry = _EncoderEntry(encoder, _SwappingForward(compiled, slots, ctx.comm))
+    check = TokenIdCheck.for_model(module, encoder.forward)
+    entry = _EncoderEntry(encoder, _SwappingForward(compiled, slots, ctx.comm, check))
 
     def get_encoder(modality: str | None = None) -> Any:
         return entry if modality is None else original(modality=modality)
@@ -319,7 +325,7 @@ def parallelize_model(
     compiled = torch.compile(type(module).forward.__get__(module), backend=make_backend(ctx), dynamic=None)
     slots = [(m, n, p) for fqn, p in module.named_parameters(remove_duplicate=False)
              for m, n in [_resolve_module(module, fqn)]]
-    forward = _SwappingForward(compiled, slots, comm)
+    forward = _SwappingForward(compiled, slots, comm, TokenIdCheck.for_model(module, module.forward))
     module.forward = forward
     _compile_encoder(module, slots, ctx)
     module.autotp = AutoTPHandle(context=ctx, folder=Path(folder))
