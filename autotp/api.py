@@ -18,7 +18,6 @@ import contextlib
 import dataclasses
 import datetime
 import inspect
-import json
 import os
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -29,10 +28,12 @@ import torch
 import torch.distributed as dist
 
 from autotp.backend import make_backend
+from autotp.checkpoint_match import match_parameters
 from autotp.collectives import Comm, attach_health, ensure_process_group, peer_failures, redistribute
 from autotp.config import AutoTPConfig, parse_dtype
 from autotp.context import TPContext, attach_meta, meta_of, shard_of, standin
-from autotp.errors import AutoTPError, CheckpointError, divisors_up_to
+from autotp.errors import AutoTPError, divisors_up_to
+from autotp.hf_config import read_config
 from autotp.inputs import TokenIdCheck
 from autotp.memory import no_guard_latency_profile, release_free_memory
 from autotp.placement import R
@@ -40,9 +41,7 @@ from autotp.weights import (
     Checkpoint,
     ParameterMeta,
     build_meta_model,
-    checkpoint_key,
     resolve_checkpoint,
-    tied_groups,
 )
 
 DIVISIBLE_FIELDS = (
@@ -345,31 +344,9 @@ def parallelize_model(
 
 
 def _load_config(folder: Path, trust_remote_code: bool) -> Any:
-    """``AutoConfig`` of the checkpoint, with transformers' refusals turned into AutoTPErrors."""
-    from transformers import AutoConfig
-
-    try:
-        return AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
-    except (ValueError, KeyError, OSError) as e:
-        text = str(e)
-        if "trust_remote_code" in text:
-            raise AutoTPError(
-                f"{folder / 'config.json'} needs custom code from the checkpoint (config.auto_map). Read "
-                "that code, then pass trust_remote_code=True."
-            ) from e
-        model_type = _config_field(folder, "model_type")
-        raise AutoTPError(
-            f"transformers cannot read {folder / 'config.json'} (model_type {model_type!r}): "
-            f"{type(e).__name__}: {text[:300]}. The architecture is unknown to this transformers version: "
-            "upgrade transformers, or fix model_type in config.json."
-        ) from e
-
-
-def _config_field(folder: Path, name: str) -> Any:
-    try:
-        return json.loads((folder / "config.json").read_text()).get(name)
-    except (OSError, ValueError, AttributeError):
-        return None
+    """``AutoConfig`` of the checkpoint, with transformers' refusals turned into AutoTPErrors
+    (:func:`autotp.hf_config.read_config`, shared with the CLI and the planner)."""
+    return read_config(folder, trust_remote_code)
 
 
 @contextlib.contextmanager
@@ -402,39 +379,24 @@ def _failures_recorded(health: Any) -> Iterator[None]:
 
 def _install_standins(module: torch.nn.Module, checkpoint: Checkpoint, dtype: torch.dtype | None,
                       device: torch.device) -> None:
-    """Replace each (meta) parameter by a zero-memory global-shaped stand-in carrying its meta."""
-    groups = {fqn: tuple(g) for g in tied_groups(module) for fqn in g}
-    keys = list(checkpoint.keys())
-    prefix = getattr(module, "base_model_prefix", "") or ""
+    """Replace each (meta) parameter by a zero-memory global-shaped stand-in carrying its meta,
+    once the checkpoint's headers are known to hold every parameter in a shape and dtype that fit
+    (:func:`~autotp.checkpoint_match.match_parameters`, one error for every problem)."""
+    sources = match_parameters(module, checkpoint)
     seen: dict[int, torch.nn.Parameter] = {}
-    missing = []
     for fqn, param in list(module.named_parameters(remove_duplicate=False)):
         owner, name = _resolve_module(module, fqn)
         if id(param) in seen:
             owner._parameters[name] = seen[id(param)]
             continue
-        group = groups.get(fqn, (fqn,))
-        key = next((k for k in (checkpoint_key(f, keys, prefix) for f in group) if k), None)
-        if key is None:
-            missing.append(fqn)
-            continue
-        shape = tuple(checkpoint.shape(key))
-        if shape != tuple(param.shape):
-            raise CheckpointError(
-                f"checkpoint tensor {key} has shape {shape} but the model built from config.json expects "
-                f"{tuple(param.shape)} for {fqn}: the config does not match the weights"
-            )
-        target_dtype = dtype or checkpoint.dtype(key)
-        stand = standin(shape, target_dtype, device, param.requires_grad)
-        attach_meta(stand, ParameterMeta(fqn=fqn, global_shape=shape, dtype=target_dtype, checkpoint_key=key,
-                                         checkpoint=checkpoint, placement=None, tied=group))
+        source = sources[fqn]
+        target_dtype = dtype or source.stored_dtype
+        stand = standin(source.shape, target_dtype, device, param.requires_grad)
+        attach_meta(stand, ParameterMeta(fqn=fqn, global_shape=source.shape, dtype=target_dtype,
+                                         checkpoint_key=source.key, checkpoint=checkpoint, placement=None,
+                                         tied=source.group))
         owner._parameters[name] = stand
         seen[id(param)] = stand
-    if missing:
-        raise CheckpointError(
-            f"{len(missing)} parameters have no tensor in the checkpoint at {checkpoint.folder}: "
-            f"{missing[:5]}{' ...' if len(missing) > 5 else ''}. Check that the checkpoint matches config.json."
-        )
 
 
 def _warmup_inputs(module: torch.nn.Module, world_size: int) -> dict[str, Any]:
