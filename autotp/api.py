@@ -37,6 +37,7 @@ from autotp.hf_config import read_config
 from autotp.inputs import TokenIdCheck
 from autotp.memory import no_guard_latency_profile, release_free_memory
 from autotp.placement import R
+from autotp.progress import load_progress
 from autotp.weights import (
     Checkpoint,
     ParameterMeta,
@@ -254,8 +255,9 @@ def parallelize_model(
     ``timeout`` (seconds) bounds every collective when autotp starts the process group itself (a
     rank that dies or hangs then makes the others fail with an error instead of waiting forever;
     the error, a :class:`~autotp.health.RankFailure`, names that rank and its last phase).
-    ``progress`` shows a slice-read bar on rank 0 for long loads (and huggingface_hub's download
-    bars); default: on unless the ``CI`` environment variable is set. On CPU each rank uses
+    ``progress`` shows the load's phases on rank 0 (:mod:`autotp.progress`: planning, a shard-read
+    bar, the time of each phase; and huggingface_hub's download bars); default: on unless the
+    ``CI`` environment variable is set. On CPU each rank uses
     ``cores / local ranks`` threads unless ``OMP_NUM_THREADS`` is set. ``verify=True`` checks the
     first call of every graph against a replicated run and raises at the first diverging node.
     ``sequence_parallel=True`` keeps the activations between tensor-parallel regions (residual
@@ -330,7 +332,7 @@ def parallelize_model(
     module.autotp = AutoTPHandle(context=ctx, folder=Path(folder))
     ctx.on_plan = module.autotp.plans.append
     if warmup:
-        with _read_progress(checkpoint, len({id(p) for _, _, p in slots}), show_progress), \
+        with load_progress(checkpoint, len({id(p) for _, _, p in slots}), show_progress), \
                 peer_failures(comm, "the model was loading"), _failures_recorded(health):
             with torch.no_grad():
                 module(**_on_device(_warmup_inputs(module, world), device))
@@ -347,22 +349,6 @@ def _load_config(folder: Path, trust_remote_code: bool) -> Any:
     """``AutoConfig`` of the checkpoint, with transformers' refusals turned into AutoTPErrors
     (:func:`autotp.hf_config.read_config`, shared with the CLI and the planner)."""
     return read_config(folder, trust_remote_code)
-
-
-@contextlib.contextmanager
-def _read_progress(checkpoint: Checkpoint, total: int, show: bool) -> Iterator[None]:
-    """A tqdm bar over the tensors read (rank 0, shown only when loading takes over a second)."""
-    if not show:
-        yield
-        return
-    from tqdm.auto import tqdm
-
-    with tqdm(total=total, desc="autotp: loading shards", unit="tensor", delay=1.0, leave=False) as bar:
-        checkpoint.on_read = lambda _read: bar.update(1)
-        try:
-            yield
-        finally:
-            checkpoint.on_read = None
 
 
 @contextlib.contextmanager
