@@ -18,7 +18,6 @@ import contextlib
 import dataclasses
 import datetime
 import inspect
-import json
 import os
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -29,19 +28,21 @@ import torch
 import torch.distributed as dist
 
 from autotp.backend import make_backend
+from autotp.checkpoint_match import match_parameters
 from autotp.collectives import Comm, attach_health, ensure_process_group, peer_failures, redistribute
 from autotp.config import AutoTPConfig, parse_dtype
 from autotp.context import TPContext, attach_meta, meta_of, shard_of, standin
-from autotp.errors import AutoTPError, CheckpointError, divisors_up_to
+from autotp.errors import AutoTPError, divisors_up_to
+from autotp.hf_config import read_config
+from autotp.inputs import TokenIdCheck
 from autotp.memory import no_guard_latency_profile, release_free_memory
 from autotp.placement import R
+from autotp.progress import load_progress
 from autotp.weights import (
     Checkpoint,
     ParameterMeta,
     build_meta_model,
-    checkpoint_key,
     resolve_checkpoint,
-    tied_groups,
 )
 
 DIVISIBLE_FIELDS = (
@@ -123,12 +124,16 @@ class _SwappingForward:
     """``model.forward`` replacement: stand-ins in for the compiled call, local shards out."""
 
     def __init__(self, compiled: Callable[..., Any], slots: list[tuple[torch.nn.Module, str, torch.nn.Parameter]],
-                 comm: Comm):
+                 comm: Comm, check_inputs: TokenIdCheck | None = None):
         self.compiled = compiled
         self.slots = slots
         self.comm = comm
+        self.check_inputs = check_inputs  # the user's token ids, before anything runs (autotp/inputs.py)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.check_inputs is not None:
+            with _failures_recorded(self.comm.health):  # a rank alone in refusing is named to the others
+                self.check_inputs(args, kwargs)
         for module, name, stand in self.slots:
             module._parameters[name] = stand
         if self.comm.health is not None:
@@ -182,7 +187,8 @@ def _compile_encoder(module: torch.nn.Module, slots: list[tuple[torch.nn.Module,
     if encoder is module or not isinstance(encoder, torch.nn.Module):
         return
     compiled = torch.compile(type(encoder).forward.__get__(encoder), backend=make_backend(ctx), dynamic=None)
-    entry = _EncoderEntry(encoder, _SwappingForward(compiled, slots, ctx.comm))
+    check = TokenIdCheck.for_model(module, encoder.forward)
+    entry = _EncoderEntry(encoder, _SwappingForward(compiled, slots, ctx.comm, check))
 
     def get_encoder(modality: str | None = None) -> Any:
         return entry if modality is None else original(modality=modality)
@@ -249,8 +255,9 @@ def parallelize_model(
     ``timeout`` (seconds) bounds every collective when autotp starts the process group itself (a
     rank that dies or hangs then makes the others fail with an error instead of waiting forever;
     the error, a :class:`~autotp.health.RankFailure`, names that rank and its last phase).
-    ``progress`` shows a slice-read bar on rank 0 for long loads (and huggingface_hub's download
-    bars); default: on unless the ``CI`` environment variable is set. On CPU each rank uses
+    ``progress`` shows the load's phases on rank 0 (:mod:`autotp.progress`: planning, a shard-read
+    bar, the time of each phase; and huggingface_hub's download bars); default: on unless the
+    ``CI`` environment variable is set. On CPU each rank uses
     ``cores / local ranks`` threads unless ``OMP_NUM_THREADS`` is set. ``verify=True`` checks the
     first call of every graph against a replicated run and raises at the first diverging node.
     ``sequence_parallel=True`` keeps the activations between tensor-parallel regions (residual
@@ -319,13 +326,13 @@ def parallelize_model(
     compiled = torch.compile(type(module).forward.__get__(module), backend=make_backend(ctx), dynamic=None)
     slots = [(m, n, p) for fqn, p in module.named_parameters(remove_duplicate=False)
              for m, n in [_resolve_module(module, fqn)]]
-    forward = _SwappingForward(compiled, slots, comm)
+    forward = _SwappingForward(compiled, slots, comm, TokenIdCheck.for_model(module, module.forward))
     module.forward = forward
     _compile_encoder(module, slots, ctx)
     module.autotp = AutoTPHandle(context=ctx, folder=Path(folder))
     ctx.on_plan = module.autotp.plans.append
     if warmup:
-        with _read_progress(checkpoint, len({id(p) for _, _, p in slots}), show_progress), \
+        with load_progress(checkpoint, len({id(p) for _, _, p in slots}), show_progress), \
                 peer_failures(comm, "the model was loading"), _failures_recorded(health):
             with torch.no_grad():
                 module(**_on_device(_warmup_inputs(module, world), device))
@@ -339,47 +346,9 @@ def parallelize_model(
 
 
 def _load_config(folder: Path, trust_remote_code: bool) -> Any:
-    """``AutoConfig`` of the checkpoint, with transformers' refusals turned into AutoTPErrors."""
-    from transformers import AutoConfig
-
-    try:
-        return AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
-    except (ValueError, KeyError, OSError) as e:
-        text = str(e)
-        if "trust_remote_code" in text:
-            raise AutoTPError(
-                f"{folder / 'config.json'} needs custom code from the checkpoint (config.auto_map). Read "
-                "that code, then pass trust_remote_code=True."
-            ) from e
-        model_type = _config_field(folder, "model_type")
-        raise AutoTPError(
-            f"transformers cannot read {folder / 'config.json'} (model_type {model_type!r}): "
-            f"{type(e).__name__}: {text[:300]}. The architecture is unknown to this transformers version: "
-            "upgrade transformers, or fix model_type in config.json."
-        ) from e
-
-
-def _config_field(folder: Path, name: str) -> Any:
-    try:
-        return json.loads((folder / "config.json").read_text()).get(name)
-    except (OSError, ValueError, AttributeError):
-        return None
-
-
-@contextlib.contextmanager
-def _read_progress(checkpoint: Checkpoint, total: int, show: bool) -> Iterator[None]:
-    """A tqdm bar over the tensors read (rank 0, shown only when loading takes over a second)."""
-    if not show:
-        yield
-        return
-    from tqdm.auto import tqdm
-
-    with tqdm(total=total, desc="autotp: loading shards", unit="tensor", delay=1.0, leave=False) as bar:
-        checkpoint.on_read = lambda _read: bar.update(1)
-        try:
-            yield
-        finally:
-            checkpoint.on_read = None
+    """``AutoConfig`` of the checkpoint, with transformers' refusals turned into AutoTPErrors
+    (:func:`autotp.hf_config.read_config`, shared with the CLI and the planner)."""
+    return read_config(folder, trust_remote_code)
 
 
 @contextlib.contextmanager
@@ -396,39 +365,24 @@ def _failures_recorded(health: Any) -> Iterator[None]:
 
 def _install_standins(module: torch.nn.Module, checkpoint: Checkpoint, dtype: torch.dtype | None,
                       device: torch.device) -> None:
-    """Replace each (meta) parameter by a zero-memory global-shaped stand-in carrying its meta."""
-    groups = {fqn: tuple(g) for g in tied_groups(module) for fqn in g}
-    keys = list(checkpoint.keys())
-    prefix = getattr(module, "base_model_prefix", "") or ""
+    """Replace each (meta) parameter by a zero-memory global-shaped stand-in carrying its meta,
+    once the checkpoint's headers are known to hold every parameter in a shape and dtype that fit
+    (:func:`~autotp.checkpoint_match.match_parameters`, one error for every problem)."""
+    sources = match_parameters(module, checkpoint)
     seen: dict[int, torch.nn.Parameter] = {}
-    missing = []
     for fqn, param in list(module.named_parameters(remove_duplicate=False)):
         owner, name = _resolve_module(module, fqn)
         if id(param) in seen:
             owner._parameters[name] = seen[id(param)]
             continue
-        group = groups.get(fqn, (fqn,))
-        key = next((k for k in (checkpoint_key(f, keys, prefix) for f in group) if k), None)
-        if key is None:
-            missing.append(fqn)
-            continue
-        shape = tuple(checkpoint.shape(key))
-        if shape != tuple(param.shape):
-            raise CheckpointError(
-                f"checkpoint tensor {key} has shape {shape} but the model built from config.json expects "
-                f"{tuple(param.shape)} for {fqn}: the config does not match the weights"
-            )
-        target_dtype = dtype or checkpoint.dtype(key)
-        stand = standin(shape, target_dtype, device, param.requires_grad)
-        attach_meta(stand, ParameterMeta(fqn=fqn, global_shape=shape, dtype=target_dtype, checkpoint_key=key,
-                                         checkpoint=checkpoint, placement=None, tied=group))
+        source = sources[fqn]
+        target_dtype = dtype or source.stored_dtype
+        stand = standin(source.shape, target_dtype, device, param.requires_grad)
+        attach_meta(stand, ParameterMeta(fqn=fqn, global_shape=source.shape, dtype=target_dtype,
+                                         checkpoint_key=source.key, checkpoint=checkpoint, placement=None,
+                                         tied=source.group))
         owner._parameters[name] = stand
         seen[id(param)] = stand
-    if missing:
-        raise CheckpointError(
-            f"{len(missing)} parameters have no tensor in the checkpoint at {checkpoint.folder}: "
-            f"{missing[:5]}{' ...' if len(missing) > 5 else ''}. Check that the checkpoint matches config.json."
-        )
 
 
 def _warmup_inputs(module: torch.nn.Module, world_size: int) -> dict[str, Any]:

@@ -40,6 +40,7 @@ from autotp.passes.rewrite import rewrite
 from autotp.passes.solve import ParamChoice, Solution, SolverOptions, solve
 from autotp.placement import Placement, R, Shard, shard_candidates
 from autotp.plan import build_plan, first_consumer, parameter_entry, style_of
+from autotp.released import refuse_eager_calls
 from autotp.trace import graph_folder, write_json, write_solver_trace, write_text
 from autotp.verify import verified
 from autotp.weights import ParameterMeta
@@ -436,7 +437,8 @@ def _release_after_first_call(gm: torch.fx.GraphModule, param_inputs: dict[torch
                               forward: Callable[..., Any]) -> Callable[..., Any]:
     """For in-memory models: once the graph has run, point each full parameter at a zero-memory
     stand-in so this rank keeps only its shard (Dynamo recompiles once on the new strides, and the
-    recompiled graph finds every placement pinned)."""
+    recompiled graph finds every placement pinned); the original module then refuses an eager call
+    (:func:`~autotp.released.refuse_eager_calls`)."""
     full = [v for v in param_inputs.values() if not _is_standin(v)
             and isinstance(meta_of(v).placement, Shard)]
     if not full:
@@ -448,8 +450,9 @@ def _release_after_first_call(gm: torch.fx.GraphModule, param_inputs: dict[torch
         if not state["released"]:
             state["released"] = True
             with torch.no_grad():
-                for v in full:  # NaN-filled, so an eager use of the released module is loudly wrong
+                for v in full:  # NaN-filled: a last guard for code reading a parameter outside a module call
                     v.data = standin(tuple(v.shape), v.dtype, v.device, False, fill=float("nan")).data
+            refuse_eager_calls(full)  # calling the original module raises, saying what to call (autotp/released.py)
         return out
 
     return run

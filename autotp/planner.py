@@ -53,13 +53,15 @@ from autotp.collectives import Comm, kind_of
 from autotp.config import AutoTPConfig, parse_dtype
 from autotp.context import TPContext, attach_meta, meta_of, output_path_of
 from autotp.errors import AutoTPError, SolverError
+from autotp.hf_config import read_config
 from autotp.kv_cache import cache_keyword, returned_cache
 from autotp.passes.decompose import EDGE, MARK
 from autotp.passes.solve import solve
 from autotp.placement import Placement, R, Shard, local_shape
 from autotp.plan import style_of
 
-__all__ = ["GraphReport", "PlanReport", "explain", "load_config", "plan_model", "to_tp_plan"]
+__all__ = ["GraphReport", "PlanReport", "check_names", "explain", "explain_matching", "load_config", "plan_model",
+           "to_tp_plan"]
 
 _LAYER = re.compile(r"\.(\d+)(?=\.)")
 
@@ -162,7 +164,7 @@ def load_config(model: Any, *, revision: str | None = None, cache_dir: str | os.
                 local_files_only: bool = False, token: str | bool | None = None) -> Any:
     """A transformers config from a config object, a folder (``config.json`` alone is enough) or a
     Hub id (only ``config.json`` is fetched; weights never are)."""
-    from transformers import AutoConfig, PretrainedConfig
+    from transformers import PretrainedConfig
 
     if isinstance(model, PretrainedConfig):
         return model
@@ -171,7 +173,7 @@ def load_config(model: Any, *, revision: str | None = None, cache_dir: str | os.
     text = os.fspath(model)
     if Path(text).expanduser().is_dir() or isinstance(model, os.PathLike) or _looks_like_path(text):
         folder = resolve_checkpoint(text, require_weights=False)
-        return AutoConfig.from_pretrained(folder)
+        return read_config(folder)
     from huggingface_hub import hf_hub_download
 
     try:
@@ -179,7 +181,22 @@ def load_config(model: Any, *, revision: str | None = None, cache_dir: str | os.
                                local_files_only=local_files_only)
     except Exception as e:  # every Hub failure becomes one actionable error
         raise _hub_error(text, revision, cache_dir, e) from e
-    return AutoConfig.from_pretrained(Path(path).parent)
+    return read_config(Path(path).parent)
+
+
+def _check_local_weights(model: Any, module: torch.nn.Module) -> None:
+    """When ``model`` is a folder that holds weights, check them against the model the config
+    builds (present, shape, dtype; headers only) before anything is traced: a plan for a checkpoint
+    that cannot load would be a plan for the wrong model. A config-only folder, a config object or
+    a Hub id (only config.json is fetched) has no weights to check."""
+    from autotp.checkpoint_match import check_checkpoint
+    from autotp.weights import _bin_files, _safetensors_files
+
+    if not isinstance(model, str | os.PathLike):
+        return
+    folder = Path(os.fspath(model)).expanduser()
+    if folder.is_dir() and (_safetensors_files(folder) or _bin_files(folder)):
+        check_checkpoint(folder, module)
 
 
 def _build(config: Any, dtype: torch.dtype | None) -> torch.nn.Module:
@@ -301,10 +318,11 @@ def plan_model(model: Any, tp: int, *, dtype: str | torch.dtype | None = None, b
                seq_len: int | None = None, decode: bool = True, overrides: Mapping[str, str] | None = None,
                memory_weight: float = 1.0, beam_width: int = 32, revision: str | None = None,
                cache_dir: str | os.PathLike | None = None, local_files_only: bool = False,
-               sequence_parallel: bool = False) -> PlanReport:
+               sequence_parallel: bool = False, explain_names: Sequence[str] = ()) -> PlanReport:
     """Plan ``model`` (a Hub id, a folder, or a transformers config) for ``tp`` ranks, in this
     process, on the meta device (see the module docstring). ``seq_len`` defaults to ``2*tp+1``.
-    ``overrides`` and ``sequence_parallel`` are ``parallelize_model``'s.
+    ``overrides`` and ``sequence_parallel`` are ``parallelize_model``'s. ``explain_names`` (for
+    :func:`explain_matching` afterwards) are checked, like override patterns, before tracing.
 
     Resets Dynamo's caches first (``torch._dynamo.reset()``): every plan compiles the same
     ``forward`` code object, and planning several models in one process would otherwise run into
@@ -322,9 +340,11 @@ def plan_model(model: Any, tp: int, *, dtype: str | torch.dtype | None = None, b
     check_divisible(config, tp)
     torch_dtype = parse_dtype(dtype)
     module = _build(config, torch_dtype)
+    _check_local_weights(model, module)
     build_s = time.perf_counter() - t_start
     overrides = dict(overrides or {})
     _check_override_names(module, overrides)
+    check_names(module, list(explain_names), "explain name(s)")  # refused before the (long) plan
 
     comm = Comm.simulated_group(tp)
     ctx = TPContext(comm=comm, config=AutoTPConfig(tp_size=tp, dtype=torch_dtype, overrides=overrides,
@@ -423,11 +443,17 @@ def _warmup_shape(tp: int) -> tuple[int, int]:
 
 def _check_override_names(module: torch.nn.Module, overrides: Mapping[str, str]) -> None:
     check_override_styles(overrides)
+    check_names(module, overrides, "override pattern(s)")
+
+
+def check_names(module: torch.nn.Module, patterns: Sequence[str] | Mapping[str, str], what: str) -> None:
+    """Refuse, before anything is traced, patterns that name no parameter of ``module`` (fnmatch on
+    parameter and module names, as overrides and ``explain_matching`` read them)."""
     names = tuple(n for n, _ in module.named_parameters(remove_duplicate=False))
-    unknown = [pat for pat in overrides if not matching_overrides(names, {pat: ""})]
+    unknown = [pat for pat in patterns if not matching_overrides(names, {pat: ""})]
     if unknown:
         raise AutoTPError(
-            f"override pattern(s) {unknown} match no parameter or module of {type(module).__name__} "
+            f"{what} {unknown} match no parameter or module of {type(module).__name__} "
             "(patterns are fnmatch on names such as 'model.layers.*.mlp.down_proj' or 'lm_head')."
         )
 
@@ -660,6 +686,23 @@ class Explanation:
                 lines.append(f"    {a['style']:<10} {a['placement']:<5} cost {a['cost']:.1f} "
                              f"(comm {a['comm_cost']:.1f}, memory {a['memory_cost']:.1f}) {tag}")
         return "\n".join(lines)
+
+
+def explain_matching(report: PlanReport, pattern: str) -> list[Explanation]:
+    """:func:`explain` for every parameter ``pattern`` names, read as an override pattern is
+    (fnmatch on the parameter's or its module's name: ``lm_head`` explains ``lm_head.weight``);
+    tied names are explained once."""
+    names = [n for n in report.parameters
+             if fnmatch.fnmatchcase(n, pattern) or fnmatch.fnmatchcase(n.rpartition(".")[0], pattern)]
+    if not names:
+        return [explain(report, pattern)]  # raises, with close matches
+    out, seen = [], set()
+    for name in names:
+        target = report.parameters[name].get("tied_to") or name
+        if target not in seen:
+            seen.add(target)
+            out.append(explain(report, name))
+    return out
 
 
 def explain(report: PlanReport, fqn: str) -> Explanation:

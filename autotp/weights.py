@@ -354,7 +354,8 @@ def _check_folder(folder: Path, *, source: str, require_weights: bool, repo_id: 
     else:
         fix = (
             "pass a folder with model.safetensors (or model-*.safetensors plus "
-            "model.safetensors.index.json), or require_weights=False to plan from the config alone."
+            "model.safetensors.index.json); to plan from the config alone, without weights, run "
+            f"`autotp plan {os.fspath(folder)} --tp N` (or autotp.planner.plan_model)."
         )
     raise CheckpointError(f"no safetensors files (nor pytorch_model*.bin) in {source} ({folder}): {fix}")
 

@@ -92,3 +92,33 @@ def test_backend_name_resolves_through_the_entry_point_without_importing_autotp(
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().endswith("ok")
+
+
+def _rank_original_after_release(rank: int, world: int, folder: str) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    from autotp import AutoTPError
+
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    ids = torch.tensor([[3, 9, 27, 81, 4]])
+    with torch.no_grad():
+        ref = model(input_ids=ids, use_cache=False).logits
+        compiled = torch.compile(model, backend="autotp")
+        first = compiled(input_ids=ids, use_cache=False).logits  # shards the weights in place
+        try:
+            eager = model(input_ids=ids, use_cache=False).logits
+            error = f"no error; logits finite: {bool(torch.isfinite(eager).all())}"
+        except AutoTPError as e:
+            error = str(e)
+        again = compiled(input_ids=ids, use_cache=False).logits  # the compiled model is unaffected
+    return {"error": error, "first_err": (first - ref).abs().max().item(),
+            "again_err": (again - ref).abs().max().item()}
+
+
+def test_the_original_module_refuses_to_run_once_the_backend_sharded_it(tmp_path: Path) -> None:
+    # Before: the uncompiled model computed with the NaN stand-ins and returned NaN logits, no error.
+    folder = save_tiny("llama", tmp_path / "llama")
+    for r in run_ranks(_rank_original_after_release, 2, str(folder), timeout=600):
+        assert "was sharded in place by torch.compile(model, backend='autotp')" in r["error"], r["error"]
+        assert "Call the module torch.compile returned instead" in r["error"]
+        assert r["first_err"] < 1e-4 and r["again_err"] < 1e-4  # atol as in the module docstring

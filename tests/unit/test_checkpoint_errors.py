@@ -52,6 +52,38 @@ def test_a_shape_that_disagrees_with_the_config_names_both_shapes(tmp_path, llam
         parallelize_model(folder, progress=False)
 
 
+def _never_compiled(monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_compile(*args: object, **kwargs: object) -> None:
+        raise AssertionError("torch.compile was reached before the checkpoint was checked")
+
+    monkeypatch.setattr(autotp.api.torch, "compile", no_compile)
+
+
+def test_every_checkpoint_problem_is_named_at_once_before_anything_is_compiled(tmp_path, llama_dir, monkeypatch):
+    folder = _copy(llama_dir, tmp_path / "ck")
+    tensors = load_file(os.fspath(folder / "model.safetensors"))
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    tensors["model.layers.0.mlp.down_proj.weight"] = tensors["model.layers.0.mlp.down_proj.weight"][:, :100].contiguous()
+    tensors["model.layers.0.self_attn.q_proj.weight"] = torch.ones(64, 64, dtype=torch.int8)  # quantized?
+    save_file(tensors, os.fspath(folder / "model.safetensors"), metadata={"format": "pt"})
+    _never_compiled(monkeypatch)
+    with pytest.raises(CheckpointError) as err:
+        parallelize_model(folder, progress=False)
+    message = str(err.value)
+    assert "1 parameters have no tensor" in message and "model.layers.1.mlp.up_proj.weight" in message
+    assert ("model.layers.0.mlp.down_proj.weight has shape (64, 100) but the model built from config.json "
+            "expects (64, 128)") in message
+    assert "model.layers.0.self_attn.q_proj.weight is stored as torch.int8 but" in message
+
+
+def test_a_float8_checkpoint_tensor_is_convertible_but_an_integer_one_is_not() -> None:
+    from autotp.checkpoint_match import convertible
+
+    assert convertible(torch.float8_e4m3fn, torch.bfloat16) and convertible(torch.bfloat16, torch.float32)
+    assert not convertible(torch.int8, torch.float32) and not convertible(torch.complex64, torch.float32)
+    assert not convertible(torch.bool, torch.float16)
+
+
 def test_a_truncated_safetensors_file_is_named_with_the_fix(tmp_path, llama_dir):
     folder = _copy(llama_dir, tmp_path / "ck")
     weights = folder / "model.safetensors"
@@ -158,3 +190,44 @@ def test_loading_and_running_writes_nothing_into_the_users_folder(tmp_path):
         model(input_ids=torch.tensor([[1, 2, 3]]))
     assert {p.dtype for p in model.parameters()} == {torch.float32}
     assert _listing(folder) == before
+
+
+def test_an_unknown_model_type_is_one_whole_sentence_with_the_fix(tmp_path, llama_dir):
+    folder = _copy(llama_dir, tmp_path / "ck")
+    _edit_config(folder, model_type="llama_from_the_future")
+    with pytest.raises(AutoTPError) as err:
+        parallelize_model(folder, progress=False)
+    message = str(err.value)
+    assert "has model_type 'llama_from_the_future', which transformers" in message
+    assert message.endswith("or fix model_type in config.json.") and "\n" not in message
+
+
+def test_a_quoted_third_party_reason_is_cut_between_words_only() -> None:
+    from autotp.hf_config import short_reason
+
+    assert short_reason("First sentence. Second one.") == "First sentence."
+    long = "word " * 100
+    cut = short_reason(long, limit=50)
+    assert cut.endswith(" ...") and all(w == "word" for w in cut[:-4].split())
+
+
+def test_a_folder_without_weights_points_to_the_planner_not_to_a_private_option(tmp_path):
+    folder = tmp_path / "config-only"
+    tiny_config("llama").save_pretrained(folder)
+    with pytest.raises(CheckpointError) as err:
+        parallelize_model(folder, progress=False)
+    assert "require_weights" not in str(err.value) and f"autotp plan {folder.resolve()} --tp N" in str(err.value)
+
+
+def test_the_planner_checks_weights_it_is_given_before_tracing(tmp_path, llama_dir, monkeypatch):
+    import autotp.planner
+
+    folder = _copy(llama_dir, tmp_path / "ck")
+    _edit_config(folder, intermediate_size=192)
+
+    def no_compile(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the planner traced before checking the weights")
+
+    monkeypatch.setattr(autotp.planner, "compile_graph", no_compile)
+    with pytest.raises(CheckpointError, match=r"has shape \(128, 64\) but the model built from config\.json"):
+        autotp.planner.plan_model(folder, 2)

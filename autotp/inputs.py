@@ -1,0 +1,118 @@
+"""Checks on what the user passes to a parallelized model, before any graph runs.
+
+Token ids index an embedding table. In one process an id outside ``[0, rows)`` makes
+``torch.embedding`` raise ``IndexError``; under tensor parallelism the table is split by rows and
+each rank looks up only the ids inside its own range (``ops/embedding.py``), so an id outside
+*every* range silently becomes a zero vector and the model returns finite, wrong logits. So the
+ids are checked here, on the tensors the user passed, on every rank, before the stand-ins are
+swapped in and before the compiled graph runs: one reduction (``aminmax``) per id tensor, and
+the bad id, its position and the table's size only when it fails. Nothing is changed by a
+refused call, so the model keeps working for the next one.
+
+:class:`TokenIdCheck` is built once per entry point (``parallelize_model``'s ``forward`` and an
+encoder-decoder's encoder) from the model's own embeddings.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from autotp.errors import AutoTPError
+
+__all__ = ["TokenIdCheck"]
+
+#: arguments of a transformers ``forward`` that hold token ids, and how to find the table each
+#: one indexes (the decoder's own embeddings where the model has them, e.g. Marian)
+_ID_ARGUMENTS = ("input_ids", "decoder_input_ids")
+
+
+def _rows(embedding: Any) -> int | None:
+    weight = getattr(embedding, "weight", None)
+    if isinstance(weight, torch.Tensor) and weight.dim() == 2:
+        return int(weight.shape[0])  # global rows: the stand-in or the full table
+    rows = getattr(embedding, "num_embeddings", None)
+    return rows if isinstance(rows, int) else None
+
+
+def _table_rows(model: torch.nn.Module) -> dict[str, int]:
+    """``{argument: rows of the table it indexes}`` for the model's id arguments."""
+    sizes: dict[str, int] = {}
+    getter = getattr(model, "get_input_embeddings", None)
+    rows = _rows(getter()) if callable(getter) else None
+    if rows is not None:
+        sizes["input_ids"] = rows
+        sizes["decoder_input_ids"] = rows
+    decoder = getattr(model, "get_decoder", None)
+    if callable(decoder) and getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        try:
+            dec = decoder()
+            dec_rows = _rows(dec.get_input_embeddings()) if hasattr(dec, "get_input_embeddings") else None
+        except (AttributeError, NotImplementedError, TypeError):
+            dec_rows = None
+        if dec_rows is not None:
+            sizes["decoder_input_ids"] = dec_rows
+    return sizes
+
+
+@dataclass(frozen=True)
+class TokenIdCheck:
+    """Refuses token ids outside the embedding table of the argument that carries them.
+
+    ``rows`` maps each id argument (``input_ids``, ``decoder_input_ids``) to its table's global
+    number of rows; ``positional`` names the ``forward``'s positional parameters, so an id
+    tensor passed by position is found too."""
+
+    rows: Mapping[str, int]
+    positional: tuple[str, ...]
+
+    @classmethod
+    def for_model(cls, model: torch.nn.Module, forward: Callable[..., Any]) -> TokenIdCheck | None:
+        """The check for ``forward`` (a bound ``forward`` of ``model`` or of its encoder), or None
+        when the model has no embedding table to check against."""
+        rows = _table_rows(model)
+        if not rows:
+            return None
+        try:
+            params = inspect.signature(forward).parameters.values()
+        except (TypeError, ValueError):
+            params = ()
+        positional = tuple(p.name for p in params
+                           if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.name != "self")
+        return cls(rows=dict(rows), positional=positional)
+
+    def __call__(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
+        named = dict(zip(self.positional, args, strict=False))
+        named.update(kwargs)
+        for name in _ID_ARGUMENTS:
+            value = named.get(name)
+            if isinstance(value, torch.Tensor) and name in self.rows:
+                check_token_ids(name, value, self.rows[name])
+
+
+def check_token_ids(name: str, ids: torch.Tensor, rows: int) -> None:
+    """Raise an :class:`AutoTPError` naming the first id of ``ids`` outside ``[0, rows)``, its
+    position and ``rows``; accept an empty tensor (nothing is looked up)."""
+    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise AutoTPError(f"{name} must hold integer token ids (torch.long), got dtype {ids.dtype}; "
+                          f"pass {name}.long() or the tokenizer's output")
+    if ids.numel() == 0:
+        return
+    lo, hi = torch.aminmax(ids.detach())
+    lo_v, hi_v = torch.stack([lo, hi]).tolist()  # one device sync
+    if lo_v >= 0 and hi_v < rows:
+        return
+    bad = (ids < 0) | (ids >= rows)
+    count = int(bad.sum())
+    first = tuple(int(i) for i in bad.nonzero()[0].tolist())
+    value = int(ids[first])
+    more = f" ({count} ids are out of range; smallest {lo_v}, largest {hi_v})" if count > 1 else ""
+    raise AutoTPError(
+        f"{name}[{', '.join(map(str, first))}] is token id {value}, but the vocabulary has {rows} entries (valid ids: 0 to "
+        f"{rows - 1}){more}. One process would raise IndexError here; under tensor parallelism such an id would "
+        "be embedded as zeros. Check the tokenizer matches the checkpoint, or clamp/mask the ids."
+    )
