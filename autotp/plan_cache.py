@@ -466,15 +466,15 @@ class PlanCache:
         """The entry for ``key`` checked against ``gm``, or None and the reason it was not used."""
         path = self.path_of(key)
         try:
-            text = path.read_text()
+            text = path.read_bytes()
         except FileNotFoundError:
             return None, "no entry"
         except OSError as e:
             return None, f"unreadable entry ({type(e).__name__}: {e})"
         try:
             entry = json.loads(text)
-        except ValueError as e:
-            return None, f"corrupt entry (not JSON, truncated? {e})"
+        except ValueError as e:  # UnicodeDecodeError and JSONDecodeError
+            return None, f"corrupt entry (not JSON, truncated? {type(e).__name__}: {e})"
         if not isinstance(entry, dict) or not {"format", "key", "payload", "checksum"} <= set(entry):
             return None, "corrupt entry (not a plan-cache entry)"
         if entry["format"] != FORMAT:
