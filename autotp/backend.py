@@ -220,17 +220,21 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: list[Any], ctx: TPCo
     return _bind_sharded_values(run, sharded_outputs, example_inputs, world)
 
 
+#: AutoTPConfig fields that cannot change a graph's plan (placements, collectives, local
+#: rewrites), left out of the plan cache's key; every other field is in it
+PLAN_NEUTRAL_OPTIONS = ("trace_dir", "verify", "compile_inner", "tp_size")
+
+
 def _cache_lookup(gm: torch.fx.GraphModule, example_inputs: list[Any], param_inputs: dict[torch.fx.Node, torch.Tensor],
                   placeholders: list[torch.fx.Node], ctx: TPContext, graph_id: int) -> Lookup:
     """Key this graph for the plan cache (``autotp/plan_cache.py``) with every option that can
     change its plan, and read its entry. Tools that re-solve from ``gm.autotp_solve`` (``autotp
     plan``) bypass the cache: a hit has no solver record."""
     config = ctx.config
-    overrides = sorted(dict(config.overrides or {}).items())
-    options = {"memory_weight": repr(config.memory_weight), "beam_width": config.beam_width,
-               "sequence_parallel": config.sequence_parallel, "fuse": config.fuse, "dtype": str(config.dtype),
-               "overrides": overrides, "check_unmatched_overrides": bool(overrides) and graph_id == 0,
-               "sharded_outputs": ctx.sharded_outputs}
+    options = {f.name: repr(getattr(config, f.name)) for f in dataclasses.fields(config)
+               if f.name not in PLAN_NEUTRAL_OPTIONS}  # a new option is in the key until listed there
+    options.update(check_unmatched_overrides=bool(config.overrides) and graph_id == 0,
+                   sharded_outputs=ctx.sharded_outputs)
     params = {i: meta_of(param_inputs[ph]) for i, ph in enumerate(placeholders) if ph in param_inputs}
     sharded = {i: shard[1] for i, x in enumerate(example_inputs) if (shard := shard_of(x)) is not None}
     bypass = "solver records kept for tools" if ctx.keep_solve_records else None

@@ -9,9 +9,10 @@ again (a second job, another rank, a recompile) skips decompose and solve.
 * the graph inputs: each placeholder's source, the concrete example inputs (shape, stride, dtype,
   device, ``requires_grad``), for parameters their names (tied ones too) and the placement an
   earlier graph pinned, for user inputs the placement a graph left them sharded at;
-* the world size and every option that can change a plan (overrides and whether the unmatched
-  check applies, ``memory_weight``, ``beam_width``, ``sequence_parallel``, ``fuse``, ``dtype``,
-  sharded outputs, grad / inference / autocast mode);
+* the world size, the options the backend passes (every ``AutoTPConfig`` field that can change
+  a plan: overrides, ``memory_weight``, ``beam_width``, ``sequence_parallel``, ``fuse``, ``dtype``,
+  ...; whether the unmatched-override check applies; sharded outputs), and the grad, inference
+  and autocast mode;
 * the versions: this file format, a digest of autotp's own source files (a changed solver is a
   changed key even under one version number), torch, transformers and Python.
 
@@ -166,7 +167,7 @@ def _tensor_fields(t: torch.Tensor) -> list[Any]:
 def _tensor_content(t: torch.Tensor) -> str:
     if t.device.type == "meta" or isinstance(t, torch._subclasses.FakeTensor):
         raise Uncacheable("a tensor constant without data")
-    data = t.detach().cpu().contiguous()
+    data = t.detach().cpu().contiguous().reshape(-1)  # (numel,): a 0-d tensor has no byte view
     return hashlib.sha256(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"").hexdigest()
 
 

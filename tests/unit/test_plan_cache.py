@@ -22,18 +22,26 @@ import torch
 from autotp.backend import compile_graph
 from autotp.collectives import Comm
 from autotp.config import AutoTPConfig
-from autotp.context import TPContext
+from autotp.context import TPContext, attach_meta
+from autotp.placement import R
 from autotp.plan_cache import FORMAT, PlanCache, PlanKey, cache_dir_from, entry_checksum
+from autotp.weights import ParameterMeta
 from tests._tiny import tiny_model
 
 IDS = torch.tensor([[5, 17, 99, 3, 64]])
 
 
-def _compile(cache: PlanCache, arch: str = "llama", **config: Any) -> dict[str, Any]:
+def _compile(cache: PlanCache, arch: str = "llama", pinned: dict[str, Any] | None = None,
+             **config: Any) -> dict[str, Any]:
     """One fresh tiny model (one layer: compiles are what these tests pay for) compiled at a
-    simulated tp=2 and called once."""
+    simulated tp=2 and called once. ``pinned``: parameter name -> the placement an earlier graph
+    fixed for it."""
     torch._dynamo.reset()
     model = tiny_model(arch, **{"num_hidden_layers": 1, **config.pop("model", {})}).eval()
+    for name, placement in (pinned or {}).items():
+        p = model.get_parameter(name)
+        attach_meta(p, ParameterMeta(fqn=name, global_shape=tuple(p.shape), dtype=p.dtype, placement=placement,
+                                     tied=(name,)))
     ctx = TPContext(comm=Comm.simulated_group(2), config=AutoTPConfig(**config), plan_cache=cache)
     graphs: list[torch.fx.GraphModule] = []
 
@@ -147,6 +155,15 @@ def test_a_graph_or_option_that_differs_misses(first, change: dict) -> None:
     b = _compile(PlanCache(cache.root), **change)
     assert [(o["status"], o["reason"]) for o in b["outcomes"]] == [("miss", "no entry")]
     assert len(list(cache.folder.glob("*.json"))) == 2
+
+
+def test_a_parameter_pinned_elsewhere_misses_and_keeps_its_placement(first) -> None:
+    cache, a = first
+    name = "model.layers.0.self_attn.q_proj.weight"
+    assert any(e["placement"] == "S(0)" for f, e in a["plans"][0]["parameters"].items() if f.endswith(name))
+    b = _compile(PlanCache(cache.root), pinned={name: R})
+    assert [(o["status"], o["reason"]) for o in b["outcomes"]] == [("miss", "no entry")]
+    assert b["plans"][0]["parameters"][name]["placement"] == "R"
 
 
 def test_a_location_that_cannot_be_written_works_without_a_cache_and_warns_once(tmp_path: Path) -> None:
