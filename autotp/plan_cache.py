@@ -49,6 +49,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 import types
 import warnings
 from collections.abc import Mapping
@@ -408,10 +409,12 @@ class Outcome:
     entry: str | None = None
     stored: bool = False
     notes: list[str] = field(default_factory=list)
+    #: wall seconds spent keying the graph and reading and checking its entry
+    lookup_s: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
         return {"status": self.status, "reason": self.reason, "entry": self.entry, "stored": self.stored,
-                "notes": list(self.notes)}
+                "notes": list(self.notes), "lookup_s": self.lookup_s}
 
 
 @dataclass
@@ -530,14 +533,17 @@ class PlanCache:
         ``bypass``: a reason not to use the cache for this graph (a tool needs solver records)."""
         if not self.enabled or bypass:
             return self._record(Lookup(None, None, Outcome("off", bypass or "AUTOTP_CACHE=0")))
+        start = time.perf_counter()
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         by_name = {placeholders[i].name: (tuple(m.global_shape), m.placement) for i, m in params.items()}
         try:
             key = self.key(gm, example_inputs, params, sharded, world, options)
         except (Uncacheable, ValueError) as e:  # ValueError: a NaN option JSON cannot carry
-            return self._record(Lookup(None, None, Outcome("uncacheable", str(e))))
+            return self._record(Lookup(None, None, Outcome("uncacheable", str(e),
+                                                           lookup_s=time.perf_counter() - start)))
         cached, reason = self.load(key, gm, world, by_name)
-        outcome = Outcome("hit" if cached else "miss", None if cached else reason, self.path_of(key).name)
+        outcome = Outcome("hit" if cached else "miss", None if cached else reason, self.path_of(key).name,
+                          lookup_s=time.perf_counter() - start)
         return self._record(Lookup(key, cached, outcome))
 
     def solved(self, lookup: Lookup, gm: torch.fx.GraphModule, annotation: Annotation,

@@ -75,8 +75,10 @@ def first(tmp_path: Path) -> tuple[PlanCache, dict[str, Any]]:
 
 def test_a_second_compile_of_the_same_model_hits_and_runs_the_same_program(first) -> None:
     cache, a = first
-    assert a["outcomes"] == [{"status": "miss", "reason": "no entry", "entry": _entry(cache).name,
-                              "stored": True, "notes": []}]
+    (outcome,) = a["outcomes"]
+    assert outcome["lookup_s"] > 0
+    assert {**outcome, "lookup_s": 0} == {"status": "miss", "reason": "no entry", "entry": _entry(cache).name,
+                                          "stored": True, "notes": [], "lookup_s": 0}
     b = _compile(PlanCache(cache.root))
     assert [o["status"] for o in b["outcomes"]] == ["hit"]
     _same_program(a, b)
@@ -199,7 +201,7 @@ def test_the_cache_can_be_turned_off(tmp_path: Path) -> None:
     cache = PlanCache.from_environment({"AUTOTP_CACHE": "off"})
     out = _compile(cache)
     assert out["outcomes"] == [{"status": "off", "reason": "AUTOTP_CACHE=0", "entry": None, "stored": False,
-                                "notes": []}]
+                                "notes": [], "lookup_s": 0.0}]
 
 
 def test_the_location_comes_from_the_environment(tmp_path: Path) -> None:
