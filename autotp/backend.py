@@ -40,6 +40,7 @@ from autotp.passes.rewrite import rewrite
 from autotp.passes.solve import ParamChoice, Solution, SolverOptions, solve
 from autotp.placement import Placement, R, Shard, shard_candidates
 from autotp.plan import build_plan, first_consumer, parameter_entry, style_of
+from autotp.plan_cache import Lookup
 from autotp.released import refuse_eager_calls
 from autotp.trace import graph_folder, write_json, write_solver_trace, write_text
 from autotp.verify import verified
@@ -158,18 +159,18 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: list[Any], ctx: TPCo
         # one rank: every placement is R; only bind parameters to their (full) local tensors
         annotation, solution, shadow, opts = replicated_annotation(gm), None, None, None
     else:
-        annotation, solution, shadow, opts = _solve(gm, example_inputs, param_inputs, user_inputs, ctx,
-                                                    runner, timings, folder)
+        lookup = _cache_lookup(gm, example_inputs, param_inputs, placeholders, ctx, graph_id)
+        if lookup.cached is not None:  # a hit: the stored plan, checked against this graph
+            annotation, solution, shadow, opts = lookup.cached.annotation, None, None, None
+        else:
+            annotation, solution, shadow, opts = _solve(gm, example_inputs, param_inputs, user_inputs, ctx,
+                                                        runner, timings, folder)
+            summary = _solve_summary(solution, shadow, opts, timings)
+            ctx.plan_cache.solved(lookup, gm, annotation, summary)
     consumers = {ph: first_consumer(ph) for ph in param_inputs}
     check = _verification(gm, annotation, placeholders, param_inputs, example_inputs, ctx) \
         if ctx.config.verify and world > 1 else None
-    trace_summary = None
-    if folder and solution is not None:
-        trace_summary = (solution.trace, {
-            "cost": solution.cost, "comm_cost": solution.comm_cost, "memory_cost": solution.memory_cost,
-            "lower_bound": solution.lower_bound, "gap": solution.gap, "replicated_bytes": solution.replicated_bytes,
-            "tokens": opts.tokens, "aten_nodes": len(shadow.aten.graph.nodes),
-            "dynamo_nodes": len(shadow.dynamo_nodes)})
+    solver_trace = solution.trace if folder and solution is not None else None
     if not ctx.keep_solve_records and solution is not None:
         # Memory: the shadow ATen graph and its fake tensors are garbage from here on; free them
         # and hand the pages back (autotp/memory.py). A full collection (~0.9 s with the benchmark
@@ -192,14 +193,21 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: list[Any], ctx: TPCo
         for ph, v in param_inputs.items()
     }, report.collectives, sharded_outputs=len(sharded_outputs))
     gm.autotp_plan = plan
+    if world > 1:
+        ctx.plan_cache.finish(lookup, plan)
+    if folder and world > 1:
+        write_json(folder, "plan_cache.json", lookup.outcome.as_dict())
+        if lookup.cached is not None:  # the solve's summary as stored; no decisions (nothing was searched)
+            write_json(folder, "summary.json", {**lookup.cached.trace_summary(),
+                                                "local_rewrites": dict(report.local_rewrites)})
     if folder:
         modules = "".join(f"# {name}: {mod.extra_repr()}\n" for name, mod in gm.named_children())
         write_text(folder, "rewritten_graph.py", modules + gm.code)
         write_json(folder, "plan.json", plan)
         write_json(folder, "fusion.json", gm.autotp_fusion or {"disabled": True})
-    if trace_summary is not None:
-        write_solver_trace(folder, trace_summary[0], {**trace_summary[1], **timings,
-                                                      "local_rewrites": dict(report.local_rewrites)})
+    if solver_trace is not None:
+        write_solver_trace(folder, solver_trace, {**summary, "plan_cache": lookup.outcome.status,
+                                                  "local_rewrites": dict(report.local_rewrites)})
     if ctx.on_plan is not None:
         ctx.on_plan(plan)
     forward, inner_info = inner_compile(gm, ctx.config.compile_inner, ctx.comm)
@@ -211,6 +219,35 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: list[Any], ctx: TPCo
     if check is not None:
         run = check(run, gm)
     return _bind_sharded_values(run, sharded_outputs, example_inputs, world)
+
+
+#: AutoTPConfig fields that cannot change a graph's plan (placements, collectives, local
+#: rewrites), left out of the plan cache's key; every other field is in it
+PLAN_NEUTRAL_OPTIONS = ("trace_dir", "verify", "compile_inner", "tp_size")
+
+
+def _cache_lookup(gm: torch.fx.GraphModule, example_inputs: list[Any], param_inputs: dict[torch.fx.Node, torch.Tensor],
+                  placeholders: list[torch.fx.Node], ctx: TPContext, graph_id: int) -> Lookup:
+    """Key this graph for the plan cache (``autotp/plan_cache.py``) with every option that can
+    change its plan, and read its entry. Tools that re-solve from ``gm.autotp_solve`` (``autotp
+    plan``) bypass the cache: a hit has no solver record."""
+    config = ctx.config
+    options = {f.name: repr(getattr(config, f.name)) for f in dataclasses.fields(config)
+               if f.name not in PLAN_NEUTRAL_OPTIONS}  # a new option is in the key until listed there
+    options.update(check_unmatched_overrides=bool(config.overrides) and graph_id == 0,
+                   sharded_outputs=ctx.sharded_outputs)
+    params = {i: meta_of(param_inputs[ph]) for i, ph in enumerate(placeholders) if ph in param_inputs}
+    sharded = {i: shard[1] for i, x in enumerate(example_inputs) if (shard := shard_of(x)) is not None}
+    bypass = "solver records kept for tools" if ctx.keep_solve_records else None
+    return ctx.plan_cache.lookup(gm, example_inputs, params, sharded, ctx.world_size, options, bypass)
+
+
+def _solve_summary(solution: Solution, shadow: Any, opts: SolverOptions, timings: dict[str, float]) -> dict[str, Any]:
+    """What a solve reports in the trace (kept in the plan cache for a hit's trace)."""
+    return {"cost": solution.cost, "comm_cost": solution.comm_cost, "memory_cost": solution.memory_cost,
+            "lower_bound": solution.lower_bound, "gap": solution.gap, "replicated_bytes": solution.replicated_bytes,
+            "tokens": opts.tokens, "aten_nodes": len(shadow.aten.graph.nodes),
+            "dynamo_nodes": len(shadow.dynamo_nodes), **timings}
 
 
 def _verification(gm: torch.fx.GraphModule, annotation: Any, placeholders: list[torch.fx.Node],

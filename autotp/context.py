@@ -13,6 +13,7 @@ import torch
 from autotp.collectives import Comm
 from autotp.config import AutoTPConfig
 from autotp.placement import Shard
+from autotp.plan_cache import PlanCache
 from autotp.weights import ParameterMeta
 
 META_ATTR = "_autotp_meta"
@@ -31,6 +32,9 @@ class TPContext:
     #: tools that read it (``autotp plan``); at run time it is dropped before the weights are read,
     #: so the tracing's fake tensors and graphs are freed, not held next to the shards
     keep_solve_records: bool = False
+    #: the persistent plan cache (``autotp/plan_cache.py``; location and switch from the
+    #: environment when the context is made) and each graph's hit / miss
+    plan_cache: PlanCache = field(default_factory=PlanCache.from_environment)
     #: per compiled graph, what runs it (``autotp/inner.py``): compiler and any fallback reason
     inner_reports: list[dict[str, Any]] = field(default_factory=list)
 

@@ -79,7 +79,8 @@ def test_logits_and_greedy_tokens_equal_one_process(tmp_path: Path, arch: str, w
         assert not r["any_meta"] and not r["any_standin"] and r["has_config"]
 
 
-def test_llama_plan_is_megatron_with_two_all_reduces_per_block(tmp_path: Path) -> None:
+def test_llama_plan_is_megatron_with_two_all_reduces_per_block(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("AUTOTP_CACHE_DIR", str(tmp_path / "plans"))  # empty: the trace shows the solve
     folder = save_tiny("llama", tmp_path / "llama", pad_token_id=PAD_ID, num_hidden_layers=3)
     trace = tmp_path / "trace"
     results = run_ranks(_rank_run, 2, str(folder), 2, str(trace))

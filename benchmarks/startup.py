@@ -1,0 +1,246 @@
+"""The whole job as a user waits for it: start the process, import, load, greedily generate 16 new
+tokens from a 16-token prompt, exit.
+
+    python benchmarks/startup.py --cache /tmp/autotp-bench --tp 2 --rounds 3 \\
+        --out benchmarks/results/startup_tp2_fp32.json [--png startup.png]
+    python benchmarks/startup.py --size small --rounds 1   # smoke run of the script
+
+Same checkpoint for every engine (``benchmarks/_checkpoint.py``; ``--size small`` is a
+6M-parameter one for checking the script, which proves nothing about speed). Engines, each its
+own process tree, timed by the parent from before the launch to after the exit (so the
+interpreter's start, the imports, torch's elastic launcher and the teardown all count):
+
+* ``autotp_cold``: ``parallelize_model`` on ``--tp`` ranks with an empty plan cache (a fresh
+  ``AUTOTP_CACHE_DIR`` per round): every graph is decomposed and solved;
+* ``autotp_warm``: the same with the cache the round's ``autotp_cold`` launch left: every graph
+  should hit (the JSON has each rank-0 graph's outcome);
+* ``transformers_tp``: ``from_pretrained(..., tp_plan="auto")`` on ``--tp`` ranks (gloo, CPU);
+* ``one_process``: plain transformers in one process.
+
+Launches alternate ``autotp_cold autotp_warm transformers_tp one_process`` for ``--rounds`` rounds
+(the warm launch must follow the cold one that fills its cache), so drift on a shared machine hits
+all engines alike. Reported per engine: every wall time, the median, min, max and spread (max -
+min), and rank 0's own phases (``import_s``: torch + transformers + autotp; ``load_s``;
+``generate_s``), plus ratios of medians against ``transformers_tp`` and ``one_process``, whether
+all engines produced the same tokens, the commit, the machine's load averages at the start and the
+end, and the versions. Each rank uses ``cores // ranks`` threads unless ``OMP_NUM_THREADS`` is set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, os.fspath(Path(__file__).resolve().parent))
+
+ENGINES = ("autotp_cold", "autotp_warm", "transformers_tp", "one_process")
+PROMPT_TOKENS = 16
+NEW_TOKENS = 16
+
+
+def _worker(engine: str, folder: str, result: str, dtype_name: str) -> None:
+    """One launch: import, load with ``engine``, generate; rank 0 writes its phases as JSON."""
+    t0 = time.perf_counter()
+    import torch
+    import torch.distributed as dist
+    import transformers
+
+    if engine.startswith("autotp"):
+        from autotp import parallelize_model
+    import_s = time.perf_counter() - t0
+
+    transformers.logging.set_verbosity_error()
+    distributed = engine != "one_process"
+    if distributed:
+        dist.init_process_group("gloo")
+    rank = dist.get_rank() if distributed else 0
+    world = dist.get_world_size() if distributed else 1
+    dtype = getattr(torch, dtype_name)
+    t = time.perf_counter()
+    if engine.startswith("autotp"):
+        model = parallelize_model(folder, tp_size=world, dtype=dtype, progress=False)
+    elif engine == "transformers_tp":
+        model = transformers.AutoModelForCausalLM.from_pretrained(folder, tp_plan="auto", dtype=dtype).eval()
+    else:
+        model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+    load_s = time.perf_counter() - t
+    vocab = model.config.vocab_size
+    ids = (torch.arange(PROMPT_TOKENS) * 7919 % (vocab - 1) + 1).unsqueeze(0)  # (1, 16), deterministic
+    t = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
+                             pad_token_id=0)
+    generate_s = time.perf_counter() - t
+    if rank == 0:
+        report: dict[str, Any] = {"engine": engine, "world_size": world, "threads": torch.get_num_threads(),
+                                  "import_s": import_s, "load_s": load_s, "generate_s": generate_s,
+                                  "tokens": out[0, PROMPT_TOKENS:].tolist()}
+        if engine.startswith("autotp"):
+            report["graphs_compiled"] = model.autotp.context.graphs_compiled
+            report["plan_cache"] = [o.as_dict() for o in model.autotp.context.plan_cache.outcomes]
+        Path(result).write_text(json.dumps(report))
+    if distributed:
+        dist.destroy_process_group()
+
+
+def _launch(engine: str, folder: Path, args: argparse.Namespace, result: Path, cache_dir: Path) -> dict[str, Any]:
+    ranks = 1 if engine == "one_process" else args.tp
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", str(max((os.cpu_count() or 1) // ranks, 1)))
+    env["AUTOTP_CACHE_DIR"] = os.fspath(cache_dir)
+    env.pop("AUTOTP_CACHE", None)
+    worker = [os.fspath(Path(__file__).resolve()), "--worker", engine, os.fspath(folder), os.fspath(result), args.dtype]
+    if engine == "one_process":
+        cmd = [sys.executable, *worker]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", *worker]
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    wall_s = time.perf_counter() - start
+    if proc.returncode != 0:
+        raise RuntimeError(f"{engine}: exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return {**json.loads(result.read_text()), "wall_s": wall_s}
+
+
+def _stats(values: list[float]) -> dict[str, Any]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values),
+            "spread": max(values) - min(values), "all": values}
+
+
+def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    out = {"wall_s": _stats([r["wall_s"] for r in runs]), "threads_per_rank": runs[0]["threads"],
+           "tokens": runs[0]["tokens"]}
+    for phase in ("import_s", "load_s", "generate_s"):
+        out[phase] = _stats([r[phase] for r in runs])
+    if "plan_cache" in runs[0]:
+        out["graphs_compiled"] = [r["graphs_compiled"] for r in runs]
+        out["plan_cache_status"] = [[o["status"] for o in r["plan_cache"]] for r in runs]
+    return out
+
+
+def _commit() -> dict[str, Any]:
+    root = Path(__file__).resolve().parent.parent
+
+    def git(*cmd: str) -> str:
+        try:
+            return subprocess.run(["git", *cmd], cwd=root, capture_output=True, text=True, check=True).stdout.strip()
+        except (OSError, subprocess.CalledProcessError):
+            return ""
+
+    return {"commit": git("rev-parse", "HEAD") or None, "dirty": bool(git("status", "--porcelain", "--", "autotp"))}
+
+
+def _versions() -> dict[str, Any]:
+    from importlib import metadata
+
+    import torch
+    import transformers
+
+    return {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
+            "autotp": metadata.version("autotp")}
+
+
+def _plot(report: dict[str, Any], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no PNG (pip install matplotlib)")
+        return
+    engines = [e for e in ENGINES if e in report["engines"]]
+    medians = [report["engines"][e]["wall_s"]["median"] for e in engines]
+    lows = [m - report["engines"][e]["wall_s"]["min"] for e, m in zip(engines, medians, strict=True)]
+    highs = [report["engines"][e]["wall_s"]["max"] - m for e, m in zip(engines, medians, strict=True)]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.bar(engines, medians, yerr=[lows, highs], capsize=4,
+           color=["#3070c0", "#80a8e0", "#d08030", "#999999"][: len(engines)])
+    for i, v in enumerate(medians):
+        ax.text(i, v, f"{v:.1f}", ha="center", va="bottom")
+    ax.set_ylabel("process start to exit (s)")
+    load = report["load_average"]
+    ax.set_title(f"{report['size']} tp={report['tp']} {report['dtype']}: {PROMPT_TOKENS}+{NEW_TOKENS} tokens, "
+                 f"median, min-max (load {load['start'][0]:.1f}-{load['end'][0]:.1f})", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path)
+    print(f"wrote {path}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--worker", nargs=4, metavar=("ENGINE", "FOLDER", "RESULT", "DTYPE"), help=argparse.SUPPRESS)
+    parser.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "autotp-bench"),
+                        help="folder for the benchmark checkpoint (written once)")
+    parser.add_argument("--tp", type=int, default=2)
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--size", default="150m", choices=("150m", "300m", "small"),
+                        help="benchmark checkpoint size (small: a smoke run of the script)")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating launches per engine")
+    parser.add_argument("--engines", default=",".join(ENGINES))
+    parser.add_argument("--out", default="startup.json")
+    parser.add_argument("--png", default=None)
+    args = parser.parse_args(argv)
+    if args.worker:
+        engine, folder, result, dtype_name = args.worker
+        _worker(engine, folder, result, dtype_name)
+        return 0
+
+    import torch
+    from _checkpoint import make_checkpoint
+
+    engines = [e for e in args.engines.split(",") if e]
+    unknown = sorted(set(engines) - set(ENGINES))
+    if unknown:
+        parser.error(f"unknown engines {unknown}; choose from {list(ENGINES)}")
+    if "autotp_warm" in engines and "autotp_cold" not in engines:
+        parser.error("autotp_warm reads the cache its round's autotp_cold launch leaves: run both")
+    folder = make_checkpoint(args.cache, getattr(torch, args.dtype), size=args.size)
+    runs: dict[str, list[dict[str, Any]]] = {e: [] for e in engines}
+    load_start = os.getloadavg()
+    started = time.time()
+    with tempfile.TemporaryDirectory(prefix="autotp-startup-") as tmp:
+        for round_ in range(args.rounds):
+            plans = Path(tmp) / f"plans-{round_}"  # empty for this round's cold launch
+            for engine in engines:
+                t = time.perf_counter()
+                runs[engine].append(_launch(engine, folder, args, Path(tmp) / f"{engine}-{round_}.json", plans))
+                print(f"round {round_} {engine}: {time.perf_counter() - t:.1f} s", flush=True)
+    summary = {e: _summary(r) for e, r in runs.items()}
+    report: dict[str, Any] = {
+        "what": f"process start to exit: import, load, greedy generate {NEW_TOKENS} tokens from {PROMPT_TOKENS}",
+        "checkpoint": os.fspath(folder), "size": args.size, "tp": args.tp, "dtype": args.dtype,
+        "rounds": args.rounds, **_commit(), "versions": _versions(),
+        "machine": {"cores": os.cpu_count(), "platform": platform.platform(), "processor": platform.machine()},
+        # a shared machine: other jobs' load (1/5/15-minute averages) around the run
+        "load_average": {"start": load_start, "end": os.getloadavg()},
+        "started_unix": started, "engines": summary, "ratios": {},
+    }
+    for engine in ("autotp_cold", "autotp_warm"):
+        for base in ("transformers_tp", "one_process"):
+            if engine in summary and base in summary:
+                report["ratios"][f"{engine}/{base}"] = summary[engine]["wall_s"]["median"] / summary[base]["wall_s"]["median"]
+    report["same_greedy_tokens"] = len({tuple(s["tokens"]) for s in summary.values()}) == 1
+    Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    for e, s in summary.items():
+        w = s["wall_s"]
+        print(f"{e:>16}: {w['median']:.1f} s median ({w['min']:.1f}-{w['max']:.1f}); import {s['import_s']['median']:.1f}"
+              f" load {s['load_s']['median']:.1f} generate {s['generate_s']['median']:.1f}")
+    print(json.dumps({"ratios": report["ratios"], "same_greedy_tokens": report["same_greedy_tokens"],
+                      "load_average": report["load_average"]}, indent=1))
+    if args.png:
+        _plot(report, Path(args.png))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
