@@ -51,7 +51,7 @@ from autotp.api import gather_user_values
 from autotp.backend import SolveRecord, check_override_styles, compile_graph, matching_overrides
 from autotp.collectives import Comm, kind_of
 from autotp.config import AutoTPConfig, parse_dtype
-from autotp.context import TPContext, attach_meta, meta_of, output_path_of
+from autotp.context import TPContext, attach_meta, meta_of, output_path_of, standin
 from autotp.errors import AutoTPError, SolverError
 from autotp.kv_cache import cache_keyword, returned_cache
 from autotp.passes.decompose import EDGE, MARK
@@ -176,9 +176,10 @@ def load_config(model: Any, *, revision: str | None = None, cache_dir: str | os.
 
 def _build(config: Any, dtype: torch.dtype | None) -> torch.nn.Module:
     """The architecture on meta (buffers too: rotary tables are computed on meta, their values are
-    never needed), each parameter replaced by a contiguous meta tensor carrying its ParameterMeta
-    (not a stride-0 ``standin``: ops such as ``torch._grouped_mm`` check their weight's strides
-    while Dynamo traces; a meta tensor costs no memory either way)."""
+    never needed), each parameter replaced by the stand-in ``parallelize_model`` traces (stride 0,
+    ``context.standin``, here on meta) carrying its ParameterMeta, so the planner traces what the
+    ranks trace (ops that check weight strides, such as bf16 ``torch._grouped_mm``, accept it:
+    ``autotp/compat.py``)."""
     from autotp.weights import ParameterMeta, build_meta_model, tied_groups
 
     module = build_meta_model(config, dtype=dtype).to("meta")
@@ -188,8 +189,7 @@ def _build(config: Any, dtype: torch.dtype | None) -> torch.nn.Module:
         owner_name, _, name = fqn.rpartition(".")
         owner = module.get_submodule(owner_name) if owner_name else module
         if id(param) not in seen:
-            stand = torch.nn.Parameter(torch.empty(tuple(param.shape), dtype=param.dtype, device="meta"),
-                                       requires_grad=False)
+            stand = standin(tuple(param.shape), param.dtype, "meta", requires_grad=False)
             attach_meta(stand, ParameterMeta(fqn=fqn, global_shape=tuple(param.shape), dtype=param.dtype,
                                              tied=groups.get(fqn, (fqn,))))
             seen[id(param)] = stand
