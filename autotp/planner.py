@@ -714,7 +714,8 @@ def _hf_style(fqn: str, e: Mapping[str, Any], key: str, *, out_emb: str | None, 
         return "rowwise_split_input" if split_input else "rowwise"
     if style in _HF_STYLE:
         return _HF_STYLE[style]
-    raise AutoTPError(f"{fqn} is stored {placement} ({style}), a split transformers' tp_plan has no style for")
+    raise AutoTPError(f"{fqn} is stored {placement}, read by an op autotp does not name a style for "
+                      f"({style!r}: not a linear, matmul or embedding), so its transformers style is unknown")
 
 
 def _module_context(record: SolveRecord) -> tuple[set[str], set[str]]:
