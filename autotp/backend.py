@@ -279,7 +279,7 @@ def _verification(gm: torch.fx.GraphModule, annotation: Any, placeholders: list[
 STYLE_ALIASES = {
     "colwise_gather_output": "colwise", "colwise_rep": "colwise", "rowwise_rep": "rowwise",
     "rowwise_split_input": "rowwise", "embedding_rowwise": "vocab", "embedding_colwise": "colwise",
-    "replicated": "replicate",
+    "replicated": "replicate", "packed_colwise": "colwise", "packed_rowwise": "rowwise",
 }
 _SHARD_STYLE = re.compile(r"^(?:shard|s)\((-?\d+)\)$")
 

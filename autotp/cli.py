@@ -488,7 +488,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             out["explanations"] = {e.fqn: {"chain": e.chain, "alternatives": e.alternatives} for e in explanations}
         print(json.dumps(out, indent=1))
     elif args.tp_plan:
-        print(json.dumps(report.tp_plan, indent=1))
+        print(json.dumps(report.transformers_tp_plan(), indent=1))
     else:
         print(render_text(report))
         for e in explanations:
@@ -518,7 +518,7 @@ def _add_plan_parser(sub: Any) -> None:
                       help="say why this parameter got its placement (repeatable)")
     plan.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     plan.add_argument("--tp-plan", action="store_true",
-                      help="print the plan as a transformers tp_plan dict (from_pretrained(tp_plan=...))")
+                      help="print the plan as a transformers tp_plan dict (DistributedConfig(tp_plan=...))")
     plan.add_argument("--html", default=None, metavar="FILE", help="also draw the plan into this HTML file")
     plan.add_argument("--no-decode", action="store_true", help="plan the forward only (skip the decode step)")
     plan.add_argument("--revision", default=None, help="Hub revision (branch, tag or commit)")

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from autotp.collectives import Comm
+from autotp.compat import grouped_mm_accepts_standins
 from autotp.config import AutoTPConfig
 from autotp.placement import Shard
 from autotp.plan_cache import PlanCache
@@ -60,7 +61,9 @@ def standin(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | s
             requires_grad: bool, fill: float = 0.0) -> torch.nn.Parameter:
     """A zero-memory, global-shaped parameter for Dynamo to trace and guard on: one element
     expanded (stride 0) to ``shape``. Read-only by construction; compiled graphs bind the real local
-    shard instead."""
+    shard instead. Ops that check their operands' strides while tracing accept stand-ins
+    (``compat.grouped_mm_accepts_standins``)."""
+    grouped_mm_accepts_standins()
     value = fill if dtype.is_floating_point or dtype.is_complex else 0
     base = torch.full((), value, dtype=dtype, device=device)
     return torch.nn.Parameter(base.expand(shape), requires_grad=requires_grad)

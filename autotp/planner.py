@@ -51,13 +51,13 @@ from autotp.api import gather_user_values
 from autotp.backend import SolveRecord, check_override_styles, compile_graph, matching_overrides
 from autotp.collectives import Comm, kind_of
 from autotp.config import AutoTPConfig, parse_dtype
-from autotp.context import TPContext, attach_meta, meta_of, output_path_of
+from autotp.context import TPContext, attach_meta, meta_of, output_path_of, standin
 from autotp.errors import AutoTPError, SolverError
 from autotp.hf_config import read_config
 from autotp.kv_cache import cache_keyword, returned_cache
 from autotp.passes.decompose import EDGE, MARK
 from autotp.passes.solve import solve
-from autotp.placement import Placement, R, Shard, local_shape
+from autotp.placement import Placement, R, Shard, StridedShard, local_shape, parse
 from autotp.plan import style_of
 
 __all__ = ["GraphReport", "PlanReport", "check_names", "explain", "explain_matching", "load_config", "plan_model",
@@ -114,8 +114,11 @@ class PlanReport:
     kv_cache_bytes_per_rank: int | None
     kv_cache_bytes_total: int | None
     timings: dict[str, float]
-    tp_plan: dict[str, str]
+    #: transformers' spelling of the plan (:func:`to_tp_plan`), None when it has none
+    tp_plan: dict[str, str] | None
     overrides: dict[str, str] = field(default_factory=dict)
+    #: why ``tp_plan`` is None: the parameter whose layout transformers cannot express
+    tp_plan_refusal: str | None = None
     record: SolveRecord | None = field(default=None, repr=False)
 
     @property
@@ -152,7 +155,14 @@ class PlanReport:
             "graphs": [asdict(g) for g in (self.forward, self.decode) if g is not None],
             "overrides": self.overrides,
             "tp_plan": self.tp_plan,
+            "tp_plan_refusal": self.tp_plan_refusal,
         }
+
+    def transformers_tp_plan(self) -> dict[str, str]:
+        """``tp_plan``, or the :class:`AutoTPError` that says why transformers cannot express it."""
+        if self.tp_plan is None:
+            raise AutoTPError(f"no transformers tp_plan for this plan: {self.tp_plan_refusal}")
+        return self.tp_plan
 
 
 # ---------------------------------------------------------------------------------------------
@@ -201,9 +211,10 @@ def _check_local_weights(model: Any, module: torch.nn.Module) -> None:
 
 def _build(config: Any, dtype: torch.dtype | None) -> torch.nn.Module:
     """The architecture on meta (buffers too: rotary tables are computed on meta, their values are
-    never needed), each parameter replaced by a contiguous meta tensor carrying its ParameterMeta
-    (not a stride-0 ``standin``: ops such as ``torch._grouped_mm`` check their weight's strides
-    while Dynamo traces; a meta tensor costs no memory either way)."""
+    never needed), each parameter replaced by the stand-in ``parallelize_model`` traces (stride 0,
+    ``context.standin``, here on meta) carrying its ParameterMeta, so the planner traces what the
+    ranks trace (ops that check weight strides, such as bf16 ``torch._grouped_mm``, accept it:
+    ``autotp/compat.py``)."""
     from autotp.weights import ParameterMeta, build_meta_model, tied_groups
 
     module = build_meta_model(config, dtype=dtype).to("meta")
@@ -213,8 +224,7 @@ def _build(config: Any, dtype: torch.dtype | None) -> torch.nn.Module:
         owner_name, _, name = fqn.rpartition(".")
         owner = module.get_submodule(owner_name) if owner_name else module
         if id(param) not in seen:
-            stand = torch.nn.Parameter(torch.empty(tuple(param.shape), dtype=param.dtype, device="meta"),
-                                       requires_grad=False)
+            stand = standin(tuple(param.shape), param.dtype, "meta", requires_grad=False)
             attach_meta(stand, ParameterMeta(fqn=fqn, global_shape=tuple(param.shape), dtype=param.dtype,
                                              tied=groups.get(fqn, (fqn,))))
             seen[id(param)] = stand
@@ -424,6 +434,10 @@ def plan_model(model: Any, tp: int, *, dtype: str | torch.dtype | None = None, b
         timings[key] = sum(g.timings.get(key, 0.0) for g in graphs)
     timings["total_cpu_s"] = time.process_time() - cpu_start
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    try:
+        tp_plan, refusal = to_tp_plan(params, module, record), None
+    except AutoTPError as e:  # a layout transformers cannot spell: the plan itself stands
+        tp_plan, refusal = None, str(e)
     return PlanReport(
         model=os.fspath(model) if isinstance(model, (str, os.PathLike))
         else (getattr(config, "name_or_path", "") or f"{type(config).__name__}()"),
@@ -431,7 +445,7 @@ def plan_model(model: Any, tp: int, *, dtype: str | torch.dtype | None = None, b
         batch=batch, seq_len=seq_len, num_layers=getattr(text, "num_hidden_layers", None),
         parameters=params, param_bytes_per_rank=bytes_rank, param_bytes_total=bytes_total,
         forward=fwd, decode=dec, decode_note=note, kv_cache_bytes_per_rank=kv_rank, kv_cache_bytes_total=kv_total,
-        timings=timings, tp_plan=to_tp_plan(params, module), overrides=overrides, record=record,
+        timings=timings, tp_plan=tp_plan, tp_plan_refusal=refusal, overrides=overrides, record=record,
     )
 
 
@@ -613,49 +627,149 @@ def _parameter_table(module: torch.nn.Module, tp: int, styles: Mapping[str, str]
 
 #: autotp style -> transformers' name (``transformers.distributed.tensor_parallel``)
 _HF_STYLE = {"colwise": "colwise", "rowwise": "rowwise", "vocab": "embedding_rowwise"}
+#: the one strided layout transformers spells: DTensor's ``_StridedShard(split_factor=2)``
+_PACKED_SEGMENTS = 2
+_WILDCARD = re.compile(r"(?<=\.)\d+(?=\.|$)")
 
 
-def to_tp_plan(parameters: Mapping[str, Mapping[str, Any]], module: torch.nn.Module | None = None) -> dict[str, str]:
-    """The plan as a transformers ``tp_plan`` (``from_pretrained(tp_plan=...)``): module name ->
-    style, layer indices as ``*`` where every layer agrees. A module's style is its weight's
-    (biases follow their weight). Replicated modules are left out (transformers replicates what its
-    plan does not name); the output embedding, whose logits autotp gathers, is
-    ``colwise_gather_output``; a column-split embedding is ``embedding_colwise``."""
+def _wildcard(name: str) -> str:
+    return _WILDCARD.sub("*", name)
+
+
+def to_tp_plan(parameters: Mapping[str, Mapping[str, Any]], module: torch.nn.Module | None = None,
+               record: SolveRecord | None = None) -> dict[str, str]:
+    """The plan as a transformers ``tp_plan`` for ``DistributedConfig(tp_plan=...)``: module (or
+    parameter) name -> style, layer indices as ``*`` where every layer agrees.
+
+    Keys: a ``weight``/``bias`` is keyed by its module (a module's style is its weight's; biases
+    follow their weight); any other parameter (stacked experts' ``gate_up_proj``) by its own name,
+    as transformers' MoE plans are. Styles, read off the placement, the consumer's style and, with
+    ``record`` (the solve that fixed the plan), what happens around the module:
+
+    * column-parallel: ``colwise``, or ``colwise_gather_output`` when autotp all-gathers the
+      module's output (the output embedding always: autotp gathers the logits at the model
+      boundary); ``embedding_colwise`` for an embedding split on its features;
+    * row-parallel: ``rowwise``, or ``rowwise_split_input`` when the input the module reads is
+      replicated (each rank slices it locally); vocab-parallel embeddings ``embedding_rowwise``;
+    * fused weights stored strided (``StridedShard``: rank r holds chunk r of each segment):
+      ``packed_colwise`` / ``packed_rowwise`` when the layout is transformers' packed one, exactly
+      two equal segments (DTensor's ``_StridedShard(split_factor=2)``: gate | up) on the output dim
+      (``ndim - 2``) or the last dim. Any other strided layout (q | k | v: three segments, of
+      unequal sizes under GQA) has no transformers spelling, and plain ``colwise`` would split the
+      fused dim contiguously, giving rank 0 all of q and rank 1 k and v: the export refuses
+      (:class:`AutoTPError` naming the parameter and its segments);
+    * a stacked parameter split on its output or input dim: ``colwise`` / ``rowwise`` (transformers'
+      param styles shard dim ``ndim - 2`` / ``-1``); its module's reduction is the model's own
+      plan's entry (``moe_tp_experts``), which must exist.
+
+    ``DistributedConfig(tp_plan=...)`` overrides the model's own plan rule by rule and keeps the
+    rules it does not name, so with ``module`` every own-plan rule whose parameters autotp keeps
+    whole is exported as ``replicate``; other replicated modules are left out. Raises
+    :class:`AutoTPError` for a layout transformers cannot express."""
     out_emb = None
     embeddings: set[str] = set()
+    own_plan: dict[str, str] = {}
     if module is not None:
         emb = module.get_output_embeddings() if hasattr(module, "get_output_embeddings") else None
         out_emb = next((n for n, m in module.named_modules() if m is emb), None) if emb is not None else None
         embeddings = {n for n, m in module.named_modules() if isinstance(m, torch.nn.Embedding)}
-    by_module: dict[str, str] = {}
+        own_plan = dict(getattr(module, "tp_plan", None) or {})
+    gathered, split_inputs = _module_context(record) if record is not None else (set(), set())
+    by_key: dict[str, str] = {}
     for fqn, e in parameters.items():
         if e.get("tied_to"):
             continue
-        mod = fqn.rpartition(".")[0]
+        mod, _, leaf = fqn.rpartition(".")
+        key = mod if leaf in ("weight", "bias") else fqn
         ndim = len(e["global_shape"])
-        if mod in by_module and ndim < 2:
+        if key in by_key and ndim < 2:
             continue  # the weight decides
-        style = e["style"]
-        if style == "colwise" and mod == out_emb:
-            hf = "colwise_gather_output"
-        elif style == "colwise" and mod in embeddings:
-            hf = "embedding_colwise"
-        else:
-            hf = _HF_STYLE.get(style)
-        if hf is not None and (ndim >= 2 or mod not in by_module):
-            by_module[mod] = hf
+        hf = _hf_style(fqn, e, key, out_emb=out_emb, embeddings=embeddings, gathered=key in gathered,
+                       split_input=fqn in split_inputs, own_plan=own_plan)
+        if ndim < 2 and key != fqn and hf is not None and isinstance(parse(e["placement"]), StridedShard):
+            raise AutoTPError(f"{fqn} is stored {e['placement']}: transformers' packed styles split a bias "
+                              "contiguously, so no tp_plan spelling keeps this fused bias's layout")
+        if hf is not None and (ndim >= 2 or key not in by_key):
+            by_key[key] = hf
         elif ndim >= 2:
-            by_module.pop(mod, None)
+            by_key.pop(key, None)
     groups: dict[str, dict[str, str]] = {}
-    for mod, hf in by_module.items():
-        groups.setdefault(re.sub(r"(?<=\.)\d+(?=\.|$)", "*", mod), {})[mod] = hf
+    for key, hf in by_key.items():
+        groups.setdefault(_wildcard(key), {})[key] = hf
     plan: dict[str, str] = {}
     for key, members in groups.items():
         if len(set(members.values())) == 1:
             plan[key] = next(iter(members.values()))
         else:
             plan.update(members)
+    for rule in own_plan.keys() - plan.keys():
+        under = [e for fqn, e in parameters.items() if not e.get("tied_to") and _under(_wildcard(fqn), rule)]
+        if under and all(e["placement"] == "R" for e in under):
+            plan[rule] = "replicate"
     return dict(sorted(plan.items()))
+
+
+def _under(param: str, rule: str) -> bool:
+    """A parameter name (layers as ``*``) is the rule's parameter or one of its module's."""
+    return param == rule or param.rpartition(".")[0] == rule
+
+
+def _hf_style(fqn: str, e: Mapping[str, Any], key: str, *, out_emb: str | None, embeddings: set[str],
+              gathered: bool, split_input: bool, own_plan: Mapping[str, str]) -> str | None:
+    """One parameter's transformers style (None: replicated); see :func:`to_tp_plan`."""
+    placement, ndim, style = parse(e["placement"]), len(e["global_shape"]), e["style"]
+    if not isinstance(placement, Shard):
+        return None
+    bare = key == fqn
+    if isinstance(placement, StridedShard) and ndim >= 2:
+        segments = placement.segments
+        packed = len(segments) == _PACKED_SEGMENTS and len(set(segments)) == 1
+        if packed and placement.dim in (ndim - 2, ndim - 1):
+            return "packed_colwise" if placement.dim == ndim - 2 else "packed_rowwise"
+        raise AutoTPError(
+            f"{fqn} is a fused weight stored {placement}: rank r holds chunk r of each of its "
+            f"{len(segments)} segments ({' | '.join(map(str, segments))}) along dim {placement.dim}. transformers' "
+            "packed styles ('packed_colwise', 'packed_rowwise') express only two equal segments on the "
+            "output or last dim, and 'colwise' would split the fused dim contiguously, so no tp_plan "
+            f"spelling keeps this layout. Plan with the override {_wildcard(key)!r}: 'replicate' (autotp plan "
+            "--override) to export one.")
+    if bare and ndim >= 3 and style not in _HF_STYLE:
+        if placement.dim not in (ndim - 2, ndim - 1):
+            raise AutoTPError(f"{fqn} is stored {placement}: transformers shards a stacked parameter only on "
+                              f"dim {ndim - 2} (colwise) or {ndim - 1} (rowwise)")
+        owner = _wildcard(key.rpartition(".")[0])
+        if placement.dim == ndim - 1 and owner not in own_plan:
+            raise AutoTPError(f"{fqn} is row-parallel, so its module's output is a partial sum, and the "
+                              f"model's own tp_plan has no rule for {owner!r} that reduces it")
+        return "colwise" if placement.dim == ndim - 2 else "rowwise"
+    if style == "colwise":
+        if key == out_emb or gathered:
+            return "colwise_gather_output"
+        return "embedding_colwise" if key in embeddings else "colwise"
+    if style == "rowwise":
+        return "rowwise_split_input" if split_input else "rowwise"
+    if style in _HF_STYLE:
+        return _HF_STYLE[style]
+    raise AutoTPError(f"{fqn} is stored {placement}, read by an op autotp does not name a style for "
+                      f"({style!r}: not a linear, matmul or embedding), so its transformers style is unknown")
+
+
+def _module_context(record: SolveRecord) -> tuple[set[str], set[str]]:
+    """From the solve that fixed the plan: the modules whose output autotp all-gathers, and the
+    parameters whose consumer reads a replicated input (the first tensor it reads: a linear's
+    ``x``) that it slices locally."""
+    gathered = {s["origin"] for s in _sites(record) if s["kind"] == "all_gather"}
+    shadow, placements = record.shadow, record.solution.placements
+    index = {n: i for i, n in enumerate(shadow.dynamo_nodes)}
+    split: set[str] = set()
+    for node, fqn in record.fqn_of_aten.items():
+        consumer = record.consumers.get(node)
+        edge = shadow.edges.get((index.get(consumer), 0, 0)) if consumer is not None else None
+        if edge is None or edge.args[0] is node:
+            continue
+        if placements.get(edge.args[0]) == R and isinstance(placements.get(edge), Shard):
+            split.add(fqn)
+    return gathered, split
 
 
 # ---------------------------------------------------------------------------------------------

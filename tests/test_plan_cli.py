@@ -166,7 +166,10 @@ def test_cli_override_and_tp_plan(config_only: Path, capsys: pytest.CaptureFixtu
     out = capsys.readouterr().out
     assert code == 0
     plan = json.loads(out)
-    assert "lm_head" not in plan  # replicated modules are left out of a transformers tp_plan
+    # DistributedConfig(tp_plan=...) keeps the model's own rules it does not name, so a module the
+    # model's plan shards (Llama's lm_head) and autotp replicates is spelled out
+    assert plan["lm_head"] == "replicate"
+    assert "model.norm" not in plan  # other replicated modules are left out
     assert plan["model.layers.*.mlp.down_proj"] == "rowwise"
 
 
@@ -188,3 +191,14 @@ def test_a_hub_id_needs_only_its_config_json(tmp_path: Path, monkeypatch: pytest
     offline_hub(monkeypatch)
     config = load_config("org/tiny-qwen2", cache_dir=tmp_path / "cache", local_files_only=True)
     assert config.model_type == "qwen2" and config.num_hidden_layers == 2
+
+
+def test_cli_refuses_a_fused_layout_transformers_cannot_spell(tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """Phi-3's q | k | v (64 | 32 | 32 rows under GQA) is stored strided; transformers' packed styles
+    know two equal segments only, and plain colwise would split it contiguously."""
+    tiny_config("phi3", pad_token_id=120).save_pretrained(tmp_path)
+    assert main(["plan", str(tmp_path), "--tp", "2", "--tp-plan", "--no-decode"]) == 2
+    err = capsys.readouterr().err
+    assert "model.layers.0.self_attn.qkv_proj.weight" in err and "(64 | 32 | 32)" in err
+    assert "Traceback" not in err

@@ -258,6 +258,55 @@ def test_mixtral_moe_is_tensor_parallel_with_one_all_reduce_after_the_experts() 
         assert [(s["kind"], s["src"], s["dst"]) for s in after_experts] == [("all_reduce", "P", "R")]
 
 
+#: bf16 logits against one bf16 process: bf16 keeps 8 significant bits (a spacing of 2^-9 at the
+#: tiny model's logits, |x| < 0.6), and each row-parallel matmul's partial sums are rounded to bf16
+#: on every rank before the all-reduce adds them, where one process rounds the full sum once: a few
+#: units in the last place (measured: 0.0034 at most)
+BF16_ATOL, BF16_RTOL = 1e-2, 1.6e-2
+
+
+def test_bf16_moe_plans_like_fp32() -> None:
+    """Under Dynamo, transformers sends bf16 experts through ``torch._grouped_mm`` (fp32 through
+    its ``grouped_mm_fallback`` op); the planner traces parallelize_model's stride-0 stand-ins,
+    whose strides ``_grouped_mm``'s meta kernel used to reject. The bf16 plan is the fp32 plan,
+    block by block."""
+    from autotp.planner import plan_model
+
+    config = tiny_config("mixtral", pad_token_id=PAD_ID)
+    fp32 = plan_model(config, 2, decode=False)
+    bf16 = plan_model(config, 2, dtype="bfloat16", decode=False)
+    grouped = [n for n in bf16.record.shadow.aten.graph.nodes if n.target is torch.ops.aten._grouped_mm.default]
+    assert len(grouped) == 4  # gate_up and down of both blocks: the bf16 path, not the fallback
+    assert collectives_per_block(bf16.forward.sites) == collectives_per_block(fp32.forward.sites) \
+        == {layer: {"all_reduce": 2} for layer in range(2)}
+    assert_moe_is_tensor_parallel(bf16.parameters, num_layers=2)
+    for layer in range(2):
+        after_experts = [s for s in bf16.forward.sites if s["origin"] == f"model.layers.{layer}.mlp.experts"]
+        assert [(s["kind"], s["src"], s["dst"]) for s in after_experts] == [("all_reduce", "P", "R")]
+
+
+def _rank_logits(rank: int, world: int, folder: str) -> dict[str, Any]:
+    from autotp import parallelize_model
+
+    model = parallelize_model(folder, tp_size=world)
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor(PROMPT)).logits
+    return {"logits": logits, "plan": model.autotp.plans[0],
+            "dtypes": {p.dtype for p in model.parameters()}}
+
+
+def test_bf16_mixtral_loads_and_matches_one_process(tmp_path: Path) -> None:
+    folder = save_case(BY_ID["mixtral"], tmp_path / "mixtral_bf16", dtype=torch.bfloat16)
+    reference = _model_class("mixtral").from_pretrained(folder, dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        expected = reference(input_ids=torch.tensor(PROMPT)).logits
+    for r in run_ranks(_rank_logits, 2, str(folder)):
+        assert r["dtypes"] == {torch.bfloat16}
+        assert r["logits"].dtype == torch.bfloat16
+        torch.testing.assert_close(r["logits"], expected, atol=BF16_ATOL, rtol=BF16_RTOL)
+        assert_moe_is_tensor_parallel(r["plan"]["parameters"], num_layers=2)
+
+
 def _rank_seq2seq_generate(rank: int, world: int, folder: str) -> list[int]:
     from autotp import parallelize_model
 

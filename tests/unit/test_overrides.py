@@ -97,6 +97,18 @@ def test_feeding_back_the_exported_tp_plan_reproduces_the_plan_at_no_extra_cost(
         "model.layers.1.self_attn.q_proj.weight", "model.layers.1.self_attn.q_proj.bias"]
 
 
+def test_feeding_back_an_exported_packed_plan_reproduces_the_plan() -> None:
+    """Phi-3 with q | k | v kept whole exports gate | up as transformers' packed_colwise and its
+    own qkv_proj rule as replicate; both read back as overrides."""
+    free = plan_model(tiny_config("phi3", pad_token_id=120), 2, decode=False,
+                      overrides={"model.layers.*.self_attn.qkv_proj": "replicate"})
+    assert free.tp_plan["model.layers.*.mlp.gate_up_proj"] == "packed_colwise"
+    pinned = plan_model(tiny_config("phi3", pad_token_id=120), 2, decode=False, overrides=free.tp_plan)
+    assert {k: v["placement"] for k, v in pinned.parameters.items()} == \
+        {k: v["placement"] for k, v in free.parameters.items()}
+    assert pinned.tp_plan == free.tp_plan
+
+
 def test_an_override_with_no_valid_plan_is_refused_by_name() -> None:
     # embeddings are vocab-parallel only (docs/architecture.md): a column split has no rule
     with pytest.raises(AutoTPError, match=r"overrides 'model.embed_tokens': 'shard\(1\)' leave no valid placement plan"):
