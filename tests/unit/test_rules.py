@@ -1032,3 +1032,43 @@ def test_a_sharded_dropout_draws_its_own_mask_per_rank_and_follows_the_seed() ->
     other, _ = masks(1)
     assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
     assert not torch.equal(first[0], other[0])
+
+
+def test_heads_merged_behind_the_batch_stay_sharded_as_a_strided_shard() -> None:
+    """Eager attention at batch 2: (B, H, S, D) heads-sharded -> (B*H, S, D) is B segments of H
+    (rank r holds chunk r of each batch's heads), bmm and softmax keep it, and the split back to
+    (B, H, S, S) is a plain head shard again. BLOOM's alibi is (H, 1, S) repeated B times."""
+    merged = StridedShard(0, (8, 8))
+    assert outputs(ask(aten.view.default, (f(2, 8, 5, 4), [16, 5, 4]), [Shard(1)])) == [(merged, "shape")]
+    assert outputs(ask(aten.bmm.default, (f(16, 5, 4), f(16, 4, 5)), [merged, merged])) == [(merged, None)]
+    assert outputs(ask(aten._softmax.default, (f(16, 5, 5), -1, False), [merged])) == [(merged, None)]
+    assert outputs(ask(aten.view.default, (f(16, 5, 5), [2, 8, 5, 5]), [merged])) == [(Shard(1), "shape")]
+    assert outputs(ask(aten.repeat.default, (f(8, 1, 5), [2, 1, 1]), [Shard(0)])) == [(merged, None)]
+    assert outputs(ask(aten.baddbmm.default, (f(16, 1, 5), f(16, 5, 4), f(16, 4, 5)), [merged] * 3)) \
+        == [(merged, None)]
+    # a plain head shard of the merged dim would be wrong (rank 0 would hold all of batch 0)
+    assert ask(aten.bmm.default, (f(16, 5, 4), f(16, 4, 5)), [merged, Shard(0)]) == []
+    # three segments over four ranks: each rank's share of a segment is whole rows
+    assert outputs(ask(aten.view.default, (f(3, 8, 4), [24, 4]), [Shard(1)], world_size=4)) \
+        == [(StridedShard(0, (8, 8, 8)), "shape")]
+    # local sizes: the merged size is divided by N like a plain shard's ((B*H)/N rows per rank)
+    assert localize_sizes([16, 5, 4], merged, 2) == [8, 5, 4]
+
+
+def test_a_strided_merge_may_lie_on_a_dynamic_batch_only_with_static_segments() -> None:
+    """After a batch-1 warm-up Dynamo makes the batch symbolic. ``(B*H)`` is then a symbolic dim,
+    but its segments (H) are static, so the layout holds at every batch: the solver accepts an
+    equal-segment strided shard there and nothing else."""
+    f32 = torch.float32
+    x = TensorSpec((2, 8, 5, 4), f32, frozenset({0}))
+    heads = OpCall(aten.view.default, (x, [16, 5, 4]), {}, TensorSpec((16, 5, 4), f32, frozenset({0})), 2)
+    (cand,) = registry.lookup(aten.view.default)(heads, [Shard(1)])
+    assert cand.output == StridedShard(0, (8, 8))
+    assert cand.output.segment_size == 8 and StridedShard(0, (16, 8, 8)).segment_size is None
+    spec = TensorSpec((16, 5, 4), f32, frozenset({0}))
+    assert spec.shardable(0, StridedShard(0, (8, 8)))
+    assert not spec.shardable(0, Shard(0)) and not spec.shardable(0, StridedShard(0, (8, 4, 4)))
+    # merged with the symbolic sequence too, a segment would be H*S: not static, refused
+    flat = OpCall(aten.view.default, (TensorSpec((2, 8, 5, 4), f32, frozenset({0, 2})), [80, 4]), {},
+                  TensorSpec((80, 4), f32, frozenset({0})), 2)
+    assert registry.lookup(aten.view.default)(flat, [Shard(1)]) == []
