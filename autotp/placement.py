@@ -5,7 +5,9 @@
   dimension (never called an axis: "axis" is reserved for the device mesh).
 * ``Partial()`` — every rank holds a summand; the logical tensor is the sum over ranks.
 * ``StridedShard(dim, segments)`` — a ``Shard(dim)`` of a fused tensor (q | k | v): rank ``r`` holds
-  chunk ``r`` of each segment. Only produced by parameters whose fused output is split later.
+  chunk ``r`` of each segment. Produced by parameters whose fused output is split later, and by
+  merging a sharded dim behind other dims (eager attention's ``(B, heads) -> B*heads`` with heads
+  sharded is ``B`` equal segments of ``heads``).
 
 Placements are small frozen values: they hash, compare, and print as ``R``, ``S(1)``, ``P``.
 A multi-output op has a tuple of placements; a non-tensor value has ``None``.
@@ -53,6 +55,15 @@ class StridedShard(Shard):
         return f"S({self.dim}|{'+'.join(str(s) for s in self.segments)})"
 
     __repr__ = __str__
+
+    @property
+    def segment_size(self) -> int | None:
+        """The size every segment has, or None when they differ (q | k | v of unequal sizes).
+
+        Equal segments are what merging a sharded dim behind other dims gives (``(B, heads) ->
+        B*heads``): the layout then means the same whatever the number of segments, so it may
+        lie on a dim of symbolic size (a dynamic batch) as long as the segment size is static."""
+        return self.segments[0] if self.segments and len(set(self.segments)) == 1 else None
 
     def pieces(self, rank: int, world_size: int) -> list[tuple[int, int]]:
         """``[start, stop)`` along ``dim`` of each piece rank ``rank`` holds, in local order."""

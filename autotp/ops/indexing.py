@@ -307,17 +307,27 @@ def pad_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate]:
     return same(p)
 
 
-@register(*aten_ops("repeat.default"))
+@register(*aten_ops("repeat.default"), strided=OWN)
 def repeat_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate]:
-    """repeat(x, repeats): a Shard survives where its repeat count is 1 (new dims are leading)."""
+    """repeat(x, repeats): a Shard survives where its repeat count is 1 (new dims are leading);
+    repeated ``k > 1`` times along its dim it becomes strided, each copy one segment (rank ``r``
+    holds chunk ``r`` of every copy): BLOOM's ``alibi.repeat(B, 1, 1)`` of per-head slopes
+    ``(H, 1, S)`` S(0) is ``(B*H, 1, S)`` S(0|H+...+H), the layout of ``(B, H)`` merged. The local
+    op repeats its own chunk with the same counts."""
     p = inputs[0]
     if not isinstance(p, Shard):
         return same(p)
-    repeats = list(op.arg(1, "repeats"))
-    d = p.dim + len(repeats) - op.tensor_inputs[0].ndim
-    if repeats[d] != 1:
-        return reject(f"repeat along sharded dim {p.dim}")
-    return same(Shard(d))
+    x, spec = op.tensor_inputs[0], out_spec(op)
+    if spec is None:
+        return reject("repeat without a known output shape")
+    d = p.dim + spec.ndim - x.ndim
+    size = x.shape[p.dim]
+    k = spec.shape[d] // size if size else 0  # the count may be symbolic (a dynamic batch)
+    if k < 1:
+        return reject(f"repeat {k} times along sharded dim {p.dim} leaves nothing to shard")
+    if isinstance(p, StridedShard):
+        return same(StridedShard(d, p.segments * k))
+    return same(Shard(d) if k == 1 else StridedShard(d, (size,) * k))
 
 
 @register(*aten_ops("tril.default", "triu.default"))

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 
 from autotp.ops._common import R, aten_ops, is_float, out_spec
-from autotp.ops.registry import Candidate, OpCall, register, register_local, reject
-from autotp.placement import Partial, Placement, Replicate, Shard, normalize_dim
+from autotp.ops.registry import OWN, Candidate, OpCall, register, register_local, reject
+from autotp.placement import Partial, Placement, Replicate, Shard, StridedShard, normalize_dim
 
 SHARDED_SOFTMAX = "sharded_softmax"
 LOG_SOFTMAX_TARGETS = frozenset(aten_ops("_log_softmax.default", "log_softmax.int"))
@@ -57,14 +57,17 @@ def sharded_softmax_collectives(op: OpCall) -> tuple[tuple[str, int], ...]:
     return (("all_reduce", row_bytes), ("all_reduce", row_bytes))
 
 
-@register(*aten_ops("_softmax.default", "_log_softmax.default", "softmax.int", "log_softmax.int"))
+@register(*aten_ops("_softmax.default", "_log_softmax.default", "softmax.int", "log_softmax.int"), strided=OWN)
 def softmax_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate]:
-    """Softmax over ``dim``: Shard on another dim survives; on ``dim`` it survives through the
-    ``sharded_softmax`` rewrite (two row-sized all-reduces); a Partial input is infeasible."""
+    """Softmax over ``dim``: Shard on another dim survives (a strided one too: the ``(B*heads, S,
+    S)`` scores of eager attention); on ``dim`` it survives through the ``sharded_softmax``
+    rewrite (two row-sized all-reduces), unless strided; a Partial input is infeasible."""
     p = inputs[0]
     dim = normalize_dim(op.arg(1, "dim"), op.tensor_inputs[0].ndim)
     if isinstance(p, Partial):
         return reject("softmax of a Partial is not the sum of softmaxes")
+    if isinstance(p, StridedShard) and p.dim == dim:
+        return reject(f"softmax over the fused (strided) dim {dim}")
     if isinstance(p, Shard) and p.dim == dim:
         if not is_float(op.tensor_inputs[0].dtype):
             return reject(f"softmax over sharded dim {dim} of an integer tensor")

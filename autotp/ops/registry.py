@@ -46,9 +46,14 @@ class TensorSpec:
     dtype: torch.dtype
     symbolic: frozenset[int] = frozenset()
 
-    def shardable(self, dim: int) -> bool:
-        """False for a symbolic dim (see ``symbolic``)."""
-        return dim not in self.symbolic
+    def shardable(self, dim: int, placement: Placement | None = None) -> bool:
+        """False for a symbolic dim (see ``symbolic``), unless ``placement`` is a StridedShard of
+        equal segments: rules place one on a symbolic dim only with a static segment size (a
+        dynamic batch merged with sharded heads, ``autotp/ops/shape.py``), so every size the graph
+        runs at is a whole number of segments, each of which divides by N."""
+        if dim not in self.symbolic:
+            return True
+        return isinstance(placement, StridedShard) and placement.segment_size is not None
 
     @property
     def ndim(self) -> int:

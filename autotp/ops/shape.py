@@ -7,10 +7,24 @@ its dim. For reshapes, a sharded input dim ``d`` survives as output dim ``o`` ex
 
 i.e. ``d`` is the outermost factor of ``o`` (merging ``(kv, rep) -> kv*rep`` with ``kv`` sharded, or
 splitting ``H -> (heads, D)`` with ``H`` sharded and ``heads % N == 0``): then each rank's
-contiguous block of the flattened group is the same block on both sides. The reshape's constant
-sizes are global, so the local op must divide the size at the output shard dim by N: such
-candidates carry ``local="shape"``, implemented by :func:`localize_sizes` (the runtime rewrite
-imports it too).
+contiguous block of the flattened group is the same block on both sides.
+
+A sharded dim merged *behind* other dims (eager attention's ``(B, heads, S, D) -> (B*heads, S,
+D)`` with heads sharded) is not a plain Shard of the merged dim: rank ``r`` holds chunk ``r`` of
+each batch's heads, which is ``StridedShard(o, (heads,) * B)`` — the layout of fused q|k|v, with
+equal segments. In general the merged dim holds ``count`` segments of ``seg`` indices each:
+
+    prod(out_shape[o:]) == count * prod(in_shape[d:])   and   prod(in_shape[d:]) == seg * prod(out_shape[o+1:])
+
+with ``count >= 2`` and ``seg % N == 0``. The reverse split of such a dim (``(B*heads, S, S) ->
+(B, heads, S, S)``) gives back a plain Shard on the dim whose group is one segment:
+``prod(out_shape[o:]) == seg * prod(in_shape[d+1:])`` and ``out_shape[o] % N == 0``. Every
+segment is the same size, so the layout means the same at every batch size: a symbolic batch
+only changes how many segments there are, and the local sizes stay ``global / N``.
+
+The reshape's constant sizes are global, so the local op must divide the size at the output shard
+dim by N (a strided dim too: it holds ``seg / N`` of each segment): such candidates carry
+``local="shape"``, implemented by :func:`localize_sizes` (the runtime rewrite imports it too).
 """
 
 from __future__ import annotations
@@ -78,27 +92,70 @@ for _t in VIEW_OPS:
 
 @register(*VIEW_OPS, strided=OWN)
 def view_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate]:
-    """A reshape keeps R and P; a Shard survives if its dim is the outermost factor of an out dim."""
+    """A reshape keeps R and P; a Shard survives if its dim is the outermost factor of an out dim,
+    and becomes strided if it is merged behind other dims (see the module docstring)."""
     p = inputs[0]
     if isinstance(p, (Replicate, Partial)):
         return same(p)
     x = op.tensor_inputs[0]
     out = _resolved_out_shape(op, x.numel, op.arg(1, "size", op.kwargs.get("shape")))
     n = op.world_size
+    suffix = math.prod(x.shape[p.dim:])  # elements per index of the dims before d
     if isinstance(p, StridedShard):
-        # a fused dim survives only whole: (B*S, 192) S(1|64+64+64) -> (B, S, 192) S(2|64+64+64)
-        suffix = math.prod(x.shape[p.dim:])
+        # a fused dim survives whole: (B*S, 192) S(1|64+64+64) -> (B, S, 192) S(2|64+64+64)
         for o in range(len(out)):
             if out[o] == x.shape[p.dim] and math.prod(out[o:]) == suffix:
                 return [Candidate(StridedShard(o, p.segments), local="shape")]
-        return reject(f"a view splits or merges the fused dim {p.dim} of {x.shape} (segments {p.segments})")
-    suffix = math.prod(x.shape[p.dim:])  # elements per index of the dims before d
+        # equal segments split apart: (B*H, S, S) S(0|H+H) -> (B, H, S, S) S(1)
+        if p.segment_size is not None:
+            segment = p.segment_size * math.prod(x.shape[p.dim + 1:])
+            for o in range(len(out)):
+                if math.prod(out[o:]) == segment and out[o] >= n and out[o] % n == 0 \
+                        and _static_segment(op, x.shape[p.dim + 1:], out, o):
+                    return [Candidate(Shard(o), local="shape")]
+        return reject(f"a view splits or merges the fused dim {p.dim} of {x.shape} (segments {p.segments}) "
+                      f"other than into whole segments: {out}")
     for o in range(len(out)):
         if math.prod(out[o:]) == suffix and out[o] >= n and out[o] % n == 0:
             # e.g. (B, S, H) S(2) -> (B, S, heads, D) S(2): local sizes (B, S, heads/N, D)
             return [Candidate(Shard(o), local="shape")]
-    return reject(f"sharded dim {p.dim} of {x.shape} is not the outermost factor of a divisible "
-                  f"dim of {out}")
+    merged = _merged_behind(x.shape[p.dim:], out, n)
+    if merged is not None and _static_segment(op, x.shape[p.dim + 1:], out, merged.dim):
+        # e.g. (B, H, S, D) S(1) -> (B*H, S, D) S(0|H+H): local sizes (B*H/N, S, D)
+        return [Candidate(merged, local="shape")]
+    return reject(f"sharded dim {p.dim} of {x.shape} is neither the outermost factor of a divisible "
+                  f"dim of {out} nor merged whole behind other dims")
+
+
+def _static_segment(op: OpCall, inner: Sequence[int], out: Sequence[int], o: int) -> bool:
+    """Whether the segment a strided dim ``o`` of the view's output is cut into (or split from)
+    has a static size. In a graph of static sizes it has. Where the output has a symbolic dim (a
+    dynamic batch), only the plain ``(B, heads, S, D) <-> (B*heads, S, D)`` regrouping is allowed:
+    the dims after ``o`` are the input's dims after the sharded one, so a segment is the sharded
+    dim itself (static, as every plain shard is) and only the number of segments varies."""
+    spec = out_spec(op)
+    if spec is None or not spec.symbolic:
+        return True
+    return tuple(out[o + 1:]) == tuple(inner)
+
+
+def _merged_behind(tail: Sequence[int], out: Sequence[int], world_size: int) -> StridedShard | None:
+    """The strided placement of an output dim that holds the sharded input dim ``tail[0]`` whole
+    behind ``count >= 2`` indices of outer dims, ``tail`` being the input's sizes from the sharded
+    dim on: ``(H, S, D)`` into ``(B*H, S, D)`` is ``S(0|H+H)`` for ``B = 2``. None if no out dim
+    holds it so: the dims after ``o`` must tile the tail, and each rank's chunk of a segment
+    (``prod(tail) / N`` elements) must be whole indices of ``o``."""
+    block = math.prod(tail)
+    if block == 0:
+        return None
+    for o in range(len(out)):
+        total, below = math.prod(out[o:]), math.prod(out[o + 1:])
+        if below == 0 or total % block or total // block < 2 or block % below:
+            continue
+        seg = block // below  # indices of dim o per segment; a rank's chunk of it is whole indices
+        if seg % world_size == 0:
+            return StridedShard(o, (seg,) * (total // block))
+    return None
 
 
 EXPAND_OPS = aten_ops("expand.default", "expand_copy.default")

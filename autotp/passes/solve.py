@@ -276,7 +276,7 @@ def _shards_symbolic_dim(out: Any, spec: Any) -> bool:
     """True if placement ``out`` shards a dim that ``spec`` marks symbolic."""
     if isinstance(out, tuple) and isinstance(spec, tuple):
         return any(_shards_symbolic_dim(o, s) for o, s in zip(out, spec, strict=False))
-    return isinstance(out, Shard) and isinstance(spec, TensorSpec) and not spec.shardable(out.dim)
+    return isinstance(out, Shard) and isinstance(spec, TensorSpec) and not spec.shardable(out.dim, out)
 
 
 def _arg_specs(arg: Any) -> Any:

@@ -36,7 +36,7 @@ from autotp.ops.embedding import vocab_parallel_embedding
 from autotp.ops.random import RANK_RNG
 from autotp.ops.registry import Candidate, OpCall, Rejected, TensorSpec
 from autotp.ops.shape import localize_sizes
-from autotp.placement import Partial, Placement, Replicate, Shard, local_shape, shard_candidates
+from autotp.placement import Partial, Placement, Replicate, Shard, StridedShard, local_shape, shard_candidates
 
 aten = torch.ops.aten
 R, P = Replicate(), Partial()
@@ -173,6 +173,7 @@ class Sample:
     world_sizes: tuple[int, ...] = WORLD_SIZES
     rtol: float = RTOL
     atol: float = ATOL
+    strided: bool = False  # also try equal-segment StridedShard inputs (a merged (batch, heads) dim)
 
     @property
     def name(self) -> str:
@@ -182,8 +183,9 @@ class Sample:
 SAMPLES: list[Sample] = []
 
 
-def sample(target: Any, *args: Any, exact: bool = True, values: bool = True, **kwargs: Any) -> None:
-    SAMPLES.append(Sample(target, args, kwargs, exact=exact, values=values))
+def sample(target: Any, *args: Any, exact: bool = True, values: bool = True, strided: bool = False,
+           **kwargs: Any) -> None:
+    SAMPLES.append(Sample(target, args, kwargs, exact=exact, values=values, strided=strided))
 
 
 def compute(target: Any, *args: Any, **kwargs: Any) -> None:
@@ -314,6 +316,9 @@ for _target in [aten._softmax.default, aten._log_softmax.default]:
     compute(_target, f(6, 4, 12), -1, False)
     compute(_target, f(6, 4, 12), 0, False)
 compute(aten.softmax.int, f(6, 4, 3), 1)
+compute(aten._softmax.default, f(12, 5, 5), -1, False, strided=True)
+compute(aten._softmax.default, f(12, 5, 5), 0, False, strided=True)
+compute(aten.add.Tensor, f(12, 5, 5), f(12, 1, 5), strided=True)
 compute(aten.log_softmax.int, f(6, 4, 3), -1)
 compute(aten.native_layer_norm.default, f(6, 4, 6), [6], f(6), f(6), 1e-5)
 compute(aten.native_layer_norm.default, f(6, 4, 6), [4, 6], f(4, 6), None, 1e-5)
@@ -327,6 +332,9 @@ compute(aten.addmm.default, f(1, 10), f(6, 12), f(12, 10))
 compute(aten.baddbmm.default, f(4, 6, 10), f(4, 6, 3), f(4, 3, 10))
 compute(aten.baddbmm.default, f(10), f(4, 6, 3), f(4, 3, 10), alpha=0.5)
 compute(aten.mv.default, f(6, 12), f(12))
+compute(aten.bmm.default, f(12, 5, 4), f(12, 4, 5), strided=True)  # eager attention's (B*H) scores
+compute(aten.baddbmm.default, f(12, 1, 5), f(12, 5, 4), f(12, 4, 5), beta=1.0, alpha=0.5,
+        strided=True)  # BLOOM: alibi (B*H, 1, S) + q @ k
 compute(aten.dot.default, f(12), f(12))
 compute(aten.matmul.default, f(2, 6, 12), f(12, 10))
 compute(aten.matmul.default, f(4, 1, 6, 3), f(2, 3, 10))
@@ -356,6 +364,17 @@ sample(aten.view.default, f(6, 4), [1, 6, 4, 1])
 sample(aten.view.default, f(6, 4), [-1])
 sample(aten.view.default, ints(9, 6, 4), [2, 3, 4])
 sample(aten.view.default, f(2, 3, 2, 6), [2, 6, 6])  # (kv, rep) merge with kv sharded
+# eager attention at batch > 1: (B, heads) merged into one dim and split back; heads sharded is a
+# strided shard of the merged dim (B segments of heads), tried with strided inputs too
+for _target in [aten.view.default, aten._unsafe_view.default, aten.reshape.default]:
+    sample(_target, f(2, 6, 5, 4), [12, 5, 4], strided=True)  # (B, H, S, D) -> (B*H, S, D)
+    sample(_target, f(12, 5, 5), [2, 6, 5, 5], strided=True)  # (B*H, S, S) -> (B, H, S, S)
+sample(aten.view.default, f(3, 6, 4), [18, 4], strided=True)  # three segments
+sample(aten.view.default, f(3, 6, 4), [-1], strided=True)  # merged with the dims behind it too
+sample(aten.view.default, f(2, 6, 5, 4), [4, 3, 20], strided=True)  # the merged dim cuts the sharded one
+sample(aten.view.default, f(18, 4), [3, 6, 4], strided=True)
+sample(aten.view.default, f(2, 4, 3), [3, 8], strided=True)  # no whole-row chunk: rejected
+sample(aten.view.default, f(12, 5, 4), [12, 20], strided=True)  # a strided dim kept whole
 for _target in [aten.expand.default, aten.expand_copy.default]:
     sample(_target, f(6, 1, 3), [2, 6, 4, 3])
     sample(_target, f(6, 1, 3), [-1, 12, -1])
@@ -427,6 +446,8 @@ sample(aten.constant_pad_nd.default, f(6, 4, 3), [1, 1], 0.0)
 sample(aten.constant_pad_nd.default, f(6, 4, 3), [0, 0, 2, 0], 0.5)
 sample(aten.repeat.default, f(6, 4), [2, 1, 1])
 sample(aten.repeat.default, f(6, 4), [1, 3])
+sample(aten.repeat.default, f(6, 1, 4), [2, 1, 1], strided=True)  # BLOOM's alibi: (H, 1, S) -> (B*H, 1, S)
+sample(aten.repeat.default, f(2, 6, 4), [1, 3, 1], strided=True)
 sample(aten.tril.default, f(2, 4, 4))
 sample(aten.triu.default, f(6, 4, 4), 1)
 sample(aten.flip.default, f(6, 4, 3), [0])
@@ -535,16 +556,23 @@ def _out_spec(result: Any) -> Any:
     return _spec(result)
 
 
-def options(t: torch.Tensor, world_size: int) -> list[Placement]:
-    """The placements the solver may ask about for this tensor."""
+def options(t: torch.Tensor, world_size: int, strided: bool = False) -> list[Placement]:
+    """The placements the solver may ask about for this tensor (with ``strided``, also every
+    split of a dim into 2 or more equal segments that divide by N: a merged (batch, heads) dim)."""
     opts: list[Placement] = [R]
     if t.is_floating_point():
         opts.append(P)
-    return opts + shard_candidates(tuple(t.shape), world_size)
+    opts += shard_candidates(tuple(t.shape), world_size)
+    if strided:
+        opts += [StridedShard(d, (size // k,) * k) for d, size in enumerate(t.shape)
+                 for k in range(2, size + 1) if size % k == 0 and size // k % world_size == 0]
+    return opts
 
 
 def distribute(t: torch.Tensor, p: Placement, world_size: int, gen: torch.Generator) -> list[torch.Tensor]:
     """The N local tensors of ``t`` under ``p``."""
+    if isinstance(p, StridedShard):
+        return [piece.contiguous() for piece in strided_pieces(t, p, world_size)]
     if isinstance(p, Shard):
         return [c.contiguous() for c in torch.chunk(t, world_size, p.dim)]
     if isinstance(p, Partial):
@@ -575,7 +603,9 @@ def _check(name: str, outs: list[Any], p: Any, full: Any, world_size: int, exact
     for r, o in enumerate(outs):
         assert tuple(o.shape) == expect_local, f"{name}: rank {r} holds {tuple(o.shape)}, {p} needs {expect_local}"
         assert o.dtype == full.dtype, f"{name}: dtype {o.dtype} != {full.dtype}"
-    if isinstance(p, Shard):
+    if isinstance(p, StridedShard):
+        got = unstride(outs, p, world_size)
+    elif isinstance(p, Shard):
         got = torch.cat(outs, p.dim)
     elif isinstance(p, Partial):
         assert full.is_floating_point(), f"{name}: a {full.dtype} result cannot be Partial"
@@ -606,7 +636,7 @@ def check_sample(s: Sample) -> int:
     simulated = 0
     for world_size in s.world_sizes:
         op = OpCall(s.target, spec_args, spec_kwargs, _out_spec(full), world_size)
-        choices = [options(leaves[i], world_size) for i in tensor_pos]
+        choices = [options(leaves[i], world_size, s.strided) for i in tensor_pos]
         for combo in itertools.product(*choices):
             cands = rule(op, list(combo))
             assert isinstance(cands, list), f"{s.name}: rule returned {type(cands)}"
@@ -763,7 +793,8 @@ def test_vocab_parallel_cross_entropy_keeps_the_logits_sharded() -> None:
     (aten.mm.default, (f(6, 12), f(12, 10)), [Shard(0), Shard(1)], {}),
     (aten.addmm.default, (f(10), f(6, 12), f(12, 10)), [R, R, Shard(1)], {}),
     (aten.view.default, (f(2, 6, 12), [2, 6, 3, 4]), [Shard(2)], {}),
-    (aten.view.default, (f(2, 6, 12), [12, 12]), [Shard(1)], {}),
+    (aten.view.default, (f(2, 4, 3), [3, 8]), [Shard(1)], {}),  # a rank's heads are not whole rows
+    (aten.view.default, (f(12, 5, 5), [2, 6, 25]), [StridedShard(0, (4, 4, 4))], {}),  # not per segment
     (aten.cat.default, ([f(6, 4), f(6, 4)], 1), [Shard(1), Shard(1)], {}),
     (aten.cat.default, ([f(6, 4), f(6, 4)], 0), [Shard(1), R], {}),
     (aten.slice.Tensor, (f(6, 4), 0, 0, 2), [Shard(0)], {}),
@@ -875,10 +906,16 @@ def strided_pieces(t: torch.Tensor, p: Any, world_size: int) -> list[torch.Tenso
             for r in range(world_size)]
 
 
+def unstride(local: list[torch.Tensor], p: Any, world_size: int) -> torch.Tensor:
+    """Inverse of :func:`strided_pieces`: the whole tensor from the N local ones."""
+    steps = [size // world_size for size in p.segments]
+    pieces = [o.split(steps, p.dim) for o in local]
+    return torch.cat([pieces[r][i] for i in range(len(steps)) for r in range(world_size)], p.dim)
+
+
 def _simulate(target: Any, args: tuple, placements: list[Any], world_size: int) -> tuple[Any, list[Any]]:
     """Ask the rule, then run its single candidate on every rank (strided inputs cut by
     :func:`strided_pieces`, Shard by chunk, R whole); returns (candidate, per-rank outputs)."""
-    from autotp.placement import StridedShard
 
     (cand,) = ask(target, args, placements, world_size)
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
@@ -909,7 +946,6 @@ def _simulate(target: Any, args: tuple, placements: list[Any], world_size: int) 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_a_fused_projection_sharded_strided_splits_into_plain_head_shards(world_size: int) -> None:
     # GPT-2's c_attn: addmm(bias, x, W (in, q|k|v)) then split(64) along the fused dim
-    from autotp.placement import StridedShard
 
     segs = (16, 8, 8)  # q | k | v of different sizes (GQA), each divisible by 2 and 4
     bias, x, w = f(32), f(6, 12), f(12, 32)
@@ -933,7 +969,6 @@ def test_a_fused_projection_sharded_strided_splits_into_plain_head_shards(world_
 
 
 def test_a_fused_shard_survives_only_ops_that_keep_its_dim_whole() -> None:
-    from autotp.placement import StridedShard
 
     fused = StridedShard(2, (8, 8, 8))
     x = f(2, 3, 24)
@@ -955,7 +990,6 @@ def test_fused_segmentations_are_read_off_splits_and_tiling_slices() -> None:
     from torch.fx.experimental.proxy_tensor import make_fx
 
     from autotp.ops.fused import fused_segmentations, strided_candidates
-    from autotp.placement import StridedShard
 
     def program(qkv: torch.Tensor, gate_up: torch.Tensor) -> tuple:
         q, k, v = qkv[..., :16], qkv[..., 16:24], qkv[..., 24:]
@@ -998,3 +1032,43 @@ def test_a_sharded_dropout_draws_its_own_mask_per_rank_and_follows_the_seed() ->
     other, _ = masks(1)
     assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
     assert not torch.equal(first[0], other[0])
+
+
+def test_heads_merged_behind_the_batch_stay_sharded_as_a_strided_shard() -> None:
+    """Eager attention at batch 2: (B, H, S, D) heads-sharded -> (B*H, S, D) is B segments of H
+    (rank r holds chunk r of each batch's heads), bmm and softmax keep it, and the split back to
+    (B, H, S, S) is a plain head shard again. BLOOM's alibi is (H, 1, S) repeated B times."""
+    merged = StridedShard(0, (8, 8))
+    assert outputs(ask(aten.view.default, (f(2, 8, 5, 4), [16, 5, 4]), [Shard(1)])) == [(merged, "shape")]
+    assert outputs(ask(aten.bmm.default, (f(16, 5, 4), f(16, 4, 5)), [merged, merged])) == [(merged, None)]
+    assert outputs(ask(aten._softmax.default, (f(16, 5, 5), -1, False), [merged])) == [(merged, None)]
+    assert outputs(ask(aten.view.default, (f(16, 5, 5), [2, 8, 5, 5]), [merged])) == [(Shard(1), "shape")]
+    assert outputs(ask(aten.repeat.default, (f(8, 1, 5), [2, 1, 1]), [Shard(0)])) == [(merged, None)]
+    assert outputs(ask(aten.baddbmm.default, (f(16, 1, 5), f(16, 5, 4), f(16, 4, 5)), [merged] * 3)) \
+        == [(merged, None)]
+    # a plain head shard of the merged dim would be wrong (rank 0 would hold all of batch 0)
+    assert ask(aten.bmm.default, (f(16, 5, 4), f(16, 4, 5)), [merged, Shard(0)]) == []
+    # three segments over four ranks: each rank's share of a segment is whole rows
+    assert outputs(ask(aten.view.default, (f(3, 8, 4), [24, 4]), [Shard(1)], world_size=4)) \
+        == [(StridedShard(0, (8, 8, 8)), "shape")]
+    # local sizes: the merged size is divided by N like a plain shard's ((B*H)/N rows per rank)
+    assert localize_sizes([16, 5, 4], merged, 2) == [8, 5, 4]
+
+
+def test_a_strided_merge_may_lie_on_a_dynamic_batch_only_with_static_segments() -> None:
+    """After a batch-1 warm-up Dynamo makes the batch symbolic. ``(B*H)`` is then a symbolic dim,
+    but its segments (H) are static, so the layout holds at every batch: the solver accepts an
+    equal-segment strided shard there and nothing else."""
+    f32 = torch.float32
+    x = TensorSpec((2, 8, 5, 4), f32, frozenset({0}))
+    heads = OpCall(aten.view.default, (x, [16, 5, 4]), {}, TensorSpec((16, 5, 4), f32, frozenset({0})), 2)
+    (cand,) = registry.lookup(aten.view.default)(heads, [Shard(1)])
+    assert cand.output == StridedShard(0, (8, 8))
+    assert cand.output.segment_size == 8 and StridedShard(0, (16, 8, 8)).segment_size is None
+    spec = TensorSpec((16, 5, 4), f32, frozenset({0}))
+    assert spec.shardable(0, StridedShard(0, (8, 8)))
+    assert not spec.shardable(0, Shard(0)) and not spec.shardable(0, StridedShard(0, (8, 4, 4)))
+    # merged with the symbolic sequence too, a segment would be H*S: not static, refused
+    flat = OpCall(aten.view.default, (TensorSpec((2, 8, 5, 4), f32, frozenset({0, 2})), [80, 4]), {},
+                  TensorSpec((80, 4), f32, frozenset({0})), 2)
+    assert registry.lookup(aten.view.default)(flat, [Shard(1)]) == []
