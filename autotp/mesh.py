@@ -80,9 +80,11 @@ def check_layout(mesh: Any, world_size: int, data_parallel: Any) -> MeshLayout:
                 f"mesh=...; {_MESH_HINT}"
             )
         return MeshLayout(tp_size=world_size, dp_size=1)
-    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
-    if not hasattr(mesh, "mesh_dim_names") or not hasattr(mesh, "size"):
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if not isinstance(mesh, DeviceMesh):
         raise AutoTPError(f"mesh must be a torch.distributed DeviceMesh, got {type(mesh).__name__}; {_MESH_HINT}")
+    names = tuple(mesh.mesh_dim_names or ())
     allowed = ((TP_AXIS,), (DP_AXIS, TP_AXIS))
     if names not in allowed:
         raise AutoTPError(

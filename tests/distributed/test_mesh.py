@@ -110,3 +110,54 @@ def test_a_2x2_mesh_trains_like_one_process_on_the_whole_batch(tiny: tuple[Path,
     else:  # DDP keeps each tp rank's whole shard on every dp rank: about half
         for r in results:
             assert r["bytes"] >= ref["bytes"] / 2 - ref["small_bytes"]
+
+
+def _bad_inputs(rank: int, world: int, folder: str, odd_folder: str) -> dict[str, str]:
+    """Each bad mesh or data-parallel argument, on 2 ranks; returns the AutoTPError messages. Any
+    checkpoint read before the refusal fails the case instead."""
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+    import autotp
+    import autotp.api
+
+    def no_reads(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a checkpoint was opened before the mesh was checked")
+
+    autotp.api.Checkpoint = no_reads
+    cases = {
+        "unnamed dims": lambda: autotp.parallelize_model(folder, mesh=init_device_mesh("cpu", (1, 2))),
+        "other names": lambda: autotp.parallelize_model(
+            folder, mesh=init_device_mesh("cpu", (1, 2), mesh_dim_names=("replica", "shard"))),
+        "dp x tp != world": lambda: autotp.parallelize_model(
+            folder, mesh=DeviceMesh("cpu", torch.tensor([[0]]), mesh_dim_names=("dp", "tp"))),
+        "tp does not divide": lambda: autotp.parallelize_model(
+            odd_folder, mesh=init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))),
+        "unknown engine": lambda: autotp.parallelize_model(
+            folder, mesh=init_device_mesh("cpu", (2, 1), mesh_dim_names=("dp", "tp")), data_parallel="zero3"),
+        "engine without dp dim": lambda: autotp.parallelize_model(
+            folder, mesh=init_device_mesh("cpu", (2,), mesh_dim_names=("tp",)), data_parallel="ddp"),
+        "tp_size disagrees": lambda: autotp.parallelize_model(
+            folder, tp_size=1, mesh=init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))),
+    }
+    messages = {}
+    for name, call in cases.items():
+        try:
+            call()
+            messages[name] = "no error"
+        except autotp.AutoTPError as e:
+            messages[name] = str(e)
+    return messages
+
+
+def test_bad_meshes_and_engines_are_refused_before_any_weight_is_read(tmp_path: Path) -> None:
+    folder = save_tiny("llama", tmp_path / "llama", seed=0)
+    odd = save_tiny("llama", tmp_path / "odd", seed=0, intermediate_size=127)  # 127 does not split in 2
+    for m in run_ranks(_bad_inputs, 2, str(folder), str(odd)):
+        assert "named (\"dp\", \"tp\")" in m["unnamed dims"] and "init_device_mesh" in m["unnamed dims"]
+        assert "('replica', 'shard')" in m["other names"]
+        assert "dp=1 x tp=1 = 1 ranks but the world has 2" in m["dp x tp != world"]
+        assert "intermediate_size=127" in m["tp does not divide"]
+        assert "Valid tp sizes for this model: [1]" in m["tp does not divide"]
+        assert "'zero3'" in m["unknown engine"] and "['fsdp', 'ddp']" in m["unknown engine"]
+        assert "needs a \"dp\" dim" in m["engine without dp dim"]
+        assert "disagrees with the mesh's \"tp\" dim (2)" in m["tp_size disagrees"]
