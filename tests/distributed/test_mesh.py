@@ -161,3 +161,27 @@ def test_bad_meshes_and_engines_are_refused_before_any_weight_is_read(tmp_path: 
         assert "'zero3'" in m["unknown engine"] and "['fsdp', 'ddp']" in m["unknown engine"]
         assert "needs a \"dp\" dim" in m["engine without dp dim"]
         assert "disagrees with the mesh's \"tp\" dim (2)" in m["tp_size disagrees"]
+
+
+def _rank_compile_on_mesh(rank: int, world: int, folder: str) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import AutoModelForCausalLM
+
+    from autotp.context import meta_of
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    ids = IDS[mesh.get_local_rank("dp"): mesh.get_local_rank("dp") + 1]  # each replica its own row
+    with torch.no_grad():
+        ref = model(input_ids=ids, use_cache=False).logits
+        out = torch.compile(model, backend="autotp", options={"mesh": mesh})(input_ids=ids, use_cache=False).logits
+    q = meta_of(model.model.layers[0].self_attn.q_proj.weight)
+    return {"err": (out - ref).abs().max().item(), "ref_max": ref.abs().max().item(),
+            "q_local": tuple(q.local.shape), "q_global": tuple(q.global_shape)}
+
+
+def test_torch_compile_with_a_mesh_runs_tensor_parallel_on_its_tp_dim(tmp_path: Path) -> None:
+    folder = save_tiny("llama", tmp_path / "llama", seed=0)
+    for r in run_ranks(_rank_compile_on_mesh, 4, str(folder)):
+        assert r["err"] <= 1e-5 + 1e-4 * r["ref_max"]  # equal to the uncompiled model on the replica's row
+        assert r["q_local"] == (r["q_global"][0] // 2, r["q_global"][1])  # split over tp=2, not the 4 ranks
