@@ -108,7 +108,7 @@ def _apply_ddp(model: torch.nn.Module, dp_mesh: Any, device: torch.device) -> to
     entry = _Entry(model, run)
     ddp = torch.nn.parallel.DistributedDataParallel(
         entry, device_mesh=dp_mesh, device_ids=[device] if device.type == "cuda" else None,
-        broadcast_buffers=False,  # buffers are constants rebuilt from the config (rotary tables)
+        forward_sync_buffers=False,  # buffers are constants rebuilt from the config (rotary tables)
     )
     model.forward = _DDPForward(ddp, getattr(run, "__signature__", None) or _signature(model))
     return ddp

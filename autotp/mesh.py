@@ -48,6 +48,11 @@ class MeshLayout:
         """The process group tensor parallelism runs on (None: the default group)."""
         return None if self.mesh is None else self.mesh[TP_AXIS].get_group()
 
+    def dp_rank(self) -> int:
+        """This rank's index along ``"dp"`` (0 without a mesh or a ``"dp"`` dim)."""
+        dp = self.dp_mesh()
+        return 0 if dp is None else int(dp.get_local_rank())
+
     def dp_mesh(self) -> Any:
         """The 1-D data-parallel sub-mesh (None without a ``"dp"`` dim)."""
         if self.mesh is None or DP_AXIS not in (self.mesh.mesh_dim_names or ()):
