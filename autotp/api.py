@@ -36,6 +36,7 @@ from autotp.errors import AutoTPError, divisors_up_to
 from autotp.hf_config import read_config
 from autotp.inputs import TokenIdCheck
 from autotp.memory import no_guard_latency_profile, release_free_memory
+from autotp.mesh import MeshLayout, check_data_parallel, check_layout, check_tp_size
 from autotp.placement import R
 from autotp.progress import load_progress
 from autotp.weights import (
@@ -60,6 +61,10 @@ class AutoTPHandle:
     context: TPContext
     folder: Path | None
     plans: list[dict] = field(default_factory=list)
+    #: the device mesh (dims "dp", "tp") and data-parallel engine, when ``mesh=`` was given
+    layout: MeshLayout | None = None
+    #: the data-parallel side (:class:`autotp.data_parallel.DataParallel`), with ``data_parallel=``
+    data_parallel: Any = None
 
     @property
     def plan(self) -> dict | None:
@@ -238,6 +243,8 @@ def parallelize_model(
     fuse: bool = True,
     compile_inner: str | None = None,
     shared_memory: bool = True,
+    mesh: Any = None,
+    data_parallel: str | None = None,
     **overrides: Any,
 ) -> torch.nn.Module:
     """Load ``model`` (Hub id or local folder) tensor-parallel over the current process group.
@@ -271,7 +278,18 @@ def parallelize_model(
     256 KB per rank, e.g. a decode step's logits) go through a shared-memory segment instead of
     gloo's TCP loopback (:class:`~autotp.collectives.SharedMemoryCollectives`); ``False`` keeps
     gloo for all.
+    ``mesh``: a ``DeviceMesh`` with dims named ``("dp", "tp")`` (``init_device_mesh(device, (dp,
+    tp), mesh_dim_names=("dp", "tp"))``): tensor parallelism runs on ``mesh["tp"]``, and
+    ``data_parallel="fsdp"`` (FSDP2's ``fully_shard``) or ``"ddp"`` (``DistributedDataParallel``)
+    averages gradients over ``mesh["dp"]`` (:mod:`autotp.data_parallel`); without a mesh the whole
+    world is the tp group.
     """
+    data_parallel = check_data_parallel(data_parallel)
+    if data_parallel is not None and not warmup:
+        raise AutoTPError(f"data_parallel={data_parallel!r} needs warmup=True: the data-parallel engine "
+                          "takes the local shards the warm-up loads")
+    if data_parallel == "fsdp":
+        fuse = False  # FSDP2 owns the parameter storage; a fused buffer would be a second copy
     dtype = parse_dtype(dtype)
     trace_dir = trace_dir or os.environ.get("AUTOTP_TRACE_DIR") or None
     if progress is None:  # the library reads the environment here, at its entry point, only
@@ -288,7 +306,12 @@ def parallelize_model(
         timeout = datetime.timedelta(seconds=timeout)
     if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:
         ensure_process_group(timeout=timeout)
-    comm = Comm.from_default_group() if dist.is_available() and dist.is_initialized() else Comm.single()
+    joined = dist.is_available() and dist.is_initialized()
+    layout = check_layout(mesh, dist.get_world_size() if joined else 1, data_parallel)
+    if layout.mesh is not None:
+        comm = Comm.from_group(layout.tp_group())
+    else:
+        comm = Comm.from_default_group() if joined else Comm.single()
     world = comm.world_size
     health = attach_health(comm)  # names the failed rank when a collective fails (autotp.health)
     if health is not None:
@@ -302,7 +325,7 @@ def parallelize_model(
     if compile_inner is None:
         config = dataclasses.replace(config, compile_inner=default_compile_inner(device))
     show_progress = bool(progress) and comm.rank == 0
-    threads = threads_per_rank(device, os.environ, world, os.cpu_count() or 1)
+    threads = threads_per_rank(device, os.environ, world * layout.dp_size, os.cpu_count() or 1)
     if threads is not None:
         torch.set_num_threads(threads)
 
@@ -310,11 +333,7 @@ def parallelize_model(
                                 local_files_only=local_files_only, progress=show_progress)
     hf_config = _load_config(folder, trust_remote_code)
     check_divisible(hf_config, config.tp_size or world)
-    if config.tp_size is not None and config.tp_size != world:
-        raise AutoTPError(
-            f"tp_size={config.tp_size} but the process group has {world} ranks; launch with "
-            f"`torchrun --nproc-per-node {config.tp_size}` (autotp uses the whole group for tensor parallelism)"
-        )
+    check_tp_size(layout, config.tp_size)
     module = build_meta_model(hf_config, dtype=dtype, trust_remote_code=trust_remote_code)
     checkpoint = Checkpoint(folder)
     checkpoint.add_conversions_for(module)  # names transformers renames / converts on load
@@ -329,7 +348,7 @@ def parallelize_model(
     forward = _SwappingForward(compiled, slots, comm, TokenIdCheck.for_model(module, module.forward))
     module.forward = forward
     _compile_encoder(module, slots, ctx)
-    module.autotp = AutoTPHandle(context=ctx, folder=Path(folder))
+    module.autotp = AutoTPHandle(context=ctx, folder=Path(folder), layout=layout)
     ctx.on_plan = module.autotp.plans.append
     if warmup:
         with load_progress(checkpoint, len({id(p) for _, _, p in slots}), show_progress), \
@@ -340,6 +359,10 @@ def parallelize_model(
         forward.swap_out()
         checkpoint.close()  # every shard is loaded: drop file handles (and .bin mappings)
         release_free_memory(collect=False)  # what loading freed goes back to the OS before the first real call
+    if layout.data_parallel is not None:
+        from autotp.data_parallel import apply_data_parallel
+
+        module.autotp.data_parallel = apply_data_parallel(module, layout.data_parallel, layout.dp_mesh(), device)
     if health is not None:
         health.set_phase("loaded")
     return module

@@ -30,6 +30,7 @@ from autotp.context import TPContext, attach_meta, meta_of, shard_of, sharded_st
 from autotp.errors import AutoTPError, SolverError
 from autotp.inner import inner_compile
 from autotp.memory import release_free_memory
+from autotp.mesh import check_layout
 from autotp.ops.fused import fused_segmentations, strided_candidates
 from autotp.passes.annotate import annotate, replicated_annotation
 from autotp.passes.decompose import decompose
@@ -72,21 +73,33 @@ def autotp_backend(gm: torch.fx.GraphModule, example_inputs: list[Any],
     """Entry point for ``torch.compile(model, backend="autotp")``: uses the default process group
     (or runs single-process), ``AUTOTP_TRACE_DIR`` for traces and ``AUTOTP_VERIFY=1`` for
     verification (see ``autotp/verify.py``). ``options={"fuse": False, "compile_inner": "eager",
-    ...}`` (any of :data:`BACKEND_OPTIONS`) set the matching :class:`AutoTPConfig` fields.
+    ...}`` (any of :data:`BACKEND_OPTIONS`) set the matching :class:`AutoTPConfig` fields, and
+    ``options={"mesh": mesh}`` runs tensor parallelism on ``mesh["tp"]`` (:func:`_backend_comm`).
 
     Each call builds a fresh context, so compile options per graph; for a model whose graphs must
     share one context, use :func:`make_backend`."""
-    comm = Comm.from_default_group() if dist.is_available() and dist.is_initialized() else Comm.single()
+    options = dict(options or {})
+    comm = _backend_comm(options.pop("mesh", None))
     attach_health(comm)  # a failed collective names the rank that failed (autotp.health)
     trace_dir = os.environ.get("AUTOTP_TRACE_DIR")
     verify = os.environ.get("AUTOTP_VERIFY", "") not in ("", "0")
-    options = dict(options or {})
     unknown = sorted(set(options) - set(BACKEND_OPTIONS))
     if unknown:
-        raise AutoTPError(f"unknown autotp backend options {unknown}; known: {list(BACKEND_OPTIONS)}")
+        raise AutoTPError(f"unknown autotp backend options {unknown}; known: {[*BACKEND_OPTIONS, 'mesh']}")
     fields: dict[str, Any] = {"trace_dir": Path(trace_dir) if trace_dir else None, "verify": verify, **options}
     ctx = TPContext(comm=comm, config=AutoTPConfig(**fields))
     return compile_graph(gm, example_inputs, ctx)
+
+
+def _backend_comm(mesh: Any) -> Comm:
+    """The tp group of ``options={"mesh": mesh}``: ``mesh["tp"]`` of a ``DeviceMesh`` with dims
+    ``("dp", "tp")`` or ``("tp",)`` (each dp replica runs its own tensor-parallel copy of the
+    model on its inputs); without a mesh the default group, or one process."""
+    joined = dist.is_available() and dist.is_initialized()
+    if mesh is None:
+        return Comm.from_default_group() if joined else Comm.single()
+    layout = check_layout(mesh, dist.get_world_size() if joined else 1, None)
+    return Comm.from_group(layout.tp_group())
 
 
 def _refuse_activation_checkpoints(gm: torch.fx.GraphModule) -> None:

@@ -84,6 +84,23 @@ def _context(model: torch.nn.Module, what: str) -> TPContext:
     return handle.context
 
 
+def _replicas(model: torch.nn.Module) -> tuple[int, Comm | None]:
+    """On a device mesh: this rank's dp index (dp replica 0 writes, every replica holds the same
+    shards) and a communicator over the whole world (its barrier waits for the writers); without
+    a mesh ``(0, None)``. FSDP2's dp shards are refused: they are not the local shards this
+    format describes."""
+    layout = getattr(model.autotp, "layout", None)
+    if layout is None or layout.mesh is None:
+        return 0, None
+    if layout.data_parallel == "fsdp":
+        raise AutoTPError(
+            "save_checkpoint / load_checkpoint / save_pretrained do not support data_parallel=\"fsdp\" yet: "
+            "FSDP2 holds each tp shard split again over dp. Train with data_parallel=\"ddp\" to use them, "
+            "or save FSDP2's state with torch.distributed.checkpoint on each tp group"
+        )
+    return layout.dp_rank(), Comm.from_default_group()
+
+
 def _parameters(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Parameter, ParameterMeta]]:
     """Each parameter once (a tied group under its first name), with its placed ``ParameterMeta``."""
     for fqn, p in model.named_parameters():
@@ -141,6 +158,7 @@ def save_checkpoint(model: torch.nn.Module, folder: str | os.PathLike,
     docstring for the layout). Returns the folder."""
     ctx = _context(model, "save_checkpoint")
     comm, rank, world = ctx.comm, ctx.rank, ctx.world_size
+    replica, everyone = _replicas(model)
     folder = Path(folder)
     params = list(_parameters(model))
     names = {id(p): fqn for fqn, p, _ in params}
@@ -163,6 +181,9 @@ def save_checkpoint(model: torch.nn.Module, folder: str | os.PathLike,
     if rng:
         tensors.update(_rng_tensors(ctx))
 
+    if replica != 0:  # dp replicas hold the same shards: replica 0 writes them
+        barrier(everyone)
+        return folder
     if rank == 0:
         folder.mkdir(parents=True, exist_ok=True)
         index = {
@@ -179,7 +200,7 @@ def save_checkpoint(model: torch.nn.Module, folder: str | os.PathLike,
     with SafetensorsWriter(folder / _rank_file(rank, world), specs, metadata) as writer:
         for name, t in tensors.items():
             writer.write(name, t)
-    barrier(comm)  # every file is complete when any rank returns
+    barrier(everyone or comm)  # every file is complete when any rank returns
     return folder
 
 
@@ -206,6 +227,7 @@ def load_checkpoint(model: torch.nn.Module, folder: str | os.PathLike,
     every rank, at the tp size it was saved with."""
     ctx = _context(model, "load_checkpoint")
     rank, world = ctx.rank, ctx.world_size
+    _replicas(model)  # every dp replica reads the same files
     folder = Path(folder)
     index = _read_index(folder, world)
     params = list(_parameters(model))
@@ -293,7 +315,9 @@ def save_pretrained(model: torch.nn.Module, folder: str | os.PathLike, *,
     from huggingface_hub import split_torch_state_dict_into_shards
 
     ctx = _context(model, "save_pretrained")
-    comm, rank = ctx.comm, ctx.rank
+    comm = ctx.comm
+    replica, everyone = _replicas(model)
+    writes = ctx.rank == 0 and replica == 0  # one writer: tp rank 0 of dp replica 0
     folder = Path(folder)
     values: dict[str, tuple[torch.Tensor, ParameterMeta | None]] = {
         fqn: (p, meta) for fqn, p, meta in _parameters(model)}
@@ -305,7 +329,7 @@ def save_pretrained(model: torch.nn.Module, folder: str | os.PathLike, *,
                  for name, (t, meta) in values.items()}
     split = split_torch_state_dict_into_shards(stand_ins, max_shard_size=max_shard_size,
                                                filename_pattern="model{suffix}.safetensors")
-    if rank == 0:
+    if writes:
         folder.mkdir(parents=True, exist_ok=True)
         config = getattr(model, "config", None)
         if config is None:
@@ -319,7 +343,7 @@ def save_pretrained(model: torch.nn.Module, folder: str | os.PathLike, *,
             (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     for filename, names in split.filename_to_tensors.items():
         writer = None
-        if rank == 0:
+        if writes:
             specs = {n: (tuple(stand_ins[n].shape), stand_ins[n].dtype) for n in names}
             writer = SafetensorsWriter(folder / filename, specs, {"format": "pt"})
         try:
@@ -332,5 +356,5 @@ def save_pretrained(model: torch.nn.Module, folder: str | os.PathLike, *,
         finally:
             if writer is not None:
                 writer.close()
-    barrier(comm)  # rank 0 has finished writing when any rank returns
+    barrier(everyone or comm)  # the writer has finished when any rank returns
     return folder

@@ -341,8 +341,11 @@ def attach_health(comm: Comm, interval: float = 0.5) -> RankHealth | None:
     store = default_store()
     if store is None:
         return None
+    # records are keyed by the rank in the default group, whose store holds them: with a device
+    # mesh, ``comm`` is a sub-group (tp) whose ranks repeat across the mesh
+    rank, world_size = dist.get_rank(), dist.get_world_size()
     health = _HEALTH.get(id(store))
-    if health is None or health.store is not store or health.world_size != comm.world_size:
+    if health is None or health.store is not store or health.world_size != world_size:
         for old in _HEALTH.values():
             old.stop()
         _HEALTH.clear()
@@ -350,7 +353,7 @@ def attach_health(comm: Comm, interval: float = 0.5) -> RankHealth | None:
         comms = _HEALTH_COMMS
         # collectives entered by every communicator of this process, summed (ranks that do the
         # same work have the same sum)
-        health = RankHealth(store, comm.rank, comm.world_size, interval=interval,
+        health = RankHealth(store, rank, world_size, interval=interval,
                             collectives=lambda: sum(c.issued for c in list(comms)))
         _HEALTH[id(store)] = health
         atexit.register(health.stop)

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from autotp.collectives import Comm, sum_over_ranks
 from autotp.context import meta_of
@@ -27,31 +28,43 @@ def clip_grad_norm_(model: torch.nn.Module, max_norm: float, norm_type: float = 
 
     Returns the global norm before clipping, as ``torch.nn.utils.clip_grad_norm_`` does on one
     process. ``parameters`` defaults to ``model.parameters()``.
+
+    On a 2-D mesh the norm is global over both dims: a gradient that FSDP2 shards over
+    ``mesh["dp"]`` (a ``DTensor``) is summed over dp, one sharded by tensor parallelism over tp,
+    and a gradient that is whole on every rank of a dim (DDP's averaged gradients over dp, a
+    replicated parameter's over tp) is counted once along it.
     """
     handle = getattr(model, "autotp", None)
     if handle is None:
         raise AutoTPError("clip_grad_norm_ needs a model returned by autotp.parallelize_model (it has .autotp)")
     if float(norm_type) != 2.0:
         raise AutoTPError(f"clip_grad_norm_ supports the L2 norm (norm_type=2.0), got {norm_type}")
-    comm: Comm = handle.context.comm
+    tp_comm: Comm = handle.context.comm
+    dp = getattr(handle, "data_parallel", None)
     params = [p for p in (parameters if parameters is not None else model.parameters()) if p.grad is not None]
     if not params:
         return torch.tensor(0.0)
-    sharded = torch.zeros((), dtype=torch.float64, device=params[0].grad.device)
-    replicated = torch.zeros_like(sharded)
+    # squared sums by where the gradient is split: [tp and dp, dp only, tp only, neither]
+    squares = torch.zeros(4, dtype=torch.float64, device=_local(params[0].grad).device)
     for p in params:
-        square = p.grad.detach().double().pow(2).sum()
+        grad = p.grad.detach()
         meta = meta_of(p)
-        if meta is not None and isinstance(meta.placement, Shard):
-            sharded += square
-        else:
-            replicated += square  # the same full gradient on every rank: counted once
-    total = (sum_over_ranks(sharded, comm) + replicated).sqrt()
+        over_tp = meta is not None and isinstance(meta.placement, Shard)
+        over_dp = isinstance(grad, DTensor)
+        squares[(0 if over_dp else 2) if over_tp else (1 if over_dp else 3)] += _local(grad).double().pow(2).sum()
+    if dp is not None:
+        squares[:2] = sum_over_ranks(squares[:2], dp.comm)  # FSDP2's dp shards
+    total = (sum_over_ranks(squares[0] + squares[2], tp_comm) + squares[1] + squares[3]).sqrt()
     coef = float(max_norm) / (float(total) + 1e-6)
     if coef < 1.0:
         for p in params:
             p.grad.detach().mul_(coef)
-    return total.to(params[0].grad.dtype)
+    return total.to(_local(params[0].grad).dtype)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of ``t`` (a ``DTensor``'s local tensor, or ``t``)."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def saved_activation_bytes(forward: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, int]:
