@@ -40,7 +40,7 @@ from autotp.passes.pipeline import PassRunner
 from autotp.passes.rewrite import rewrite
 from autotp.passes.solve import ParamChoice, Solution, SolverOptions, solve
 from autotp.placement import Placement, R, Shard, shard_candidates
-from autotp.plan import build_plan, first_consumer, parameter_entry, style_of
+from autotp.plan import build_plan, first_consumer, gradient_node, parameter_entry, style_of
 from autotp.plan_cache import Lookup
 from autotp.released import refuse_eager_calls
 from autotp.trace import graph_folder, write_json, write_solver_trace, write_text
@@ -431,6 +431,7 @@ def _solve(gm: torch.fx.GraphModule, example_inputs: list[Any], param_inputs: di
         shard = shard_of(value)
         fixed[aten_of[ph]] = shard[1] if shard else R
     opts = SolverOptions(world_size=world, tokens=_tokens(user_inputs), memory_weight=ctx.config.memory_weight,
+                         backward=gradient_node(gm) is not None,
                          beam_width=ctx.config.beam_width, sharded_outputs=ctx.sharded_outputs)
     overrides = dict(ctx.config.overrides or {})
     unconstrained = dict(free)

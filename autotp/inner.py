@@ -37,6 +37,7 @@ from torch import Tensor, nn
 from autotp.collectives import Comm, functional_redistribute, kind_of
 from autotp.layers import Redistribute, VocabParallelEmbedding
 from autotp.placement import Placement
+from autotp.plan import gradient_node
 
 INNER_COMPILERS = ("eager", "inductor")
 
@@ -61,10 +62,10 @@ class FunctionalRedistribute(nn.Module):
 
 def _blocker(gm: torch.fx.GraphModule) -> str | None:
     """Why inductor cannot take this graph, or None."""
+    trains = gradient_node(gm)
+    if trains is not None:
+        return f"training graph ({trains.name} requires grad): functional collectives have no backward here"
     for n in gm.graph.nodes:
-        value = n.meta.get("example_value")  # parameters require grad; what is computed from them does not
-        if n.op.startswith("call_") and isinstance(value, torch.Tensor) and value.requires_grad:
-            return f"training graph ({n.name} requires grad): functional collectives have no backward here"
         if n.op == "call_module":
             module = gm.get_submodule(str(n.target))
             if isinstance(module, Redistribute):

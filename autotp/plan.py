@@ -47,6 +47,17 @@ def first_consumer(ph: torch.fx.Node) -> torch.fx.Node | None:
     return next(iter(ph.users), None)
 
 
+def gradient_node(gm: torch.fx.GraphModule) -> torch.fx.Node | None:
+    """The first computed value of a Dynamo graph that requires grad (the graph trains: a backward
+    follows), or None for an inference graph. Parameters require grad; what is computed from them
+    does only when autograd records it."""
+    for n in gm.graph.nodes:
+        value = n.meta.get("example_value")
+        if n.op.startswith("call_") and isinstance(value, torch.Tensor) and value.requires_grad:
+            return n
+    return None
+
+
 def build_plan(world_size: int, params: dict[str, dict[str, Any]], collectives: Counter,
                sharded_outputs: int = 0) -> dict[str, Any]:
     """``collectives`` are those inside the graph; ``sharded_outputs`` counts results that leave

@@ -32,7 +32,8 @@ KB of memory (it did: Gemma-2's widths got every norm weight sharded on the hidd
 all-gather before each consumer of the residual stream). Replicated bytes are a parameter's bytes
 x (N-1)/N; ``memory_weight`` scales tiers 1 and 3 (0: memory is free, everything replicates).
 
-``C = sum(comm_bytes(edge) / tokens + latency)`` over the collectives, with ring-model bytes from
+``C = sum(comm_bytes(edge) / tokens + latency)`` over the collectives (in a training graph,
+``SolverOptions.backward``, those of the backward too: each redistribution's gradient collective), with ring-model bytes from
 ``collectives.cost_bytes`` and ``latency`` = ``SolverOptions.latency_bytes`` (default
 ``LATENCY_BYTES``) per collective. Communication is normalised per token (``tokens`` = elements of
 the first integer input, or leading elements of the first input) and the latency is not divided by
@@ -100,7 +101,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from autotp.collectives import cost_bytes, kind_of
+from autotp.collectives import backward_kind_of, cost_bytes, kind_of
 from autotp.errors import SolverError
 from autotp.ops.registry import Candidate, OpCall, TensorSpec, lookup, reject
 from autotp.passes.decompose import EDGE, MARK, SYMBOLIC_DIMS, ShadowGraph
@@ -134,6 +135,9 @@ class SolverOptions:
     small_rows: float = SMALL_ROWS
     #: widen the beam until the certificate proves the plan optimal (gap 0), up to MAX_WIDENING x
     exact: bool = False
+    #: a backward pass follows (a training graph): each redistribution also costs the collective
+    #: its backward issues (an ``R -> S`` narrow is free forward and an all-gather backward)
+    backward: bool = False
 
 
 @dataclass
@@ -320,13 +324,23 @@ def edge_targets(p: Placement, spec: TensorSpec, world_size: int) -> list[Placem
     return out
 
 
+#: a collective kind -> one (src, dst) pair that issues it, to price a backward collective by kind
+_ISSUED_BY = {"all_reduce": (Partial(), R), "all_gather": (Shard(0), R), "reduce_scatter": (Partial(), Shard(0)),
+              "all_to_all": (Shard(0), Shard(1))}
+
+
 def edge_cost(src: Placement, dst: Placement, spec: TensorSpec, opts: SolverOptions) -> float:
+    """A redistribution's forward collective (``NARROW_EPSILON`` for a local narrow) plus, in a
+    training graph (``SolverOptions.backward``), the collective its backward issues on the gradient."""
     if src == dst:
         return 0.0
     kind = kind_of(src, dst)
-    if kind is None:
-        return NARROW_EPSILON
-    return collective_cost(cost_bytes(src, dst, spec.nbytes, opts.world_size), opts)
+    cost = NARROW_EPSILON if kind is None else collective_cost(cost_bytes(src, dst, spec.nbytes, opts.world_size), opts)
+    if opts.backward and spec.dtype.is_floating_point:
+        back = backward_kind_of(src, dst)
+        if back is not None:
+            cost += collective_cost(cost_bytes(*_ISSUED_BY[back], spec.nbytes, opts.world_size), opts)
+    return cost
 
 
 def collective_cost(nbytes: float, opts: SolverOptions) -> float:
