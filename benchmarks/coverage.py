@@ -6,6 +6,7 @@ README table (architecture, tp sizes, status, plan of one block, collectives per
     python benchmarks/coverage.py --rows coverage.jsonl --readme README.md   # table from saved rows
     python benchmarks/coverage.py --update benchmarks/coverage.jsonl --case mixtral --readme README.md
     python benchmarks/coverage.py --update benchmarks/coverage.jsonl --blocks-only --readme README.md
+    python benchmarks/coverage.py --update benchmarks/coverage.jsonl --widths-only --readme README.md
 
 For every case and tp size: save the tiny checkpoint, run ``parallelize_model`` on N gloo ranks and
 compare with one process (:func:`tests.distributed.test_architectures.run_case`, same tolerance as
@@ -16,7 +17,10 @@ T5 (encoder and decoder blocks share layer numbers) and architectures the meta p
 trace say "not measured". *Plan* lists the matmul weights of layer 0 by style (``fused``: stored
 strided, each rank holds its chunk of every segment). One JSON line per run goes to ``--out``;
 ``--update FILE`` replaces the rows of the cases run in FILE and keeps the others;
-``--blocks-only`` recomputes only the per-block column of FILE's rows. The README section between
+``--blocks-only`` recomputes only the per-block column of FILE's rows; ``--widths-only`` the
+batch-2 column (the tiny model planned at batch 2, after the batch-1 warm-up, as a batch-2 call
+after ``parallelize_model`` is) and the real-width column (the plan matrix of
+``tests/unit/test_plans_at_real_widths.py``). The README section between
 the ``coverage`` markers is replaced.
 """
 
@@ -67,14 +71,16 @@ def plan_summary(plan: dict[str, Any]) -> str:
     return "; ".join(f"{style}: {', '.join(sorted(set(names)))}" for style, names in sorted(by_style.items()))
 
 
-def per_block(case: Case, world: int, folder: Path) -> str:
-    """Collectives of each decoder block of the warm-up forward, from the planner."""
+def per_block(case: Case, world: int, folder: Path | Any, batch: int = 1) -> str:
+    """Collectives of each decoder block of a forward at ``batch`` (1: the warm-up), from the
+    planner; ``folder``: the checkpoint folder or a config."""
     if case.kind == "seq2seq":
         return "not measured (encoder and decoder blocks share layer numbers)"
     from autotp.planner import plan_model
 
     try:
-        blocks = collectives_per_block(plan_model(str(folder), world, decode=False).forward.sites)
+        model = str(folder) if isinstance(folder, Path) else folder
+        blocks = collectives_per_block(plan_model(model, world, batch=batch, decode=False).forward.sites)
     except Exception as e:  # noqa: BLE001 - a planner failure is a table cell
         return f"not measured (meta planner: {type(e).__name__})"
     texts = {layer: ", ".join(f"{n} {k.replace('_', '-')}" for k, n in sorted(kinds.items()))
@@ -82,6 +88,30 @@ def per_block(case: Case, world: int, folder: Path) -> str:
     if len(set(texts.values())) == 1:
         return next(iter(texts.values()))
     return "; ".join(f"block {layer}: {text}" for layer, text in texts.items()) or "none"
+
+
+def real_widths(case: Case) -> str:
+    """Collectives per block with a public model's widths (2 layers), at every tp in 2, 4, 8 its
+    sizes divide (:mod:`tests.unit.test_plans_at_real_widths`)."""
+    from tests.unit.test_plans_at_real_widths import REAL_WIDTHS, _config, _valid_tps
+
+    if case.arch not in REAL_WIDTHS:
+        return "not planned"
+    cells = [f"tp {tp}: {per_block(case, tp, _config(case.arch))}" for tp in _valid_tps(case.arch)]
+    return f"{REAL_WIDTHS[case.arch][0]}: " + ("; ".join(cells) or "no tp in 2, 4, 8 divides its sizes")
+
+
+def add_widths(rows: list[dict[str, Any]], folder_of: Any) -> None:
+    """Fill the batch-2 and real-width columns of each case's first passing row."""
+    done: set[str] = set()
+    for row in rows:
+        case = BY_ID[row["case"]]
+        if row["case"] in done or row.get("status") != "pass" or case.path != "load":
+            continue
+        done.add(row["case"])
+        row["batch2"] = per_block(case, row["tp"], folder_of(case), batch=2)
+        row["real_widths"] = real_widths(case)
+        print(row["case"], row["batch2"], "|", row["real_widths"], flush=True)
 
 
 def run(cases: list[Case], out: Path, measure_blocks: bool = True) -> list[dict[str, Any]]:
@@ -115,7 +145,8 @@ def table(rows: list[dict[str, Any]]) -> str:
     for row in rows:
         by_case.setdefault(row["case"], []).append(row)
     lines = ["| architecture | entry point | tp: status | plan (layer 0) | collectives, whole 2-layer forward "
-             "| collectives per block |", "|---|---|---|---|---|---|"]
+             "| collectives per block | per block, batch 2 | per block at real widths (2 layers) |",
+             "|---|---|---|---|---|---|---|---|"]
     for case_id, runs in by_case.items():
         case = BY_ID[case_id]
         entry = "parallelize_model" if case.path == "load" else "torch.compile"
@@ -124,7 +155,8 @@ def table(rows: list[dict[str, Any]]) -> str:
         plan = first.get("plan") or first.get("reason", "")
         total = ", ".join(f"{n} {k.replace('_', '-')}" for k, n in sorted(first.get("collectives", {}).items()))
         lines.append(f"| {ARCHS[case.arch][1]} | {entry} | {tps} | {plan} | {total or '-'} | "
-                     f"{first.get('per_block', 'not measured')} |")
+                     f"{first.get('per_block', 'not measured')} | {first.get('batch2', 'not measured')} | "
+                     f"{first.get('real_widths', 'not measured')} |")
     return "\n".join(lines)
 
 
@@ -155,6 +187,8 @@ def main() -> None:
     ap.add_argument("--rows", type=Path, help="write the table from saved JSON rows instead of running")
     ap.add_argument("--update", type=Path, help="rows file: replace the rows of the cases run, keep the rest")
     ap.add_argument("--blocks-only", action="store_true", help="with --update: only recompute per-block counts")
+    ap.add_argument("--widths-only", action="store_true",
+                    help="with --update: only recompute the batch-2 and real-width columns")
     args = ap.parse_args()
     if args.rows:
         rows = read_rows(args.rows)
@@ -166,6 +200,11 @@ def main() -> None:
                 if row["tp"] == case.worlds[0] and row.get("status") == "pass":
                     row["per_block"] = per_block(case, row["tp"], save_case(case, Path(tmp) / case.id))
                     print(row["case"], row["per_block"], flush=True)
+        write_rows(args.update, rows)
+    elif args.update and args.widths_only:
+        rows = read_rows(args.update)
+        with tempfile.TemporaryDirectory() as tmp:
+            add_widths(rows, lambda case: save_case(case, Path(tmp) / case.id))
         write_rows(args.update, rows)
     else:
         cases = [c for c in CASES if not args.case or c.id in args.case]
