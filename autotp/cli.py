@@ -17,8 +17,10 @@ generates greedily; rank 0's results come back to this process, which prints the
 ``demo`` builds a small seeded Llama-family checkpoint (:mod:`autotp.demo`), generates with one
 plain transformers process first, and exits 0 only if the tensor-parallel tokens are identical.
 
-Bad input (an :class:`~autotp.errors.AutoTPError`) prints its message, without a traceback, and
-exits 2. A rank that fails for any other reason (a bug) prints the launcher's report and exits 1.
+Bad input (an :class:`~autotp.errors.AutoTPError`, raised here or on a rank) prints one
+``autotp: error:`` line with the cause and the fix, without a traceback (``--debug`` adds it), and
+exits 2; what the launching process can check (config, checkpoint headers, prompt ids, names) is
+checked before any rank starts or anything is planned. A rank that fails for any other reason (a bug) prints the launcher's report and exits 1.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import os
 import sys
 import tempfile
 import time
+import traceback
 import uuid
 from collections import Counter
 from collections.abc import Iterator, Sequence
@@ -70,6 +73,10 @@ def _quiet_transformers() -> None:
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
 
+
+#: new tokens of the warm-up generate before the timed one: the prefill, then enough decode steps
+#: for Dynamo's recompile of the decode graph with a dynamic cache length
+WARMUP_TOKENS = 4
 
 # ---------------------------------------------------------------------------------------------
 # One rank (runs in a process the elastic agent spawned)
@@ -118,8 +125,16 @@ def _rank_generate(folder: str, prompt: list[int] | str, new_tokens: int, tp: in
         if not options.get("do_sample"):
             options = {"do_sample": False}
         streamer = _Streamer(tokenizer) if stream and rank == 0 else None
-        torch.manual_seed(seed)  # the same seed on every rank: sampled tokens agree across ranks
+        ctx = model.autotp.context
         with torch.no_grad():
+            # Warm-up: a short generate from the same prompt compiles the prefill and decode graphs
+            # (Dynamo recompiles the decode step once its cache length changes), so the timed run
+            # below measures generation, not compilation.
+            torch.manual_seed(seed)  # the ranks must sample alike in the warm-up too (or one stops early)
+            model.generate(ids, max_new_tokens=min(new_tokens, WARMUP_TOKENS), **options)
+            warmed = time.perf_counter()
+            compiled_before = ctx.graphs_compiled
+            torch.manual_seed(seed)  # the same seed on every rank: sampled tokens agree across ranks
             out = model.generate(ids, max_new_tokens=new_tokens, streamer=streamer, **options)
         done = time.perf_counter()
         tokens = out[0, ids.shape[1]:].tolist()
@@ -130,7 +145,9 @@ def _rank_generate(folder: str, prompt: list[int] | str, new_tokens: int, tp: in
             "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
             "plan": model.autotp.plan,
             "load_s": loaded - start,
-            "generate_s": done - loaded,
+            "warmup_s": warmed - loaded,
+            "generate_s": done - warmed,
+            "graphs_compiled_while_timed": ctx.graphs_compiled - compiled_before,
         }
     except RankFailure as exc:
         # Another rank died: say which at once, before the launcher stops this rank too.
@@ -321,6 +338,17 @@ def _print_plan(plan: dict[str, Any] | None, param_bytes: int, full_bytes: int, 
         print(f"    ... and {len(params) - len(shown)} more in layers 1+ (same styles as layer 0)")
 
 
+def _throughput(summary: dict[str, Any]) -> str:
+    """The tokens/s line: generation after the warm-up, with the warm-up (compilation) apart, and
+    a note when a graph still compiled inside the timed run (then the rate includes it)."""
+    n, seconds = len(summary["tokens"]), summary["generate_s"]
+    rate = f"{n / seconds:.2f} tokens/s" if seconds > 0 else "n/a tokens/s"
+    late = summary.get("graphs_compiled_while_timed", 0)
+    note = (f"; {late} graph(s) compiled during it, included" if late else "; compilation excluded")
+    return (f"generated {n} tokens in {seconds:.2f} s: {rate} (rank 0{note}); warm-up generate "
+            f"(compiles the prefill and decode graphs) {summary.get('warmup_s', 0.0):.2f} s")
+
+
 def _rank_summary(results: dict[int, dict[str, Any]], tp: int) -> dict[str, Any]:
     first = results[min(results)]
     same = all(r["tokens"] == first["tokens"] for r in results.values())
@@ -404,6 +432,35 @@ def _parse_ids(text: str) -> list[int]:
     return ids
 
 
+def _check_before_launch(folder: Path, tp: int, dtype: str | None, prompt: list[int] | str) -> None:
+    """Everything about the checkpoint and the prompt that would fail on the ranks, checked in this
+    process before any rank starts (seconds, against minutes of launching and compiling): the config
+    reads and divides by ``tp``, the weights' headers hold every parameter in a shape and dtype that
+    fit (:mod:`autotp.checkpoint_match`), the prompt ids lie inside the vocabulary and a text
+    prompt has a tokenizer."""
+    import torch
+
+    from autotp.api import check_divisible
+    from autotp.checkpoint_match import check_checkpoint
+    from autotp.config import parse_dtype
+    from autotp.hf_config import read_config
+    from autotp.inputs import check_token_ids
+    from autotp.weights import build_meta_model
+
+    torch_dtype = parse_dtype(dtype)
+    config = read_config(folder)
+    check_divisible(config, tp)
+    module = build_meta_model(config, dtype=torch_dtype)
+    check_checkpoint(folder, module)
+    if isinstance(prompt, str):
+        _tokenizer(os.fspath(folder))  # refuse a missing tokenizer before launching anything
+    else:
+        embeddings = module.get_input_embeddings()
+        rows = int(embeddings.weight.shape[0]) if embeddings is not None else None
+        if rows is not None:
+            check_token_ids("--prompt-ids", torch.tensor(prompt), rows)
+
+
 def _cmd_generate(args: argparse.Namespace) -> int:
     _positive("--tp", args.tp)
     _positive("--max-new-tokens", args.max_new_tokens)
@@ -423,18 +480,11 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         stack.enter_context(_environ(_QUIET_ENV))  # threads: parallelize_model gives cores / local ranks
         logs = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="autotp-logs-")))
         _quiet_transformers()
-        from transformers import AutoConfig
-
-        from autotp.api import check_divisible
-        from autotp.config import parse_dtype
         from autotp.weights import resolve_checkpoint
 
-        parse_dtype(args.dtype)
         # Resolve (download) once here, not once per rank; the ranks get the local folder.
         folder = resolve_checkpoint(args.model, revision=args.revision, local_files_only=args.local_files_only)
-        check_divisible(AutoConfig.from_pretrained(folder), args.tp)
-        if isinstance(prompt, str):
-            _tokenizer(os.fspath(folder))  # refuse a missing tokenizer before launching anything
+        _check_before_launch(folder, args.tp, args.dtype, prompt)
         print(f"launching {args.tp} rank(s) ({args.device}) ...", flush=True)
         results = _launch(args.tp, (os.fspath(folder), prompt, args.max_new_tokens, args.tp, args.trace_dir,
                                     args.dtype, args.device, sampling, True), logs,
@@ -442,9 +492,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                           rdzv_id=args.rdzv_id)
         summary = _rank_summary(results, args.tp)
         _print_plan(summary["plan"], summary["param_bytes"], _safetensors_bytes(folder), args.tp)
-        n = len(summary["tokens"])
-        print(f"generated {n} tokens in {summary['generate_s']:.2f} s: "
-              f"{n / summary['generate_s']:.2f} tokens/s (rank 0, compile included)")
+        print(_throughput(summary))
         if summary.get("text") is not None:
             print(f"text: {summary['text']}")
         else:
@@ -471,17 +519,23 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if args.seq_len is not None:
         _positive("--seq-len", args.seq_len)
     overrides = _parse_overrides(args.override)
+    if args.html and not Path(args.html).expanduser().resolve().parent.is_dir():
+        raise AutoTPError(f"--html {args.html}: the folder {Path(args.html).expanduser().resolve().parent} does not "
+                          "exist; create it or pass another path")
     with _environ(_QUIET_ENV):
         _quiet_transformers()
-        from autotp.planner import explain, plan_model
+        from autotp.planner import explain_matching, plan_model
         from autotp.render import render_html, render_text
 
         report = plan_model(args.model, args.tp, dtype=args.dtype, batch=args.batch, seq_len=args.seq_len,
                             decode=not args.no_decode, overrides=overrides, revision=args.revision,
-                            local_files_only=args.local_files_only)
-        explanations = [explain(report, fqn) for fqn in args.explain]
+                            local_files_only=args.local_files_only, explain_names=args.explain)
+        explanations = [e for name in args.explain for e in explain_matching(report, name)]
     if args.html:
-        Path(args.html).write_text(render_html(report))
+        try:
+            Path(args.html).write_text(render_html(report))
+        except OSError as e:
+            raise AutoTPError(f"cannot write --html {args.html}: {e.strerror or e}; pass a writable path") from e
     if args.json:
         out = report.to_json()
         if explanations:
@@ -496,6 +550,12 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         if args.html:
             print(f"plan drawn in {Path(args.html).resolve()}")
     return 0
+
+
+def _add_debug(parser: argparse.ArgumentParser) -> None:
+    """``--debug`` after the subcommand as well (SUPPRESS: an unset flag leaves the top-level one)."""
+    parser.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                        help="on an error, show the traceback as well as the one-line message")
 
 
 def _add_plan_parser(sub: Any) -> None:
@@ -514,8 +574,9 @@ def _add_plan_parser(sub: Any) -> None:
     plan.add_argument("--override", action="append", default=[], metavar="PATTERN=STYLE",
                       help="pin parameters (fnmatch on parameter/module names) to a style: colwise, rowwise, "
                            "vocab, replicate, shard(d); repeatable")
-    plan.add_argument("--explain", action="append", default=[], metavar="FQN",
-                      help="say why this parameter got its placement (repeatable)")
+    plan.add_argument("--explain", action="append", default=[], metavar="NAME",
+                      help="say why a parameter got its placement: a parameter or module name, or an fnmatch "
+                           "pattern, as --override reads them (e.g. lm_head); repeatable")
     plan.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     plan.add_argument("--tp-plan", action="store_true",
                       help="print the plan as a transformers tp_plan dict (DistributedConfig(tp_plan=...))")
@@ -523,6 +584,7 @@ def _add_plan_parser(sub: Any) -> None:
     plan.add_argument("--no-decode", action="store_true", help="plan the forward only (skip the decode step)")
     plan.add_argument("--revision", default=None, help="Hub revision (branch, tag or commit)")
     plan.add_argument("--local-files-only", action="store_true", help="do not download; use the Hub cache only")
+    _add_debug(plan)
     plan.set_defaults(func=_cmd_plan)
 
 
@@ -536,6 +598,8 @@ def _parser() -> argparse.ArgumentParser:
         prog="autotp",
         description="Run Hugging Face models tensor-parallel with autotp (a torch.compile backend).",
     )
+    parser.add_argument("--debug", action="store_true",
+                        help="on an error, show the traceback as well as the one-line message")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     demo = sub.add_parser(
@@ -548,6 +612,7 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--workdir", default=None,
                       help="folder for the checkpoint and launcher logs (kept); default: a temporary folder")
     demo.add_argument("--trace-dir", default=None, help="write autotp's solver traces here (rank*/graph*/)")
+    _add_debug(demo)
     demo.set_defaults(func=_cmd_demo)
 
     gen = sub.add_parser(
@@ -577,10 +642,16 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--revision", default=None, help="Hub revision (branch, tag or commit)")
     gen.add_argument("--local-files-only", action="store_true", help="do not download; use the Hub cache only")
     gen.add_argument("--trace-dir", default=None, help="write autotp's solver traces here (rank*/graph*/)")
+    _add_debug(gen)
     gen.set_defaults(func=_cmd_generate)
 
     _add_plan_parser(sub)
     return parser
+
+
+def one_line(message: str) -> str:
+    """``message`` on one line (a rank's error may carry newlines), whole: never cut."""
+    return " ".join(part.strip() for part in message.splitlines() if part.strip())
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -593,7 +664,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return args.func(args)
     except AutoTPError as exc:
-        print(f"autotp: error: {exc}", file=sys.stderr)
+        if getattr(args, "debug", False):
+            traceback.print_exc()
+        print(f"autotp: error: {one_line(str(exc))}", file=sys.stderr)
         return 2
     except _RankFailure as exc:
         print(f"autotp: error: {exc.summary}. A rank killed by signal 9 with no error of its own is usually the "

@@ -105,9 +105,88 @@ def test_generate_streams_text_from_a_prompt_and_samples_the_tokens_of_one_proce
     words = " ".join(f"w{t}" for t in expected)
     assert f"text: {words}" in proc.stdout
     assert words in proc.stdout.split("text:")[0]  # streamed before the summary
-    assert "tokens/s" in proc.stdout
+    # throughput after a warm-up generate, with the compilation reported apart
+    assert "tokens/s (rank 0; compilation excluded); warm-up generate" in proc.stdout, proc.stdout
 
 
 def test_generate_needs_exactly_one_prompt(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     assert main(["generate", str(tmp_path), "--tp", "1"]) == 2
     assert "exactly one of them" in capsys.readouterr().err
+
+
+# --- every failure the user can cause: one line, exit 2, before anything is launched or planned ---
+
+
+def _one_error_line(err: str) -> str:
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("autotp: error: "), err
+    assert "Traceback" not in err
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tests._tiny import save_tiny
+
+    return save_tiny("llama", tmp_path_factory.mktemp("tiny") / "ckpt")
+
+
+def _no_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+    import autotp.cli
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("ranks were launched before the bad input was found")
+
+    monkeypatch.setattr(autotp.cli, "_launch", refuse)
+
+
+def test_prompt_ids_outside_the_vocabulary_exit_2_before_launching(
+        tiny_folder: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    _no_launch(monkeypatch)
+    assert main(["generate", str(tiny_folder), "--tp", "1", "--prompt-ids", "5,17,128"]) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert "--prompt-ids[2] is token id 128, but the vocabulary has 128 entries" in line
+
+
+def test_an_unknown_model_type_is_one_line_in_generate_and_plan(
+        tiny_folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import json
+    import shutil
+
+    folder = Path(shutil.copytree(tiny_folder, tmp_path / "future"))
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "model_type": "llama_from_the_future"}))
+    _no_launch(monkeypatch)
+    for argv in (["generate", str(folder), "--tp", "1", "--prompt-ids", "1,2"], ["plan", str(folder), "--tp", "2"]):
+        assert main(argv) == 2
+        line = _one_error_line(capsys.readouterr().err)
+        assert "model_type 'llama_from_the_future'" in line and line.endswith("fix model_type in config.json.")
+
+
+def test_a_checkpoint_that_disagrees_with_the_config_exits_2_before_launching(
+        tiny_folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import json
+    import shutil
+
+    folder = Path(shutil.copytree(tiny_folder, tmp_path / "wrong"))
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "intermediate_size": 192}))
+    _no_launch(monkeypatch)
+    assert main(["generate", str(folder), "--tp", "2", "--prompt-ids", "1,2"]) == 2
+    assert "but the model built from config.json expects (192, 64)" in _one_error_line(capsys.readouterr().err)
+
+
+def test_debug_shows_the_traceback_after_the_one_line(tiny_folder: Path) -> None:
+    proc = _run("--debug", "generate", str(tiny_folder), "--tp", "1", "--prompt-ids", "1,999", timeout=300)
+    assert proc.returncode == 2
+    assert "Traceback" in proc.stderr and proc.stderr.strip().splitlines()[-1].startswith("autotp: error: ")
+    proc = _run("generate", str(tiny_folder), "--tp", "1", "--prompt-ids", "1,999", "--debug", timeout=300)
+    assert proc.returncode == 2 and "Traceback" in proc.stderr
+
+
+def test_a_multi_line_rank_error_is_printed_whole_on_one_line() -> None:
+    from autotp.cli import one_line
+
+    assert one_line("rank 0: bad thing\n  because of x\n") == "rank 0: bad thing because of x"

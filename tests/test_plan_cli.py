@@ -202,3 +202,25 @@ def test_cli_refuses_a_fused_layout_transformers_cannot_spell(tmp_path: Path,
     err = capsys.readouterr().err
     assert "model.layers.0.self_attn.qkv_proj.weight" in err and "(64 | 32 | 32)" in err
     assert "Traceback" not in err
+
+
+def test_explain_names_are_checked_before_planning_and_read_like_overrides(
+        config_only: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    import autotp.planner
+
+    real = autotp.planner.compile_graph
+    monkeypatch.setattr(autotp.planner, "compile_graph", lambda *a, **k: pytest.fail("planned before checking"))
+    assert main(["plan", str(config_only), "--tp", "2", "--explain", "lm_haed"]) == 2
+    err = capsys.readouterr().err
+    assert "autotp: error: explain name(s) ['lm_haed'] match no parameter or module" in err
+    assert "Traceback" not in err
+    monkeypatch.setattr(autotp.planner, "compile_graph", real)
+    # a module name, as --override accepts it, explains that module's parameters
+    assert main(["plan", str(config_only), "--tp", "2", "--json", "--no-decode", "--explain", "lm_head"]) == 0
+    assert list(json.loads(capsys.readouterr().out)["explanations"]) == ["lm_head.weight"]
+
+
+def test_an_unwritable_html_path_is_refused_before_planning(config_only: Path, tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", str(config_only), "--tp", "2", "--html", str(tmp_path / "no" / "such" / "plan.html")]) == 2
+    assert "does not exist" in capsys.readouterr().err
