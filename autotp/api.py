@@ -34,7 +34,7 @@ from autotp.config import AutoTPConfig, parse_dtype
 from autotp.context import TPContext, attach_meta, meta_of, shard_of, standin
 from autotp.errors import AutoTPError, divisors_up_to
 from autotp.hf_config import read_config
-from autotp.inputs import TokenIdCheck
+from autotp.inputs import InputGuard, TokenIdCheck
 from autotp.memory import no_guard_latency_profile, release_free_memory
 from autotp.mesh import MeshLayout, check_data_parallel, check_layout, check_tp_size
 from autotp.placement import R
@@ -129,16 +129,23 @@ class _SwappingForward:
     """``model.forward`` replacement: stand-ins in for the compiled call, local shards out."""
 
     def __init__(self, compiled: Callable[..., Any], slots: list[tuple[torch.nn.Module, str, torch.nn.Parameter]],
-                 comm: Comm, check_inputs: TokenIdCheck | None = None):
+                 comm: Comm, guard: InputGuard | None = None):
         self.compiled = compiled
         self.slots = slots
         self.comm = comm
-        self.check_inputs = check_inputs  # the user's token ids, before anything runs (autotp/inputs.py)
+        self.guard = guard  # token ids and the KV cache, checked before anything runs (autotp/inputs.py)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self.check_inputs is not None:
-            with _failures_recorded(self.comm.health):  # a rank alone in refusing is named to the others
-                self.check_inputs(args, kwargs)
+        if self.guard is not None:
+            # every rank checks its own inputs (alike under SPMD) and refuses alone: recording the
+            # refusal as a rank failure would make the peers' next, valid call fail too
+            self.guard.before(args, kwargs)
+            result = self._run(args, kwargs)
+            self.guard.after(args, kwargs, result)
+            return result
+        return self._run(args, kwargs)
+
+    def _run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         for module, name, stand in self.slots:
             module._parameters[name] = stand
         if self.comm.health is not None:
@@ -192,8 +199,8 @@ def _compile_encoder(module: torch.nn.Module, slots: list[tuple[torch.nn.Module,
     if encoder is module or not isinstance(encoder, torch.nn.Module):
         return
     compiled = torch.compile(type(encoder).forward.__get__(encoder), backend=make_backend(ctx), dynamic=None)
-    check = TokenIdCheck.for_model(module, encoder.forward)
-    entry = _EncoderEntry(encoder, _SwappingForward(compiled, slots, ctx.comm, check))
+    guard = InputGuard(TokenIdCheck.for_model(module, encoder.forward))
+    entry = _EncoderEntry(encoder, _SwappingForward(compiled, slots, ctx.comm, guard))
 
     def get_encoder(modality: str | None = None) -> Any:
         return entry if modality is None else original(modality=modality)
@@ -345,7 +352,7 @@ def parallelize_model(
     compiled = torch.compile(type(module).forward.__get__(module), backend=make_backend(ctx), dynamic=None)
     slots = [(m, n, p) for fqn, p in module.named_parameters(remove_duplicate=False)
              for m, n in [_resolve_module(module, fqn)]]
-    forward = _SwappingForward(compiled, slots, comm, TokenIdCheck.for_model(module, module.forward))
+    forward = _SwappingForward(compiled, slots, comm, InputGuard(TokenIdCheck.for_model(module, module.forward)))
     module.forward = forward
     _compile_encoder(module, slots, ctx)
     module.autotp = AutoTPHandle(context=ctx, folder=Path(folder), layout=layout)

@@ -11,20 +11,31 @@ refused call, so the model keeps working for the next one.
 
 :class:`TokenIdCheck` is built once per entry point (``parallelize_model``'s ``forward`` and an
 encoder-decoder's encoder) from the model's own embeddings.
+
+The KV cache is the other input that can be silently wrong. A sharded cache entry is a NaN-filled,
+zero-memory stand-in that carries this rank's shard (``context.sharded_standin``); code that
+replaces it eagerly between steps (a clone, a crop, a beam reorder with ``index_select``) leaves
+a plain tensor of NaN where the shard was, which a graph compiled for it would read as a
+replicated cache: NaN logits, no error. :class:`CacheWatch` remembers, after each call, which
+entries of each cache the model returned sharded, and refuses the next call with that cache when
+one of them is no longer a sharded stand-in. Caches that never held sharded entries (a
+``StaticCache``, replicated; a cache the user built) are left alone.
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+import weakref
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from autotp.context import shard_of
 from autotp.errors import AutoTPError
 
-__all__ = ["TokenIdCheck"]
+__all__ = ["CacheWatch", "InputGuard", "TokenIdCheck", "check_token_ids"]
 
 #: arguments of a transformers ``forward`` that hold token ids, and how to find the table each
 #: one indexes (the decoder's own embeddings where the model has them, e.g. Marian)
@@ -116,3 +127,90 @@ def check_token_ids(name: str, ids: torch.Tensor, rows: int) -> None:
         f"{rows - 1}){more}. One process would raise IndexError here; under tensor parallelism such an id would "
         "be embedded as zeros. Check the tokenizer matches the checkpoint, or clamp/mask the ids."
     )
+
+
+def _caches(value: Any) -> Iterator[Any]:
+    """transformers cache objects in ``value``: those with a ``layers`` list (``DynamicCache``,
+    ``StaticCache``), also inside an ``EncoderDecoderCache``, a ModelOutput, a dict or a tuple."""
+    if isinstance(value, torch.Tensor) or value is None:
+        return
+    layers = getattr(value, "layers", None)
+    if isinstance(layers, list):
+        yield value
+        return
+    if isinstance(value, dict):
+        for v in value.values():
+            yield from _caches(v)
+        return
+    if isinstance(value, (tuple, list)):
+        for v in value:
+            yield from _caches(v)
+        return
+    for name in ("self_attention_cache", "cross_attention_cache"):
+        inner = getattr(value, name, None)
+        if inner is not None:
+            yield from _caches(inner)
+
+
+def _entries(cache: Any) -> Iterator[tuple[tuple[int, str], torch.Tensor]]:
+    for i, layer in enumerate(cache.layers):
+        for name, v in vars(layer).items():
+            if isinstance(v, torch.Tensor):
+                yield (i, name), v
+
+
+@dataclass
+class CacheWatch:
+    """Which entries of each live cache the model last returned sharded (by ``id``, dropped when
+    the cache is garbage-collected)."""
+
+    sharded: dict[int, tuple[weakref.ref, frozenset[tuple[int, str]]]] = field(default_factory=dict)
+
+    def before(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
+        """Refuse a cache one of whose sharded entries was replaced since the model returned it."""
+        for cache in _caches((args, dict(kwargs))):
+            known = self.sharded.get(id(cache))
+            if known is None or known[0]() is not cache:
+                continue
+            current = dict(_entries(cache))
+            for where in sorted(known[1]):
+                if where not in current or shard_of(current[where]) is None:
+                    layer, name = where
+                    raise AutoTPError(
+                        f"the KV cache passed in was changed outside the model: layer {layer}'s {name!r} was a "
+                        "sharded entry this model returned (each rank holds only its heads) and is now "
+                        f"{'gone' if where not in current else 'a plain tensor'} (e.g. cloned, cropped or "
+                        "reordered eagerly, as beam search does). Keep the cache the parallelized model "
+                        "returned as it is, start a new one, or pass use_cache=False."
+                    )
+
+    def after(self, args: tuple[Any, ...], kwargs: Mapping[str, Any], result: Any) -> None:
+        """Remember the sharded entries of every cache the call used or returned."""
+        for cache in _caches((args, dict(kwargs), result)):
+            where = frozenset(k for k, v in _entries(cache) if shard_of(v) is not None)
+            key = id(cache)
+            if not where:
+                self.sharded.pop(key, None)
+                continue
+            if key not in self.sharded or self.sharded[key][0]() is not cache:
+                ref = weakref.ref(cache, lambda _r, key=key, sharded=self.sharded: sharded.pop(key, None))
+            else:
+                ref = self.sharded[key][0]
+            self.sharded[key] = (ref, where)
+
+
+@dataclass
+class InputGuard:
+    """What a parallelized model's entry checks before a call (token ids, the KV cache) and
+    records after it (the cache's sharded entries)."""
+
+    tokens: TokenIdCheck | None
+    caches: CacheWatch = field(default_factory=CacheWatch)
+
+    def before(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
+        if self.tokens is not None:
+            self.tokens(args, kwargs)
+        self.caches.before(args, kwargs)
+
+    def after(self, args: tuple[Any, ...], kwargs: Mapping[str, Any], result: Any) -> None:
+        self.caches.after(args, kwargs, result)
