@@ -73,3 +73,45 @@ def test_a_wrong_rule_is_reported_at_the_first_diverging_node_on_every_rank() ->
     for message in run_ranks(_rank_wrong_rule, 2):
         assert "diverges from the replicated run first at Dynamo node sum" in message, message
         assert "placed R" in message
+
+
+def _rank_wrong_rule_through_the_backend_name(rank: int, world: int, verify_env: str | None) -> str:
+    """The same wrong rule, compiled with ``torch.compile(..., backend="autotp")``: the backend's
+    entry point reads ``AUTOTP_VERIFY``."""
+    import os
+
+    import autotp.passes.solve as solve_module
+    from autotp.errors import AutoTPError
+    from autotp.ops.registry import Candidate
+    from autotp.placement import Partial, R
+
+    if verify_env is not None:
+        os.environ["AUTOTP_VERIFY"] = verify_env
+    real = solve_module.lookup
+
+    def lookup(target: object) -> object:
+        rule = real(target)
+        if target is not torch.ops.aten.sum.dim_IntList:
+            return rule
+        return lambda call, ins: [Candidate(R if isinstance(c.output, Partial) else c.output, c.local)
+                                  for c in rule(call, ins)]
+
+    solve_module.lookup = lookup
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16, bias=False), torch.nn.ReLU())
+    compiled = torch.compile(lambda x: net(x).sum(-1), backend="autotp")
+    try:
+        with torch.no_grad():
+            compiled(torch.randn(3, 8))
+    except AutoTPError as err:
+        return str(err)
+    return "no error"
+
+
+@pytest.mark.parametrize("verify_env", ["1", None])
+def test_autotp_verify_1_turns_verification_on_for_the_backend_name(verify_env: str | None) -> None:
+    for message in run_ranks(_rank_wrong_rule_through_the_backend_name, 2, verify_env):
+        if verify_env == "1":
+            assert "diverges from the replicated run first at Dynamo node sum" in message, message
+        else:  # without the variable nothing checks the (deliberately wrong) plan
+            assert message == "no error"

@@ -6,7 +6,7 @@ Exact checks only (which function Dynamo calls, what is restored); no RSS or tim
 
 from __future__ import annotations
 
-import sys
+import gc
 
 import torch
 import torch._dynamo.guards as dynamo_guards
@@ -14,10 +14,34 @@ import torch._dynamo.guards as dynamo_guards
 from autotp.memory import no_guard_latency_profile, release_free_memory
 
 
-def test_release_free_memory_runs_and_reports_a_bool() -> None:
-    assert isinstance(release_free_memory(), bool)
-    if not sys.platform.startswith("linux"):
-        assert release_free_memory() is False  # only the collection runs elsewhere
+class _Node:
+    def __init__(self) -> None:
+        self.other: _Node | None = None
+
+
+def test_release_free_memory_collects_cycles_and_trims_the_heap_only_when_asked(monkeypatch) -> None:
+    import weakref
+
+    import autotp.memory
+
+    trims: list[int] = []
+    monkeypatch.setattr(autotp.memory, "trim_heap", lambda: trims.append(1) or True)
+
+    def cycle() -> weakref.ref:
+        a, b = _Node(), _Node()
+        a.other, b.other = b, a  # unreachable once this returns, freed only by a collection
+        return weakref.ref(a)
+
+    gc_was_enabled = gc.isenabled()
+    gc.disable()  # only release_free_memory may collect here
+    try:
+        kept = cycle()
+        assert release_free_memory(collect=False) is True and kept() is not None  # no collection asked
+        assert release_free_memory() is True and kept() is None  # the cycle is gone
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+    assert trims == [1, 1]  # the heap is trimmed on every call
 
 
 def test_guard_latency_profile_is_skipped_inside_the_block_and_restored_after() -> None:

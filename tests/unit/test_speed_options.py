@@ -28,12 +28,35 @@ def test_backend_options_are_checked() -> None:
         autotp_backend(torch.fx.symbolic_trace(torch.nn.Identity()), [], options={"fusion": True})
 
 
-def test_backend_options_reach_the_graph() -> None:
-    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU())
-    compiled = torch.compile(model, backend="autotp", options={"fuse": False, "compile_inner": "eager"})
-    x = torch.randn(2, 4)
+class _Siblings(torch.nn.Module):
+    """Two linears reading one input: what the fuse pass turns into one GEMM."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(4, 3), torch.nn.Linear(4, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.a(x), self.b(x)], dim=-1)
+
+
+def test_backend_options_reach_the_graph(tmp_path) -> None:
+    import json
+
+    torch.manual_seed(0)
+    model, x = _Siblings(), torch.randn(2, 4)
     with torch.no_grad():
-        torch.testing.assert_close(compiled(x), model(x), atol=0, rtol=0)
+        expected = model(x)
+    fusion = {}
+    for fuse in (True, False):
+        torch._dynamo.reset()
+        folder = tmp_path / f"fuse_{fuse}"
+        compiled = torch.compile(model, backend="autotp", options={"fuse": fuse, "trace_dir": str(folder)})
+        with torch.no_grad():  # fusion applies to inference graphs only
+            torch.testing.assert_close(compiled(x), expected, atol=1e-6, rtol=1e-5)
+        fusion[fuse] = json.loads((folder / "rank0" / "graph000" / "fusion.json").read_text())
+    torch._dynamo.reset()
+    assert fusion[True]["fused_groups"] == 1  # the default fuses the siblings ...
+    assert fusion[False] == {"disabled": True}  # ... and the option turned the pass off in that graph
 
 
 def test_threads_per_rank() -> None:
