@@ -35,7 +35,7 @@ import torch
 from autotp.context import shard_of
 from autotp.errors import AutoTPError
 
-__all__ = ["CacheWatch", "InputGuard", "TokenIdCheck", "check_token_ids"]
+__all__ = ["CacheWatch", "InputGuard", "TokenIdCheck", "check_mask", "check_token_ids"]
 
 #: arguments of a transformers ``forward`` that hold token ids, and how to find the table each
 #: one indexes (the decoder's own embeddings where the model has them, e.g. Marian)
@@ -99,20 +99,36 @@ class TokenIdCheck:
     def __call__(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
         named = dict(zip(self.positional, args, strict=False))
         named.update(kwargs)
+        if isinstance(named.get("inputs_embeds"), torch.Tensor):
+            return  # embeddings given: no ids are looked up (the model decides what else it accepts)
         for name in _ID_ARGUMENTS:
             value = named.get(name)
             if isinstance(value, torch.Tensor) and name in self.rows:
                 check_token_ids(name, value, self.rows[name])
+        check_mask(named.get("input_ids"), named.get("attention_mask"))
+
+
+def check_mask(ids: Any, mask: Any) -> None:
+    """A 2-D ``attention_mask`` must have the batch of ``input_ids`` and cover at least its tokens
+    (it also covers cached positions); other layouts (a 4-D custom mask) are the model's to check."""
+    if not (isinstance(ids, torch.Tensor) and isinstance(mask, torch.Tensor)) or ids.dim() != 2 or mask.dim() != 2:
+        return
+    if mask.shape[0] != ids.shape[0] or mask.shape[1] < ids.shape[1]:
+        raise AutoTPError(
+            f"attention_mask has shape {tuple(mask.shape)} but input_ids has {tuple(ids.shape)}: a 2-D mask is "
+            "(batch, cached + new tokens), with input_ids' batch and at least its length. Pass the mask the "
+            "tokenizer returned with these ids."
+        )
 
 
 def check_token_ids(name: str, ids: torch.Tensor, rows: int) -> None:
     """Raise an :class:`AutoTPError` naming the first id of ``ids`` outside ``[0, rows)``, its
-    position and ``rows``; accept an empty tensor (nothing is looked up)."""
+    position and ``rows``; refuse ids that are not integers and an empty tensor."""
     if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
         raise AutoTPError(f"{name} must hold integer token ids (torch.long), got dtype {ids.dtype}; "
                           f"pass {name}.long() or the tokenizer's output")
     if ids.numel() == 0:
-        return
+        raise AutoTPError(f"{name} is empty (shape {tuple(ids.shape)}): pass at least one token for each row")
     lo, hi = torch.aminmax(ids.detach())
     lo_v, hi_v = torch.stack([lo, hi]).tolist()  # one device sync
     if lo_v >= 0 and hi_v < rows:
