@@ -201,14 +201,16 @@ class Comm:
         """Do this group's CPU all-reduces (in ``capacity``-byte pieces) and all-gathers of at most
         ``capacity`` bytes per rank through one shared-memory segment when every rank runs on this
         host (:class:`SharedMemoryCollectives`); collective: every rank must call it. Returns
-        whether it is on (False: one process, a simulated group, ranks on several hosts, or a CPU
-        other than x86-64, whose store order the protocol relies on)."""
+        whether it is on (False: one process, a simulated group, ranks on several hosts, a host
+        without libatomic's fence, or a CPU other than x86-64: the protocol is fenced and portable,
+        but tested on x86-64 only)."""
         if self.group is None or self.world_size == 1 or self.shared_memory is not None:
             return self.shared_memory is not None
         hosts: list[Any] = [None] * self.world_size
+        usable = memory_fence() is not None and os.path.isdir("/dev/shm")  # every rank must agree
         with _guard(self, "all_gather_object"):
-            dist.all_gather_object(hosts, (socket.gethostname(), platform.machine()), group=self.group)
-        if len(set(hosts)) != 1 or hosts[0][1] not in ("x86_64", "AMD64") or not os.path.isdir("/dev/shm"):
+            dist.all_gather_object(hosts, (socket.gethostname(), platform.machine(), usable), group=self.group)
+        if len(set(hosts)) != 1 or hosts[0][1] not in ("x86_64", "AMD64") or not hosts[0][2]:
             return False
         self.shared_memory = SharedMemoryCollectives(self, capacity, timeout_s)
         return True
@@ -420,6 +422,29 @@ def peer_failures(comm: Comm, during: str) -> Iterator[None]:
 SPIN_SLEEP_AFTER = 4096
 SPIN_SLEEP_S = 50e-6
 
+#: C11 ``memory_order_seq_cst`` (GCC's ``__ATOMIC_SEQ_CST``)
+_SEQ_CST = 5
+
+
+def memory_fence() -> Any:
+    """A full memory fence, ``atomic_thread_fence(memory_order_seq_cst)``, from the C runtime's
+    libatomic (``mfence`` / a locked instruction on x86-64, which also drains non-temporal stores;
+    ``dmb ish`` on ARM), as a Python callable; None where libatomic is missing. The shared-memory
+    transport publishes through it, so its correctness rests on the fence, not on a CPU's store
+    order or on how large a copy glibc makes non-temporal."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("atomic")
+    if name is None:
+        return None
+    try:
+        fence = ctypes.CDLL(name).atomic_thread_fence
+    except (OSError, AttributeError):
+        return None
+    fence.argtypes, fence.restype = [ctypes.c_int], None
+    return lambda: fence(_SEQ_CST)
+
 
 class SharedMemoryCollectives:
     """All-reduce and small all-gathers for CPU ranks on one host through a shared-memory segment.
@@ -436,10 +461,12 @@ class SharedMemoryCollectives:
     then reduce the slots in rank order 0..N-1 (every rank computes the same bits, as a replicated
     value must be). Reuse: buffer ``k % 2`` is next written by call ``k + 2``, which a rank starts
     only after waiting in call ``k + 1`` for every flag >= ``k + 1``, i.e. after every rank has
-    finished reading call ``k``. Ordering: the slot's bytes must be visible before the flag; x86-64
-    keeps stores in program order (and loads likewise), so :meth:`Comm.use_shared_memory` enables
-    this only there; copies are capped at ``capacity`` (256 KB), below glibc's threshold for
-    non-temporal (weakly ordered) stores. Waiting ranks spin (yielding the core when there are
+    finished reading call ``k``. Ordering: the slot's bytes must be visible before the flag, and
+    a reader must not read a slot before it has seen the flag. A full fence
+    (:func:`memory_fence`, libatomic's ``atomic_thread_fence(seq_cst)``) sits between the copy and
+    the flag store, and another between seeing the flags and reading the slots, so this holds
+    whatever the copy does (glibc switches to non-temporal, weakly ordered stores above a
+    cache-dependent size) and on any CPU, not only by x86-64's store order. Waiting ranks spin (yielding the core when there are
     more ranks than cores), then sleep 50 us at a time once a wait has lasted about a millisecond
     (a peer still computing should get the core). A rank that failed or died (by the rank-health
     records), or that does not arrive within ``timeout_s``, makes them raise a
@@ -472,6 +499,10 @@ class SharedMemoryCollectives:
         self.data = torch.frombuffer(self.mapping, dtype=torch.uint8, offset=flags_bytes,
                                      count=2 * self.world_size * capacity).view(2, self.world_size, capacity)
         self.calls = 0  # the file starts zeroed: every flag is 0
+        fence = memory_fence()
+        if fence is None:
+            raise AutoTPError("the shared-memory transport needs libatomic's memory fence, which this host lacks")
+        self.fence = fence
 
     def fits(self, x: Tensor) -> bool:
         """Whether :meth:`all_gather` takes ``x`` (a CPU tensor within one slot);
@@ -480,13 +511,17 @@ class SharedMemoryCollectives:
 
     def _publish(self, x: Tensor) -> int:
         """Copy ``x`` (flat, at most one slot) into this rank's slot of the next call's buffer and
-        wait for every rank's; returns the buffer index."""
+        wait for every rank's; returns the buffer index. Release: a full fence between the copy
+        (and this rank's reads of the previous calls) and the flag; acquire: a full fence between
+        seeing every flag and reading the slots."""
         self.calls += 1
         call, buffer = self.calls, self.calls % 2
         nbytes = x.numel() * x.element_size()
         self.data[buffer, self.rank, :nbytes].view(x.dtype).copy_(x)
+        self.fence()  # the slot's bytes (however the copy stored them) are visible before the flag
         self.flags[self.rank] = call
         self._wait_for(call)
+        self.fence()  # no read of a peer's slot moves before its flag was seen
         return buffer
 
     def _slot(self, buffer: int, rank: int, like: Tensor) -> Tensor:
