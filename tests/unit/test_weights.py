@@ -168,7 +168,8 @@ def test_hub_id_missing_from_offline_cache_names_repo_and_fix(tmp_path, monkeypa
 
 
 def test_local_folder_checks(tmp_path, llama_dir):
-    """A folder is returned as is; config-only folders need require_weights=False; folders with
+    """A folder is returned as is; config-only folders need require_weights=False (the planner's; the
+    error points users to `autotp plan`, not to that private option); folders with
     only other formats (.pt) get a conversion hint; non-existent paths are named."""
     assert resolve_checkpoint(llama_dir) == llama_dir.resolve()
 
@@ -177,7 +178,7 @@ def test_local_folder_checks(tmp_path, llama_dir):
     shutil.copy(llama_dir / "config.json", config_only / "config.json")
     assert resolve_checkpoint(config_only, require_weights=False) == config_only.resolve()
     with pytest.raises(CheckpointError, match=r"no safetensors files \(nor pytorch_model\*\.bin\) in folder "
-                                              ".*require_weights=False"):
+                                              ".*to plan from the config alone, without weights, run `autotp plan "):
         resolve_checkpoint(config_only)
 
     (config_only / "weights.pt").write_bytes(b"not really")
