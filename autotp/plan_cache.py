@@ -46,6 +46,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import json
+import math
 import os
 import sys
 import tempfile
@@ -585,9 +586,19 @@ class PlanCache:
 
 
 def _jsonable(obj: Any) -> Any:
-    """``obj`` as it reads back from JSON (tuples become lists, keys strings), so that what is
-    compared on a hit is what was stored."""
-    return json.loads(json.dumps(obj, allow_nan=False, default=str))
+    """``obj`` as it reads back from JSON (tuples become lists, keys strings, a non-finite float
+    its repr, anything else its str), so that what is compared on a hit is what was stored."""
+    return json.loads(json.dumps(_finite(obj), allow_nan=False, default=str))
+
+
+def _finite(obj: Any) -> Any:
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return repr(obj)
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
 
 
 def entry_checksum(key: Any, payload: Any) -> str:

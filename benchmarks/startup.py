@@ -124,6 +124,7 @@ def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
     if "plan_cache" in runs[0]:
         out["graphs_compiled"] = [r["graphs_compiled"] for r in runs]
         out["plan_cache_status"] = [[o["status"] for o in r["plan_cache"]] for r in runs]
+        out["plan_cache_lookup_s"] = [sum(o.get("lookup_s", 0.0) for o in r["plan_cache"]) for r in runs]
     return out
 
 

@@ -24,7 +24,15 @@ from autotp.collectives import Comm
 from autotp.config import AutoTPConfig
 from autotp.context import TPContext, attach_meta
 from autotp.placement import R
-from autotp.plan_cache import FORMAT, PlanCache, PlanKey, cache_dir_from, entry_checksum
+from autotp.plan_cache import (
+    FORMAT,
+    PlanCache,
+    PlanKey,
+    Uncacheable,
+    cache_dir_from,
+    entry_checksum,
+    graph_fingerprint,
+)
 from autotp.weights import ParameterMeta
 from tests._tiny import tiny_model
 
@@ -235,3 +243,29 @@ def test_concurrent_writers_of_one_entry_both_succeed_and_readers_never_see_a_pa
     b = _compile(PlanCache(cache.root))
     assert [o["status"] for o in b["outcomes"]] == ["hit"]
     _same_program(a, b)
+
+
+def _traced(fn) -> torch.fx.GraphModule:
+    return torch.fx.symbolic_trace(fn)
+
+
+def test_the_graph_fingerprint_tells_apart_constants_and_targets() -> None:
+    prints = [graph_fingerprint(_traced(fn)) for fn in (
+        lambda x: x + 1, lambda x: x + 2, lambda x: x + 1.0, lambda x: x - 1, lambda x: x.view(2, 3),
+        lambda x: x.view(3, 2), lambda x: torch.relu(x), lambda x: torch.sigmoid(x))]
+    assert len({json.dumps(p) for p in prints}) == len(prints)
+    assert graph_fingerprint(_traced(lambda x: x + 1)) == prints[0]  # and is stable
+
+
+def test_a_graph_the_key_cannot_describe_is_uncacheable() -> None:
+    with pytest.raises(Uncacheable, match="call_module"):
+        graph_fingerprint(_traced(torch.nn.Sequential(torch.nn.Linear(2, 2))))
+
+    class Opaque:
+        pass
+
+    gm = _traced(lambda x: x + 1)
+    add = next(n for n in gm.graph.nodes if n.op == "call_function")
+    add.args = (add.args[0], Opaque())
+    with pytest.raises(Uncacheable, match="Opaque"):
+        graph_fingerprint(gm)
