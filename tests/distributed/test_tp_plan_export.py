@@ -10,6 +10,11 @@ unequal sizes under GQA) has no transformers spelling, so the free plan's export
 this test plans with ``qkv_proj`` replicated (autotp then gathers ``o_proj``'s column-parallel output,
 ``colwise_gather_output``).
 
+Mixtral's stacked experts are keyed by parameter name, as transformers' own MoE plans are: gate | up
+(``(E, 2I, H)``, strided over its two halves) as ``packed_colwise``, down (``(E, H, I)``, split on I)
+as ``rowwise``; the all-reduce after the experts is the model's own ``moe_tp_experts`` rule, which
+``DistributedConfig`` keeps.
+
 Tolerance: atol 1e-5, rtol 1e-4 (fp32; row-parallel matmuls sum partial results across ranks, which
 reorders fp32 additions), as in tests/distributed/test_parallelize.py.
 """
@@ -72,4 +77,37 @@ def test_an_exported_phi3_plan_loads_in_transformers_and_matches_one_process(tmp
         torch.testing.assert_close(r["gate_up"], torch.cat([full[64 * rank:64 * (rank + 1)],
                                                             full[128 + 64 * rank:128 + 64 * (rank + 1)]]),
                                    atol=0, rtol=0)
+        torch.testing.assert_close(r["logits"], expected, atol=ATOL, rtol=RTOL)
+
+
+def _transformers_moe_rank(rank: int, world: int, folder: str, tp_plan: dict[str, str]) -> dict[str, Any]:
+    from torch.distributed.tensor import DTensor
+    from transformers import DistributedConfig, MixtralForCausalLM
+
+    model = MixtralForCausalLM.from_pretrained(
+        folder, distributed_config=DistributedConfig(tp_plan=tp_plan, tp_size=world)).eval()
+    gate_up = model.model.layers[0].mlp.experts.gate_up_proj
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor(PROMPT)).logits
+    local = gate_up.to_local() if isinstance(gate_up, DTensor) else gate_up
+    return {"logits": logits.detach().clone(), "gate_up": local.detach().clone()}
+
+
+def test_an_exported_mixtral_plan_loads_in_transformers_and_matches_one_process(tmp_path: Path) -> None:
+    from transformers import MixtralForCausalLM
+
+    from autotp.planner import plan_model
+
+    world = 2
+    plan = plan_model(tiny_config("mixtral", pad_token_id=PAD_ID), world, decode=False).transformers_tp_plan()
+    assert plan["model.layers.*.mlp.experts.gate_up_proj"] == "packed_colwise"
+    assert plan["model.layers.*.mlp.experts.down_proj"] == "rowwise"
+    folder = save_tiny("mixtral", tmp_path / "mixtral", pad_token_id=PAD_ID)
+    reference = MixtralForCausalLM.from_pretrained(folder).eval()
+    with torch.no_grad():
+        expected = reference(input_ids=torch.tensor(PROMPT)).logits
+    full = reference.model.layers[0].mlp.experts.gate_up_proj.detach()  # (4 experts, gate 128 | up 128, 64)
+    for rank, r in enumerate(run_ranks(_transformers_moe_rank, world, str(folder), plan)):
+        rows = torch.cat([full[:, 64 * rank:64 * (rank + 1)], full[:, 128 + 64 * rank:128 + 64 * (rank + 1)]], 1)
+        torch.testing.assert_close(r["gate_up"], rows, atol=0, rtol=0)  # every expert's rows of both halves
         torch.testing.assert_close(r["logits"], expected, atol=ATOL, rtol=RTOL)
