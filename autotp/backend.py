@@ -288,7 +288,7 @@ def _verification(gm: torch.fx.GraphModule, annotation: Any, placeholders: list[
     return lambda run, rewritten: verified(run, reference, rewritten, placements, full, ctx.comm)
 
 
-#: transformers' spellings of the styles autotp understands (``from_pretrained(tp_plan=...)``).
+#: transformers' spellings of the styles autotp understands (``DistributedConfig(tp_plan=...)``).
 STYLE_ALIASES = {
     "colwise_gather_output": "colwise", "colwise_rep": "colwise", "rowwise_rep": "rowwise",
     "rowwise_split_input": "rowwise", "embedding_rowwise": "vocab", "embedding_colwise": "colwise",

@@ -3,8 +3,6 @@
 Each function names the internal it touches and why no public API does the job; when torch
 changes one of them, this module is the one to fix.
 
-Where autotp adapts private torch internals to its stand-ins (one module, one job each).
-
 **Grouped matmuls over stand-ins.** ``parallelize_model`` traces a model whose parameters are
 stand-ins: one element expanded to the global shape, stride 0 (``context.standin``), so tracing
 costs no memory. ``torch._grouped_mm``'s meta kernel (what Dynamo's fake-tensor propagation and
@@ -39,7 +37,6 @@ from typing import Any
 import torch
 
 __all__ = ["fsdp_params", "grouped_mm_accepts_standins", "no_ddp_graph_split", "use_as_unsharded_param"]
-
 
 
 class _GroupedMmMeta:

@@ -265,6 +265,16 @@ def test_mixtral_moe_is_tensor_parallel_with_one_all_reduce_after_the_experts() 
 BF16_ATOL, BF16_RTOL = 1e-2, 1.6e-2
 
 
+#: Mixtral-8x7B's widths with 2 layers (hidden 4096, 32 heads, 8 kv heads, 8 experts of 14336)
+MIXTRAL_8X7B_WIDTHS = dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8,
+                           intermediate_size=14336, num_local_experts=8, num_experts_per_tok=2,
+                           vocab_size=32000, max_position_embeddings=4096, pad_token_id=None)
+
+
+def _grouped_mms(report: Any) -> int:
+    return sum(n.target is torch.ops.aten._grouped_mm.default for n in report.record.shadow.aten.graph.nodes)
+
+
 def test_bf16_moe_plans_like_fp32() -> None:
     """Under Dynamo, transformers sends bf16 experts through ``torch._grouped_mm`` (fp32 through
     its ``grouped_mm_fallback`` op); the planner traces parallelize_model's stride-0 stand-ins,
@@ -275,14 +285,26 @@ def test_bf16_moe_plans_like_fp32() -> None:
     config = tiny_config("mixtral", pad_token_id=PAD_ID)
     fp32 = plan_model(config, 2, decode=False)
     bf16 = plan_model(config, 2, dtype="bfloat16", decode=False)
-    grouped = [n for n in bf16.record.shadow.aten.graph.nodes if n.target is torch.ops.aten._grouped_mm.default]
-    assert len(grouped) == 4  # gate_up and down of both blocks: the bf16 path, not the fallback
+    assert _grouped_mms(bf16) == 4 and _grouped_mms(fp32) == 0  # gate_up and down of both blocks
     assert collectives_per_block(bf16.forward.sites) == collectives_per_block(fp32.forward.sites) \
         == {layer: {"all_reduce": 2} for layer in range(2)}
     assert_moe_is_tensor_parallel(bf16.parameters, num_layers=2)
     for layer in range(2):
         after_experts = [s for s in bf16.forward.sites if s["origin"] == f"model.layers.{layer}.mlp.experts"]
         assert [(s["kind"], s["src"], s["dst"]) for s in after_experts] == [("all_reduce", "P", "R")]
+
+
+def test_bf16_moe_at_real_widths_plans_like_fp32() -> None:
+    """Mixtral-8x7B's widths: whatever the plan is, the dtype does not change it, block by block."""
+    from autotp.planner import plan_model
+
+    config = tiny_config("mixtral", **MIXTRAL_8X7B_WIDTHS)
+    fp32 = plan_model(config, 2, decode=False)
+    bf16 = plan_model(config, 2, dtype="bfloat16", decode=False)
+    assert _grouped_mms(bf16) == 4
+    assert collectives_per_block(bf16.forward.sites) == collectives_per_block(fp32.forward.sites)
+    assert {k: e["placement"] for k, e in bf16.parameters.items()} == \
+        {k: e["placement"] for k, e in fp32.parameters.items()}
 
 
 def _rank_logits(rank: int, world: int, folder: str) -> dict[str, Any]:
