@@ -131,12 +131,13 @@ def _static_segment(op: OpCall, inner: Sequence[int], out: Sequence[int], o: int
     """Whether the segment a strided dim ``o`` of the view's output is cut into (or split from)
     has a static size. In a graph of static sizes it has. Where the output has a symbolic dim (a
     dynamic batch), only the plain ``(B, heads, S, D) <-> (B*heads, S, D)`` regrouping is allowed:
-    the dims after ``o`` are the input's dims after the sharded one, so a segment is the sharded
-    dim itself (static, as every plain shard is) and only the number of segments varies."""
+    the dims after ``o`` are the input's dims after the sharded one (up to dims of size 1, which
+    are never symbolic: BLOOM's ``(B, H, S) -> (B*H, 1, S)``), so a segment is the sharded dim
+    itself (static, as every plain shard is) and only the number of segments varies."""
     spec = out_spec(op)
     if spec is None or not spec.symbolic:
         return True
-    return tuple(out[o + 1:]) == tuple(inner)
+    return [s for s in out[o + 1:] if s != 1] == [s for s in inner if s != 1]
 
 
 def _merged_behind(tail: Sequence[int], out: Sequence[int], world_size: int) -> StridedShard | None:

@@ -1068,6 +1068,10 @@ def test_a_strided_merge_may_lie_on_a_dynamic_batch_only_with_static_segments() 
     spec = TensorSpec((16, 5, 4), f32, frozenset({0}))
     assert spec.shardable(0, StridedShard(0, (8, 8)))
     assert not spec.shardable(0, Shard(0)) and not spec.shardable(0, StridedShard(0, (8, 4, 4)))
+    # BLOOM's padded alibi (B, H, S) -> (B*H, 1, S), batch and length symbolic: segments of H
+    alibi = OpCall(aten.view.default, (TensorSpec((2, 8, 5), f32, frozenset({0, 2})), [16, 1, 5]), {},
+                   TensorSpec((16, 1, 5), f32, frozenset({0, 2})), 2)
+    assert outputs(registry.lookup(aten.view.default)(alibi, [Shard(1)])) == [(StridedShard(0, (8, 8)), "shape")]
     # merged with the symbolic sequence too, a segment would be H*S: not static, refused
     flat = OpCall(aten.view.default, (TensorSpec((2, 8, 5, 4), f32, frozenset({0, 2})), [80, 4]), {},
                   TensorSpec((80, 4), f32, frozenset({0})), 2)
