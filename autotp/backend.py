@@ -33,6 +33,7 @@ from autotp.memory import release_free_memory
 from autotp.mesh import check_layout
 from autotp.ops.fused import fused_segmentations, strided_candidates
 from autotp.passes.annotate import annotate, replicated_annotation
+from autotp.passes.checkpoint import inline_checkpoints, outline_checkpoints
 from autotp.passes.decompose import decompose
 from autotp.passes.fuse import fuse_sibling_matmuls
 from autotp.passes.materialize import materialize
@@ -102,20 +103,6 @@ def _backend_comm(mesh: Any) -> Comm:
     return Comm.from_group(layout.tp_group())
 
 
-def _refuse_activation_checkpoints(gm: torch.fx.GraphModule) -> None:
-    """Activation checkpointing reaches the backend as one higher-order op per checkpointed block
-    (``tag_activation_checkpoint``): the whole block is one Dynamo node, so no collective can sit
-    inside it and no tensor-parallel plan exists."""
-    for n in gm.graph.nodes:
-        if n.op == "call_function" and "checkpoint" in getattr(n.target, "__name__", ""):
-            raise AutoTPError(
-                f"activation checkpointing ({n.target.__name__}, e.g. model.gradient_checkpointing_enable()) "
-                "is not supported by autotp: a checkpointed block reaches the compiler as a single op, "
-                "inside which no collective can be placed. Call model.gradient_checkpointing_disable(); "
-                "sharded activations already take 1/N of the memory per rank."
-            )
-
-
 def make_backend(ctx: TPContext) -> Callable[..., Any]:
     """A backend bound to ``ctx`` (what ``parallelize_model`` compiles with)."""
 
@@ -166,8 +153,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: list[Any], ctx: TPCo
         else:
             user_inputs.append((ph, value))
 
-    if world > 1:
-        _refuse_activation_checkpoints(gm)
+    checkpoints = inline_checkpoints(gm)  # checkpointed blocks are planned through (passes/checkpoint.py)
     if world == 1:
         # one rank: every placement is R; only bind parameters to their (full) local tensors
         annotation, solution, shadow, opts = replicated_annotation(gm), None, None, None
@@ -199,6 +185,8 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: list[Any], ctx: TPCo
     report = runner.run("rewrite", rewrite, gm, annotation, locals_, ctx.comm, lint=gm)
     fusion = runner.run("fuse", fuse_sibling_matmuls, gm, lint=gm) if ctx.config.fuse else None
     gm.autotp_fusion = fusion.as_dict() if fusion is not None else None
+    gm.autotp_checkpoints = runner.run("checkpoint", outline_checkpoints, gm, lint=gm).as_dict() \
+        if checkpoints else None
     sharded_outputs = _sharded_outputs(gm, annotation)
     gm.autotp_sharded_outputs = sharded_outputs
     plan = build_plan(world, {

@@ -84,8 +84,11 @@ def sharded_standin(local: torch.Tensor, placement: Shard, world_size: int,
     """
     shape = list(local.shape)
     shape[placement.dim] *= world_size  # local (.., s/N, ..) -> global (.., s, ..)
+    # requires grad as the shard does: a later graph traced on the stand-in must plan the
+    # backward of its input (a training graph after a graph break), though the gradient reaches
+    # the shard it binds at run time, not this
     base = torch.full((), float("nan") if local.dtype.is_floating_point else 0, dtype=local.dtype,
-                      device=local.device)
+                      device=local.device, requires_grad=local.requires_grad)
     out = base.expand(shape)
     setattr(out, SHARD_ATTR, (local, placement))
     setattr(out, OUTPUT_PATH_ATTR, output_path)
