@@ -224,3 +224,14 @@ def test_an_unwritable_html_path_is_refused_before_planning(config_only: Path, t
                                                             capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plan", str(config_only), "--tp", "2", "--html", str(tmp_path / "no" / "such" / "plan.html")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_the_report_carries_the_solvers_certificate(report: PlanReport) -> None:
+    """The optimum lies between the lower bound and the plan's cost; the text says which."""
+    forward = report.forward
+    assert forward.cost is not None and 0 < forward.lower_bound <= forward.cost
+    assert forward.gap == pytest.approx(forward.cost - forward.lower_bound)
+    assert report.to_json()["solver"] == {"cost": forward.cost, "lower_bound": forward.lower_bound,
+                                          "gap": forward.gap}
+    line = next(x for x in render_text(report).splitlines() if x.strip().startswith("solver: cost"))
+    assert ("proved optimal" in line) == (forward.gap == 0)
