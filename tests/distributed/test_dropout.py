@@ -101,8 +101,6 @@ def test_training_with_dropout_zero_equals_one_process(tmp_path: Path, build) ->
         assert r["losses"] == pytest.approx(reference, rel=1e-5)
 
 
-@pytest.mark.xfail(strict=True, reason="the solver's beam loses the heads-sharded plan of an eager training graph "
-                   "with dropout (widened to 256, attention replicated); the rules accept it (unit-tested)")
 def test_eager_attention_dropout_runs_on_the_ranks_own_streams(tmp_path: Path) -> None:
     folder = _tiny_llama(tmp_path / "model", 0.1)
     (rank0, _) = run_ranks(_rank_losses, 2, str(folder), str(tmp_path / "trace"))
