@@ -288,8 +288,9 @@ def parallelize_model(
     ``mesh``: a ``DeviceMesh`` with dims named ``("dp", "tp")`` (``init_device_mesh(device, (dp,
     tp), mesh_dim_names=("dp", "tp"))``): tensor parallelism runs on ``mesh["tp"]``, and
     ``data_parallel="fsdp"`` (FSDP2's ``fully_shard``) or ``"ddp"`` (``DistributedDataParallel``)
-    averages gradients over ``mesh["dp"]`` (:mod:`autotp.data_parallel`); without a mesh the whole
-    world is the tp group.
+    averages gradients over ``mesh["dp"]`` (:mod:`autotp.data_parallel`); with ``data_parallel=None``
+    each dp replica is an independent tensor-parallel copy (serving; its gradients are its own).
+    Without a mesh the whole world is the tp group.
     """
     data_parallel = check_data_parallel(data_parallel)
     if data_parallel is not None and not warmup:

@@ -26,7 +26,7 @@ __all__ = ["DATA_PARALLEL", "MeshLayout", "check_data_parallel", "check_layout",
 #: the data-parallel engines ``parallelize_model(data_parallel=...)`` accepts (None: no engine)
 DATA_PARALLEL = ("fsdp", "ddp")
 
-#: the mesh dim names autotp reads; the mesh axis tensor parallelism runs on, and data parallelism
+#: the mesh dim names autotp reads: the axis tensor parallelism runs on, and the data-parallel one
 TP_AXIS, DP_AXIS = "tp", "dp"
 
 _MESH_HINT = ("build it with torch.distributed.device_mesh.init_device_mesh(device, (dp, tp), "
