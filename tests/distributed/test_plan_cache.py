@@ -16,22 +16,9 @@ import torch
 
 from tests._dist import run_ranks
 from tests._tiny import save_tiny
+from tests.distributed.test_parallelize import PAD_ID, PROMPT, _reference
 
 pytestmark = pytest.mark.dist
-
-PAD_ID = 120
-PROMPT = [[5, 17, 99, 3, 64, 12, 7]]
-
-
-def _reference(folder: Path, new_tokens: int) -> tuple[torch.Tensor, list[int]]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(folder).eval()
-    ids = torch.tensor(PROMPT)
-    with torch.no_grad():
-        logits = model(input_ids=ids).logits
-        tokens = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=PAD_ID)
-    return logits, tokens[0].tolist()
 
 
 def _job(rank: int, world: int, folder: str, cache_dir: str, trace_dir: str, new_tokens: int) -> dict:
