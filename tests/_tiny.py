@@ -50,6 +50,8 @@ ARCHS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
     "mistral": ("MistralConfig", "MistralForCausalLM", {}),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),  # q/k/v projections carry biases in Qwen2
+    # OLMo-2: RMSNorms over all q heads and all k heads (q_norm / k_norm), norms after each sublayer
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {"bos_token_id": 1, "eos_token_id": 2}),
 }
 
 

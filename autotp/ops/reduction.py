@@ -2,8 +2,12 @@
 
 * Reducing over non-sharded dims keeps the Shard; its index shifts left by the number of reduced
   dims before it when ``keepdim=False``.
-* ``sum`` over a sharded dim gives Partial (floating results only); every other reduction over a
-  sharded dim is infeasible (there is no Partial-average, -max or -any).
+* ``sum`` over a sharded dim gives Partial (floating results only). So does ``mean``, through the
+  local rewrite ``sharded_mean``: each rank scales its chunk's mean by its share of the dim
+  (``local size / global size``), and the shares sum to the whole mean. This is how an RMSNorm over a
+  sharded dim (OLMo-2's q/k norms over all heads) costs one all-reduce of a per-token statistic
+  instead of an all-gather of its input. Every other reduction over a sharded dim is infeasible
+  (there is no Partial-max or -any).
 * ``sum`` and ``mean`` are linear: Partial in, Partial out. Nothing else accepts a Partial.
 * A scan (``cumsum``) keeps Shards on other dims, rejects one along the scan, and is linear.
 """
@@ -11,12 +15,21 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from autotp.ops._common import P, R, aten_ops, norm_dims, out_is_float, out_len
-from autotp.ops.registry import Candidate, OpCall, register, reject
+from autotp.ops.registry import Candidate, OpCall, register, register_local, reject
 from autotp.placement import Partial, Placement, Replicate, Shard, normalize_dim
 
 SUM, MEAN, OTHER = "sum", "mean", "other"
+SHARDED_MEAN = "sharded_mean"
+
+
+@register_local(SHARDED_MEAN)
+def sharded_mean_local(target: Any, args: tuple, kwargs: dict, in_placements: Sequence[Any],
+                       out_placement: Any, rank: int, world_size: int) -> Any:
+    """A mean over the (evenly) sharded dim of ``args[0]``: this rank's summand of the whole mean."""
+    return target(*args, **kwargs) / world_size
 
 
 def reduce(op: OpCall, inputs: Sequence[Placement | None], kind: str, dims: object, keepdim: bool
@@ -39,6 +52,8 @@ def reduce(op: OpCall, inputs: Sequence[Placement | None], kind: str, dims: obje
     if p.dim in reduced:
         if kind == SUM and out_is_float(op):
             return [wrap(P)]
+        if kind == MEAN and out_is_float(op):
+            return [Candidate(P, local=SHARDED_MEAN)]
         return reject(f"{op.target} over sharded dim {p.dim} has no Partial form")
     return [wrap(Shard(p.dim if keepdim else p.dim - sum(1 for r in reduced if r < p.dim)))]
 

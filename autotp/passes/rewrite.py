@@ -19,7 +19,8 @@
   shard into its segments locally; ``sharded_softmax`` / ``vocab_gather`` swap a softmax, a gather
   or a cross-entropy / nll loss over a sharded class dim for :class:`~autotp.layers.ShardedSoftmax`,
   :class:`~autotp.layers.VocabGather` or :class:`~autotp.layers.VocabParallelLoss` (on the Dynamo
-  targets listed in ``autotp/passes/hosts.py``). A local rewrite autotp cannot apply to a node is an
+  targets listed in ``autotp/passes/hosts.py``); ``sharded_mean`` scales a mean over a sharded dim
+  by this rank's share of that dim, so the ranks' results sum to the whole mean (a Partial). A local rewrite autotp cannot apply to a node is an
   error, never silently skipped.
 """
 
@@ -44,6 +45,7 @@ from autotp.ops.elementwise import REPLICATED_SHARE
 from autotp.ops.indexing import SLICE_BOUNDS, SPLIT_SIZES, VOCAB_GATHER, localize_bounds
 from autotp.ops.norm import SHARDED_SOFTMAX
 from autotp.ops.random import RANK_RNG
+from autotp.ops.reduction import SHARDED_MEAN
 from autotp.ops.shape import localize_sizes
 from autotp.passes.annotate import Annotation
 from autotp.passes.hosts import GATHER_FUNCTIONS, SOFTMAX_FUNCTIONS, SOFTMAX_METHODS
@@ -167,6 +169,10 @@ def rewrite(gm: torch.fx.GraphModule, annotation: Annotation, params: dict[torch
                 n = _on_rank_stream(gm, n, comm.rank)
                 report.local_rewrites[tag] += 1
                 continue
+            if tag == SHARDED_MEAN:
+                _scale_to_share(gm, n, plan)
+                report.local_rewrites[tag] += 1
+                continue
             _apply_local(gm, n, tag, plan.output(), params, attr_nodes, comm, report)
 
     for ph in params:
@@ -190,6 +196,31 @@ def _on_rank_stream(gm: torch.fx.GraphModule, n: torch.fx.Node, rank: int) -> to
     n.replace_all_uses_with(new)
     gm.graph.erase_node(n)
     return new
+
+
+def _scale_to_share(gm: torch.fx.GraphModule, n: torch.fx.Node, plan: Any) -> None:
+    """Local rewrite ``sharded_mean``: a mean over the sharded dim of its input becomes this rank's
+    summand of the whole mean, ``local mean * local size / global size`` of that dim (1/N for even
+    shards), so the Partial the solver planned sums to the global mean."""
+    x = n.args[0] if n.args else n.kwargs.get("input")
+    placement = _arrival(n, plan, x)
+    source = x
+    while isinstance(source, torch.fx.Node) and source.op == "call_module" \
+            and str(source.target).startswith("autotp_redistribute"):
+        source = source.args[0]  # the value before an inserted collective carries Dynamo's example value
+    value = source.meta.get("example_value") if isinstance(source, torch.fx.Node) else None
+    if not isinstance(placement, Shard) or not isinstance(value, torch.Tensor):
+        raise PassError(f"node {n.name}: a mean over a sharded dim needs its input's shard and size")
+    with gm.graph.inserting_after(n):
+        share = gm.graph.call_function(_mean_share, (n, x, placement.dim, int(value.shape[placement.dim])))
+    share.meta = dict(n.meta)
+    n.replace_all_uses_with(share, delete_user_cb=lambda user: user is not share)
+
+
+def _mean_share(mean: torch.Tensor, x: torch.Tensor, dim: int, global_size: int) -> torch.Tensor:
+    """This rank's summand of a mean over ``x``'s sharded ``dim``: its chunk's mean weighted by the
+    chunk's share of the dim."""
+    return mean * (x.shape[dim] / global_size)
 
 
 def _insert_redistribute(gm: torch.fx.GraphModule, before: torch.fx.Node, source: torch.fx.Node, src: Any,

@@ -77,6 +77,7 @@ CASES = [
     Case("t5", "seq2seq", (2,), {"decoder_start_token_id": PAD_ID}),
     Case("mixtral", "decoder", (2,)),
     Case("mixtral", "decoder", (2,), path="compile"),
+    Case("olmo2", "decoder", (2,)),
 ]
 BY_ID = {c.id: c for c in CASES}
 
@@ -88,6 +89,9 @@ BLOCK_ARCHS = sorted({c.arch for c in CASES if c.kind == "decoder"} | {"llama", 
 #: GPT-NeoX, Falcon-7B's ``parallel_attn``) adds both partial sums before one all-reduce, so its
 #: minimum is 1.
 ALL_REDUCES_PER_BLOCK: dict[str, int] = {arch: 2 for arch in BLOCK_ARCHS} | {"gpt_neox": 1, "falcon": 1}
+#: all-reduces of a per-token statistic per block: a norm over a sharded dim (OLMo-2's q_norm and
+#: k_norm over all heads) reduces its mean square (one value per token) instead of gathering its input
+STATISTICS_PER_BLOCK: dict[str, int] = {"olmo2": 2}
 #: arch -> why its per-block count cannot be asserted yet (strict xfail)
 BLOCK_COUNT_XFAIL: dict[str, str] = {
     "falcon": "Falcon-7B-style multi-query attention keeps its one k/v head inside the fused "
@@ -221,17 +225,20 @@ def collectives_per_block(sites: list[dict[str, Any]]) -> dict[int, dict[str, in
     the block it sits in (``after``)."""
     out: dict[int, dict[str, int]] = {}
     for site in sites:
+        kind = site["kind"] + (STATISTIC if tuple(site.get("global_shape") or ())[-1:] == (1,) else "")
         layer = site["layer"]
         if layer is None:
             found = _LAYER_INDEX.search("." + site["after"] + ".")
             layer = int(found.group(1)) if found else None
         if layer is not None:
             kinds = out.setdefault(layer, {})
-            kinds[site["kind"]] = kinds.get(site["kind"], 0) + 1
+            kinds[kind] = kinds.get(kind, 0) + 1
     return dict(sorted(out.items()))
 
 
 _LAYER_INDEX = re.compile(r"\.(\d+)(?=\.)")
+#: suffix of a collective's kind in :func:`collectives_per_block` when it moves one value per token
+STATISTIC = " of a statistic"
 
 
 def _plan(arch: str, world: int = 2) -> Any:
@@ -247,6 +254,8 @@ def _plan(arch: str, world: int = 2) -> Any:
 def test_decoder_forward_has_the_minimum_all_reduces_per_block(arch: str) -> None:
     report = _plan(arch)
     expected = {"all_reduce": ALL_REDUCES_PER_BLOCK[arch]}
+    if arch in STATISTICS_PER_BLOCK:
+        expected["all_reduce" + STATISTIC] = STATISTICS_PER_BLOCK[arch]
     assert collectives_per_block(report.forward.sites) == {layer: expected for layer in range(2)}
 
 

@@ -5,7 +5,8 @@ weights, one process) with a public model's real widths - hidden, heads, kv head
 intermediate and vocabulary sizes - and 2 layers (deeper models repeat the same block), at every
 tp in 2, 4 and 8 its sizes divide. A block's forward must then communicate exactly as Megatron's
 hand-written plan does: no all-gather inside any block, 2 all-reduces per block (1 for a parallel
-residual, where the attention and MLP partial sums are added before one reduction), and at most one
+residual, where the attention and MLP partial sums are added before one reduction; plus one value
+per token for each norm over a sharded dim: OLMo-2's q/k norms), and at most one
 all-gather in the whole forward: the logits, gathered at the model boundary (plus one for an
 encoder's MLM head, see ``HEAD_MATRIX``). Every weight matrix of
 a block is sharded (no per-token communication was traded for memory, and no memory for a few KB
@@ -23,7 +24,7 @@ import pytest
 import transformers
 
 from autotp.planner import plan_model
-from tests.distributed.test_architectures import collectives_per_block
+from tests.distributed.test_architectures import STATISTIC, STATISTICS_PER_BLOCK, collectives_per_block
 
 #: arch -> (the public model whose widths these are, config class, fields, all-reduces per block)
 REAL_WIDTHS: dict[str, tuple[str, str, dict[str, Any], int]] = {
@@ -56,6 +57,9 @@ REAL_WIDTHS: dict[str, tuple[str, str, dict[str, Any], int]] = {
     "mixtral": ("Mixtral-8x7B", "MixtralConfig", dict(
         hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336,
         num_local_experts=8, num_experts_per_tok=2, vocab_size=32000), 2),
+    "olmo2": ("OLMo-2-7B", "Olmo2Config", dict(
+        hidden_size=4096, num_attention_heads=32, num_key_value_heads=32, intermediate_size=11008,
+        vocab_size=100352), 2),
 }
 
 #: encoder heads with a hidden x hidden matrix of their own (the MLM transform): a large parameter,
@@ -89,9 +93,11 @@ CASES = [pytest.param(arch, tp, id=f"{arch}-tp{tp}") for arch in REAL_WIDTHS for
 @pytest.mark.parametrize(("arch", "tp"), CASES)
 def test_a_real_width_forward_communicates_like_megatron(arch: str, tp: int) -> None:
     report = plan_model(_config(arch), tp, decode=False)
-    per_block = REAL_WIDTHS[arch][3]
+    per_block = {"all_reduce": REAL_WIDTHS[arch][3]}
+    if arch in STATISTICS_PER_BLOCK:  # norms over a sharded dim: one value per token each
+        per_block["all_reduce" + STATISTIC] = STATISTICS_PER_BLOCK[arch]
 
-    assert collectives_per_block(report.forward.sites) == {layer: {"all_reduce": per_block} for layer in range(2)}
+    assert collectives_per_block(report.forward.sites) == {layer: per_block for layer in range(2)}
     gathers = [s["origin"] for s in report.forward.sites if s["kind"] == "all_gather"]
     assert len(gathers) <= 1 + (arch in HEAD_MATRIX), gathers
 
