@@ -758,6 +758,8 @@ def test_the_rules_find_the_tensor_parallel_layouts() -> None:
     assert outputs(ask(aten.sum.dim_IntList, (f(6, 4, 3), [1]), [Shard(1)])) == [(P, None)]
     assert outputs(ask(aten.sum.dim_IntList, (f(6, 4, 3), [0]), [Shard(2)], world_size=3)) == [(Shard(1), None)]
     assert outputs(ask(aten.mean.dim, (f(6, 4, 3), [-1], True), [Shard(0)])) == [(Shard(0), None)]
+    # a mean over its sharded dim: each rank's chunk mean scaled by its share, summed by the ranks
+    assert outputs(ask(aten.mean.dim, (f(6, 4, 3), [-1], True), [Shard(2)])) == [(P, "sharded_mean")]
     assert outputs(ask(aten.mul.Tensor, (f(6, 4), f(4)), [P, R])) == [(P, None)]
     assert outputs(ask(aten._to_copy.default, (f(6, 4),), [P], dtype=torch.bfloat16)) == [(P, None)]
 
@@ -785,7 +787,7 @@ def test_vocab_parallel_cross_entropy_keeps_the_logits_sharded() -> None:
     (aten.exp.default, (f(6, 4),), [P], {}),
     (aten.silu.default, (f(6, 4),), [P], {}),
     (aten.pow.Tensor_Scalar, (f(6, 4), 2), [P], {}),
-    (aten.mean.dim, (f(6, 4), [1]), [Shard(1)], {}),
+    (aten.var_mean.correction, (f(6, 4), [1]), [Shard(1)], {"correction": 1}),
     (aten.amax.default, (f(6, 4), [0]), [Shard(0)], {}),
     (aten.sum.dim_IntList, (bools(6, 4), [1]), [Shard(1)], {}),
     (aten._to_copy.default, (f(6, 4),), [P], {"dtype": torch.int64}),
