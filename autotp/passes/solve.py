@@ -70,6 +70,13 @@ such as a reduce-scatter whose all-gather is still unpaid). States are ranked by
 far (ties: the one owing the least reduction first); ranking a live ``Partial`` by the reduction it still owes, and a live ``Shard`` by
 nothing, lost Megatron's plan in block 1 of a 4-layer Gemma-2-9B at tp=8 (its ``o_proj`` output
 is ``Partial`` where the plan that gathers the attention output is not yet charged for it).
+Among plans of equal cost (within ``TIE``), the one that reduces its Partial values where they
+are first needed wins, in the beam's ranking and where states merge: a state is scored by the
+reduction its live Partial values still owe (:meth:`_Search.owed`; a value already redistributed
+once owes nothing more) plus what its last step read as Partial where a reduced copy was ready.
+So a Llama block keeps Megatron's all-reduce of the embedding's partial sums before the first
+norm, reused by the residual add, rather than the equal-cost plan that reduces the norm's float32
+copy and carries the partial sums along the residual stream into block 0's attention all-reduce.
 Pruning is reported in the trace.
 
 Certificate: every state the beam drops has paid a cost that only grows on the way to a complete
@@ -114,6 +121,9 @@ from autotp.placement import Partial, Placement, R, Replicate, Shard, StridedSha
 
 LATENCY_BYTES = 4096.0  # one collective's fixed cost, in byte-equivalents
 SMALL_ROWS = 1 / 16  # a parameter with at most this share of the widest one's rows is "small"
+#: costs within this relative difference are a tie (float sums in another order); the smallest real
+#: difference, one small parameter's share of the memory tier, is orders of magnitude larger
+TIE = 1e-9
 MAX_WIDENING = 64  # the widest beam tried, as a multiple of SolverOptions.beam_width
 NARROW_EPSILON = 1e-6  # a collective-free R->S edge is preferred only when it is needed
 
@@ -518,6 +528,8 @@ class _Search:
                         and all(u.target is EDGE and step_of.get(u) is not None and step_of[u] not in pinned_edges
                                 for u in s.node.users)}
         self.conversions: dict[tuple, float] = {}
+        #: value -> the reduction it owes when Partial (:meth:`owed`)
+        self.owed_by: dict[int, float] = {}
 
     def run(self) -> dict[State, tuple[float, float, float, _Hist | None]]:
         states: dict[State, tuple[float, float, float, _Hist | None]] = {((), frozenset()): (0.0, 0.0, 0.0, None)}
@@ -649,8 +661,16 @@ class _Search:
     def advance(self, step: _Step, states: dict) -> dict:
         here = self.position[step.index]
         new_states: dict[State, tuple[float, float, float, _Hist | None]] = {}
+        # on a tie in cost, the state whose parent owed the least reduction, and whose step read
+        # the fewest Partial inputs where a reduced copy would do, wins: among equal plans, the one
+        # that reduces its Partial values where they are first needed (Megatron's: an all-reduce
+        # right after the row-parallel matmul or the vocab-parallel embedding, whose result the
+        # residual add reuses, not the Partial carried along the residual stream to be reduced
+        # with the next one at the same cost)
+        tie_score: dict[State, float] = {}
         for (key, ready), (cost, comm, mem, hist) in states.items():
             live = dict(key)
+            owed_here: float | None = None
             options, reason = self.options(step, live, ready, here)
             if not options:
                 self.trace.backtrack_count += 1
@@ -682,10 +702,16 @@ class _Search:
                         frozenset(r for r in nready if self.alive_after(r[0], here)))
                 total = cost + o.cost + o.mem
                 prev = new_states.get(nkey)
-                if prev is None or total < prev[0]:
-                    if not isinstance(o.out, Pending):
-                        h = _Hist(h, step.index, o.out, o.local, o.param)
-                    new_states[nkey] = (total, comm + o.cost, mem + o.mem, h)
+                if owed_here is None:
+                    owed_here = self.owed(key, ready)
+                score = owed_here + sum(self.owed_by_value(j, p) for j, p in o.resolved)
+                if prev is not None and total >= prev[0]:
+                    if total > prev[0] + TIE * max(1.0, abs(total)) or score >= tie_score[nkey]:
+                        continue
+                if not isinstance(o.out, Pending):
+                    h = _Hist(h, step.index, o.out, o.local, o.param)
+                new_states[nkey] = (total, comm + o.cost, mem + o.mem, h)
+                tie_score[nkey] = score
         if not new_states:
             raise _no_plan(step, self.trace)
         if len(new_states) > self.opts.beam_width:
@@ -703,16 +729,40 @@ class _Search:
         all-gather is paid), and the beam loses the cheaper plan for good. The cheapest state the
         beam drops bounds the optimum from below (the certificate)."""
         survivors: list[tuple[State, tuple]] = []
+        # ``a`` can dominate ``b`` only if it places every value it cannot move the way ``b`` does,
+        # except where ``b``'s edge is still pending (:meth:`dominates`). So the survivors are
+        # indexed, for each set of pending values a state shows, by their placements of the other
+        # unmovable values: a state is compared with the few survivors that can dominate it
+        # instead of all of them (the pairwise scan was most of the solve time at real widths).
+        # Exactly the same states survive.
+        indexes: dict[frozenset, dict[tuple, list[tuple[State, tuple]]]] = {}
+
+        def project(fixed: tuple, pending: frozenset) -> tuple:
+            return tuple(item for item in fixed if item[0] not in pending)
+
         for key, value in sorted(states.items(), key=lambda kv: kv[1][0]):
-            if not any(self.dominates(k, v[0], key, value[0]) for k, v in survivors):
+            fixed = tuple(item for item in key[0] if item[0] not in self.movable)
+            pending = frozenset(j for j, p in fixed if isinstance(p, Pending))
+            index = indexes.get(pending)
+            if index is None:
+                index = indexes[pending] = {}
+                for survivor in survivors:
+                    s_fixed = tuple(item for item in survivor[0][0] if item[0] not in self.movable)
+                    index.setdefault(project(s_fixed, pending), []).append(survivor)
+            rivals = index.get(project(fixed, pending), ())
+            # where a rival can differ: the values this state may move, and its pending edges
+            loose = [i for i, (j, p) in enumerate(key[0]) if j in self.movable or j in pending]
+            if not any(self.dominates(k, v[0], key, value[0], loose) for k, v in rivals):
                 survivors.append((key, value))
+                for other, other_index in indexes.items():
+                    other_index.setdefault(project(fixed, other), []).append((key, value))
         self.trace.dominated_states += len(states) - len(survivors)
         if len(survivors) <= self.opts.beam_width:
             return dict(survivors)
         # by cost paid (see the module docstring); among equal costs, the state that owes the least
         # reduction first: it wins ties when states merge (an all-reduce right after a row-parallel
         # matmul, not a Partial carried through a residual add with its R/N shares)
-        ranked = sorted(survivors, key=lambda kv: (kv[1][0], self.owed(kv[0][0])))
+        ranked = sorted(survivors, key=lambda kv: (kv[1][0], self.owed(*kv[0])))
         kept = dict(ranked[: self.opts.beam_width])
         covered = {item for key in kept for item in key[0]}
         for key, value in ranked[self.opts.beam_width:]:
@@ -725,7 +775,8 @@ class _Search:
         self.trace.pruned_min = min(self.trace.pruned_min, dropped)
         return kept
 
-    def dominates(self, a: State, cost_a: float, b: State, cost_b: float) -> bool:
+    def dominates(self, a: State, cost_a: float, b: State, cost_b: float,
+                  loose: list[int] | None = None) -> bool:
         """True if every completion of state ``b`` has a completion of ``a`` that costs no more.
 
         Both states cover the same step, so the same values are live. Where they place a value
@@ -734,14 +785,16 @@ class _Search:
         redistributing the value at its edges to whatever ``b``'s plan uses there, which costs
         at most :meth:`conversion` more. ``a`` dominates if its cost plus those conversions does
         not exceed ``b``'s. Values ``b`` already holds in extra placements (``ready``) must be
-        ready in ``a`` too."""
+        ready in ``a`` too. ``loose``: the positions in the live tuples where the two may differ,
+        when the caller knows they agree everywhere else (:meth:`prune`'s index)."""
         if cost_a > cost_b:
             return False
         (live_a, ready_a), (live_b, ready_b) = a, b
         if not ready_b <= ready_a or len(live_a) != len(live_b):
             return False
         slack = cost_b - cost_a
-        for (j, pa), (jb, pb) in zip(live_a, live_b, strict=True):
+        for i in range(len(live_b)) if loose is None else loose:
+            (j, pa), (jb, pb) = live_a[i], live_b[i]
             if j != jb:
                 return False
             if pa == pb:
@@ -784,18 +837,27 @@ class _Search:
         self.conversions[key] = total
         return total
 
-    def owed(self, key: tuple) -> float:
+    def owed(self, key: tuple, ready: frozenset = frozenset()) -> float:
         """The reductions a state's live ``Partial`` values still owe (each at least a
         reduce-scatter of its size); one-element Partials (mostly zero constants,
-        ``where(mask, partial, 0)``, never reduced) are left out. A tie-breaker, never a cost."""
-        total = 0.0
-        for j, p in key:
-            if isinstance(p, Pending):
-                p = p.src
+        ``where(mask, partial, 0)``, never reduced) are left out, and so are values already
+        redistributed once (``ready``: the reduction is paid, a later edge reuses it). A
+        tie-breaker, never a cost."""
+        paid = {j for j, _ in ready}
+        return sum(self.owed_by_value(j, p) for j, p in key if j not in paid)
+
+    def owed_by_value(self, j: int, p: Any) -> float:
+        """The reduction value ``j`` owes in placement ``p`` (0 unless ``p`` is Partial)."""
+        if isinstance(p, Pending):
+            p = p.src
+        if not isinstance(p, Partial):
+            return 0.0
+        owed = self.owed_by.get(j)
+        if owed is None:
             spec = self.spec_of.get(j)
-            if isinstance(p, Partial) and isinstance(spec, TensorSpec) and spec.numel > 1:
-                total += edge_cost(p, Shard(0), spec, self.opts)
-        return total
+            owed = edge_cost(p, Shard(0), spec, self.opts) if isinstance(spec, TensorSpec) and spec.numel > 1 else 0.0
+            self.owed_by[j] = owed
+        return owed
 
     def placement(self, live: dict, j: int) -> Any:
         return live[j] if j in live else self.fixed.get(j)
