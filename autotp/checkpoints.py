@@ -45,8 +45,8 @@ per-rank stream is derived from it at every draw), so one saved state resumes ev
 layout; it is restored unless ``rng=False``. On a mesh, dp replicas resume with replica 0's state.
 
 Buffers are not saved: in the models autotp serves they are constants rebuilt from the config
-(rotary frequencies, position ids). FSDP2's dp-sharded parameters are refused (see
-:func:`_replicas`).
+(rotary frequencies, position ids). Under FSDP2 each parameter and state (a ``DTensor`` split
+again over ``mesh["dp"]``) is first all-gathered over dp, and a load keeps this dp rank's chunk.
 
 The export gathers one parameter at a time to every rank (the all-gather the collectives already
 have), reassembles fused layouts segment by segment, and rank 0 streams it into a safetensors file
@@ -66,6 +66,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from autotp.collectives import Comm, barrier, redistribute
 from autotp.context import TPContext, meta_of
@@ -93,27 +94,40 @@ def _context(model: torch.nn.Module, what: str) -> TPContext:
 
 
 def _replicas(model: torch.nn.Module) -> tuple[int, Comm | None]:
-    """On a device mesh: this rank's dp index (dp replica 0 writes, every replica holds the same
-    shards) and a communicator over the whole world (its barrier waits for the writers); without
-    a mesh ``(0, None)``. FSDP2's dp shards are refused: they are not the local shards this
-    format describes."""
+    """On a device mesh: this rank's dp index (dp replica 0 writes; under DDP every replica holds
+    the same shards, under FSDP2 each tensor is first gathered over dp, :func:`_over_tp`) and a
+    communicator over the whole world (its barrier waits for the writers); without a mesh
+    ``(0, None)``."""
     layout = getattr(model.autotp, "layout", None)
     if layout is None or layout.mesh is None:
         return 0, None
-    if layout.data_parallel == "fsdp":
-        raise AutoTPError(
-            "save_checkpoint / load_checkpoint / save_pretrained do not support data_parallel=\"fsdp\" yet: "
-            "FSDP2 holds each tp shard split again over dp. Train with data_parallel=\"ddp\" to use them, "
-            "or save FSDP2's state with torch.distributed.checkpoint on each tp group"
-        )
     return layout.dp_rank(), Comm.from_default_group()
+
+
+def _over_tp(value: torch.Tensor) -> torch.Tensor:
+    """What this rank holds of ``value`` over tensor parallelism: FSDP2's ``DTensor`` (a parameter
+    or its optimizer state, split again over ``mesh["dp"]``) all-gathered over dp (every rank of
+    the dp group joins), anything else as it is."""
+    return value.full_tensor() if isinstance(value, DTensor) else value
+
+
+def _into(target: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """``value`` (this rank's tensor-parallel piece) laid out like ``target``: for FSDP2's
+    ``DTensor``, this dp rank's ``Shard(0)`` chunk as a ``DTensor`` on the same mesh."""
+    if not isinstance(target, DTensor):
+        return value
+    mesh = target.device_mesh
+    chunk = value.chunk(mesh.size(), 0)[mesh.get_local_rank()]  # DTensor's Shard(0): torch.chunk
+    return DTensor.from_local(chunk.contiguous(), mesh, target.placements, run_check=False,
+                              shape=target.shape, stride=target.stride())
 
 
 def _parameters(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Parameter, ParameterMeta]]:
     """Each parameter once (a tied group under its first name), with its placed ``ParameterMeta``."""
     for fqn, p in model.named_parameters():
         meta = meta_of(p)
-        if meta is None or meta.placement is None or meta.local is not p:
+        owned = meta is not None and (meta.local is p or isinstance(p, DTensor))  # FSDP2: the dp shard
+        if meta is None or meta.placement is None or not owned:
             raise AutoTPError(
                 f"{fqn} is not a placed local shard (call the model once, e.g. parallelize_model's "
                 "warm-up, before saving or loading a checkpoint)"
@@ -196,12 +210,13 @@ def _write_full(path: Path, entries: Sequence[_Entry], comm: Comm, writes: bool,
     and, when ``writes``, stream it into the safetensors file ``path``: one full tensor at a time."""
     writer = None
     if writes:
-        specs = {name: (meta.global_shape if meta is not None else tuple(t.shape), t.dtype)
+        specs = {name: (meta.global_shape if meta is not None else tuple(t.shape), t.dtype)  # DTensor: over dp
                  for name, t, meta in entries}
         writer = SafetensorsWriter(path, specs, metadata or {"format": "pt"})
     try:
         for name, t, meta in entries:
-            full = _full_tensor(t, meta, comm) if meta is not None else t.detach()
+            piece = _over_tp(t.detach())
+            full = _full_tensor(piece, meta, comm) if meta is not None else piece
             if writer is not None:
                 writer.write(name, full)
             del full
@@ -233,13 +248,13 @@ def save_checkpoint(model: torch.nn.Module, folder: str | os.PathLike,
         entries += optimizer_entries
     if rng:
         entries += [(name, t, None) for name, t in _rng_tensors(ctx).items()]
-    if replica == 0:  # dp replicas hold the same shards: replica 0's tp group gathers, its rank 0 writes
-        writes = ctx.rank == 0
-        if writes:
-            folder.mkdir(parents=True, exist_ok=True)
-        _write_full(folder / STATE_NAME, entries, comm, writes)
-        if writes:
-            (folder / INDEX_NAME).write_text(json.dumps(index, indent=1, default=_json_default) + "\n")
+    writes = ctx.rank == 0 and replica == 0  # one writer: tp rank 0 of dp replica 0
+    if writes:
+        folder.mkdir(parents=True, exist_ok=True)
+    # every replica joins the gathers (FSDP2's over dp need every rank; DDP's replicas only repeat them)
+    _write_full(folder / STATE_NAME, entries, comm, writes)
+    if writes:  # last: a folder with the index holds a whole checkpoint
+        (folder / INDEX_NAME).write_text(json.dumps(index, indent=1, default=_json_default) + "\n")
     barrier(everyone or comm)  # every file is complete when any rank returns
     return folder
 
@@ -302,7 +317,10 @@ def load_checkpoint(model: torch.nn.Module, folder: str | os.PathLike,
     with Checkpoint(folder / STATE_NAME) as state:
         with torch.no_grad():
             for fqn, p, meta in params:  # in place: compiled graphs bind this Parameter
-                _read_local(state, f"model/{fqn}", meta, rank, world, out=p.data)
+                if isinstance(p, DTensor):  # FSDP2: this dp rank's rows of the tp piece
+                    p.to_local().copy_(_into(p, _read_local(state, f"model/{fqn}", meta, rank, world)).to_local())
+                else:
+                    _read_local(state, f"model/{fqn}", meta, rank, world, out=p.data)
         if optimizer is not None:
             _load_optimizer(optimizer, state, index, params, rank, world, folder)
         if rng:
@@ -319,7 +337,7 @@ def _load_optimizer(optimizer: torch.optim.Optimizer, state: Checkpoint, index: 
         raise AutoTPError(f"{folder} holds {saved['class']} state, the optimizer is {type(optimizer).__name__}")
     order = _optimizer_names(optimizer, {id(p): fqn for fqn, p, _ in params})
     position = {fqn: i for i, fqn in enumerate(order)}
-    by_name = {fqn: meta for fqn, _, meta in params}
+    by_name = {fqn: (p, meta) for fqn, p, meta in params}
     current = optimizer.state_dict()["param_groups"]
     if [sorted(g["params"]) for g in saved["param_groups"]] != [sorted(order[i] for i in g["params"])
                                                                for g in current]:
@@ -333,8 +351,12 @@ def _load_optimizer(optimizer: torch.optim.Optimizer, state: Checkpoint, index: 
     for key in state.keys():
         if key.startswith("optimizer/"):
             fqn, _, name = key.removeprefix("optimizer/").rpartition("/")
-            meta = by_name[fqn] if state.shape(key) == by_name[fqn].global_shape else None  # else a scalar
-            values.setdefault(position[fqn], {})[name] = _read_local(state, key, meta, rank, world)
+            p, meta = by_name[fqn]
+            if state.shape(key) == meta.global_shape:  # elementwise: sharded like its parameter
+                value = _into(p, _read_local(state, key, meta, rank, world))
+            else:  # a scalar, alike on every rank
+                value = _read_local(state, key, None, rank, world)
+            values.setdefault(position[fqn], {})[name] = value
     for fqn, scalars in saved["scalars"].items():
         values.setdefault(position[fqn], {}).update(scalars)
     optimizer.load_state_dict({"state": values, "param_groups": groups})
