@@ -54,7 +54,12 @@ def _gathered_from(gm: torch.fx.GraphModule, node: object) -> tuple[torch.fx.Nod
     while module is not None and module.src == R and module.dst == R:
         node = node.args[0]
         module = _redistribute(gm, node)
-    if module is None or module.dst != R or not isinstance(module.src, Shard) or isinstance(module.src, StridedShard):
+    if (
+        module is None
+        or module.dst != R
+        or not isinstance(module.src, Shard)
+        or isinstance(module.src, StridedShard)
+    ):
         return None
     shard = node.args[0]
     return (shard, module.src.dim) if isinstance(shard, torch.fx.Node) else None
