@@ -65,6 +65,20 @@ class AutoTPHandle:
     layout: MeshLayout | None = None
     #: the data-parallel side (:class:`autotp.data_parallel.DataParallel`), with ``data_parallel=``
     data_parallel: Any = None
+    #: the compiled ``forward`` entry, which owns the model boundary (what is gathered on return)
+    entry: _SwappingForward | None = None
+
+    @property
+    def logits_with_loss(self) -> bool:
+        """Whether a call that returns a loss also gathers and returns the full logits (settable,
+        e.g. for an evaluation step; see :func:`gather_user_values`)."""
+        return self.entry is not None and self.entry.logits_with_loss
+
+    @logits_with_loss.setter
+    def logits_with_loss(self, value: bool) -> None:
+        if self.entry is None:
+            raise AutoTPError("this model has no compiled forward entry whose logits could be gathered")
+        self.entry.logits_with_loss = bool(value)
 
     @property
     def plan(self) -> dict | None:
@@ -129,11 +143,12 @@ class _SwappingForward:
     """``model.forward`` replacement: stand-ins in for the compiled call, local shards out."""
 
     def __init__(self, compiled: Callable[..., Any], slots: list[tuple[torch.nn.Module, str, torch.nn.Parameter]],
-                 comm: Comm, guard: InputGuard | None = None):
+                 comm: Comm, guard: InputGuard | None = None, logits_with_loss: bool = True):
         self.compiled = compiled
         self.slots = slots
         self.comm = comm
         self.guard = guard  # token ids and the KV cache, checked before anything runs (autotp/inputs.py)
+        self.logits_with_loss = logits_with_loss  # see gather_user_values
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.guard is not None:
@@ -153,7 +168,8 @@ class _SwappingForward:
         try:
             with peer_failures(self.comm, "the model was running"), _failures_recorded(self.comm.health), \
                     no_guard_latency_profile():
-                return gather_user_values(self.compiled(*args, **kwargs), self.comm)
+                return gather_user_values(self.compiled(*args, **kwargs), self.comm,
+                                          logits_with_loss=self.logits_with_loss)
         except torch._dynamo.exc.BackendCompilerFailed as e:  # Dynamo wraps what the backend raised
             if isinstance(e.inner_exception, AutoTPError):  # the user's error, with its own cause
                 raise e.inner_exception from e.inner_exception.__cause__
@@ -208,10 +224,23 @@ def _compile_encoder(module: torch.nn.Module, slots: list[tuple[torch.nn.Module,
     module.get_encoder = get_encoder
 
 
-def gather_user_values(value: Any, comm: Comm) -> Any:
+def gather_user_values(value: Any, comm: Comm, *, logits_with_loss: bool = True) -> Any:
     """The model boundary: every sharded value the user can read (logits, hidden states, in
     dicts, tuples and lists) is gathered to its full tensor; values held by other objects — the
-    KV cache — stay sharded, so each rank keeps only its heads between decoding steps."""
+    KV cache — stay sharded, so each rank keeps only its heads between decoding steps.
+
+    With ``logits_with_loss=False``, an output that carries a loss (a ``ModelOutput`` whose
+    ``loss`` is set: the model was given labels) gets ``logits=None`` instead of its logits, which
+    are then never gathered: in training the ``[batch, seq, vocab]`` logits are the largest
+    activation, the vocab-parallel loss needs only their shards, and gathering them for nobody
+    costs an all-gather and a full copy per rank. ``None``, not the local shard or the sharded
+    stand-in, so that a read is never a silently partial tensor; the field stays in place, so
+    ``out[1]`` still names the logits' slot. The gather is decided here, when the call returns,
+    and not lazily when ``out.logits`` is read: a gather is a collective every rank must enter,
+    and user code that reads the logits on one rank only (logging) would hang the others.
+    Tuple outputs (``return_dict=False``) are gathered in full (their fields have no names)."""
+    if not logits_with_loss and _carries_loss(value):
+        value["logits"] = None  # ModelOutput item assignment keeps the attribute in sync
     shard = shard_of(value)
     if shard is not None:
         local, placement = shard
@@ -223,6 +252,10 @@ def gather_user_values(value: Any, comm: Comm) -> Any:
     if isinstance(value, (tuple, list)) and not hasattr(value, "_fields"):
         return type(value)(gather_user_values(v, comm) for v in value)
     return value
+
+
+def _carries_loss(value: Any) -> bool:
+    return isinstance(value, dict) and value.get("loss") is not None and "logits" in value
 
 
 def _resolve_module(model: torch.nn.Module, fqn: str) -> tuple[torch.nn.Module, str]:
@@ -252,13 +285,14 @@ def parallelize_model(
     shared_memory: bool = True,
     mesh: Any = None,
     data_parallel: str | None = None,
+    logits_with_loss: bool = False,
     **overrides: Any,
 ) -> torch.nn.Module:
     """Load ``model`` (Hub id or local folder) tensor-parallel over the current process group.
 
     Run it on every rank (e.g. under ``torchrun --nproc-per-node N``); without a launcher it runs
     as a single process. Returns the transformers model: ``model(...)`` gives full outputs on every
-    rank, ``model.generate(...)`` works, ``model.parameters()`` yields this rank's shards, and
+    rank (a call with labels: the loss, and logits None unless ``logits_with_loss``), ``model.generate(...)`` works, ``model.parameters()`` yields this rank's shards, and
     ``model.autotp.plan`` is the plan.
 
     Sources: a local folder (never written into) or a Hub id (``revision``, ``cache_dir``,
@@ -291,6 +325,10 @@ def parallelize_model(
     averages gradients over ``mesh["dp"]`` (:mod:`autotp.data_parallel`); with ``data_parallel=None``
     each dp replica is an independent tensor-parallel copy (serving; its gradients are its own).
     Without a mesh the whole world is the tp group.
+    ``logits_with_loss``: a call given labels returns the loss with ``logits=None`` (the
+    ``[batch, seq, vocab]`` logits stay vocabulary-sharded inside the loss and are never gathered,
+    see :func:`gather_user_values`); ``True`` gathers and returns the full logits too
+    (``model.autotp.logits_with_loss`` changes it later, on every rank alike).
     """
     data_parallel = check_data_parallel(data_parallel)
     if data_parallel is not None and not warmup:
@@ -353,10 +391,11 @@ def parallelize_model(
     compiled = torch.compile(type(module).forward.__get__(module), backend=make_backend(ctx), dynamic=None)
     slots = [(m, n, p) for fqn, p in module.named_parameters(remove_duplicate=False)
              for m, n in [_resolve_module(module, fqn)]]
-    forward = _SwappingForward(compiled, slots, comm, InputGuard(TokenIdCheck.for_model(module, module.forward)))
+    forward = _SwappingForward(compiled, slots, comm, InputGuard(TokenIdCheck.for_model(module, module.forward)),
+                               logits_with_loss=bool(logits_with_loss))
     module.forward = forward
     _compile_encoder(module, slots, ctx)
-    module.autotp = AutoTPHandle(context=ctx, folder=Path(folder), layout=layout)
+    module.autotp = AutoTPHandle(context=ctx, folder=Path(folder), layout=layout, entry=forward)
     ctx.on_plan = module.autotp.plans.append
     if warmup:
         with load_progress(checkpoint, len({id(p) for _, _, p in slots}), show_progress), \

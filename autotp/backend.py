@@ -39,6 +39,7 @@ from autotp.passes.fuse import fuse_sibling_matmuls
 from autotp.passes.materialize import materialize
 from autotp.passes.pipeline import PassRunner
 from autotp.passes.rewrite import rewrite
+from autotp.passes.save_shards import save_input_shards
 from autotp.passes.solve import ParamChoice, Solution, SolverOptions, solve
 from autotp.placement import Placement, R, Shard, shard_candidates
 from autotp.plan import build_plan, first_consumer, gradient_node, parameter_entry, style_of
@@ -185,6 +186,9 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: list[Any], ctx: TPCo
     report = runner.run("rewrite", rewrite, gm, annotation, locals_, ctx.comm, lint=gm)
     fusion = runner.run("fuse", fuse_sibling_matmuls, gm, lint=gm) if ctx.config.fuse else None
     gm.autotp_fusion = fusion.as_dict() if fusion is not None else None
+    # sequence parallelism: column-parallel matmuls save their input's sequence shard for backward
+    gm.autotp_save_shards = runner.run("save_shards", save_input_shards, gm, ctx.comm, lint=gm).as_dict() \
+        if ctx.config.sequence_parallel and world > 1 and gradient_node(gm) is not None else None
     gm.autotp_checkpoints = runner.run("checkpoint", outline_checkpoints, gm, lint=gm).as_dict() \
         if checkpoints else None
     sharded_outputs = _sharded_outputs(gm, annotation)
@@ -206,6 +210,8 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: list[Any], ctx: TPCo
         write_text(folder, "rewritten_graph.py", modules + gm.code)
         write_json(folder, "plan.json", plan)
         write_json(folder, "fusion.json", gm.autotp_fusion or {"disabled": True})
+        if gm.autotp_save_shards is not None:
+            write_json(folder, "save_shards.json", gm.autotp_save_shards)
     if solver_trace is not None:
         write_solver_trace(folder, solver_trace, {**summary, "plan_cache": lookup.outcome.status,
                                                   "local_rewrites": dict(report.local_rewrites)})

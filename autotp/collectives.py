@@ -657,6 +657,13 @@ def _all_gather(x: Tensor, dim: int, comm: Comm, backward: bool) -> Tensor:
     return moved.reshape(*x.shape[:dim], -1, *x.shape[dim + 1 :]).contiguous()
 
 
+def regather(x: Tensor, dim: int, comm: Comm) -> Tensor:
+    """The all-gather along ``dim`` a backward repeats (not differentiable, counted as backward):
+    sequence parallelism saves a column-parallel matmul's input as this rank's shard and gathers it
+    again for the weight gradient (:class:`autotp.layers.LinearOnGatheredInput`)."""
+    return _all_gather(x, dim, comm, backward=True)
+
+
 def _own_chunk(x: Tensor, dim: int, comm: Comm, what: str) -> Tensor:
     """This rank's chunk of ``x`` along ``dim`` (``torch.chunk`` semantics, even), contiguous."""
     s = _check_even(x, dim, comm.world_size, what)

@@ -37,7 +37,7 @@ from autotp.collectives import Comm
 from autotp.errors import AutoTPError
 from autotp.placement import Placement
 
-__all__ = ["Redistribute", "ShardedSoftmax", "VocabGather", "VocabParallelEmbedding", "VocabParallelLoss",
+__all__ = ["LinearOnGatheredInput", "Redistribute", "ShardedSoftmax", "VocabGather", "VocabParallelEmbedding", "VocabParallelLoss",
            "vocab_range"]
 
 
@@ -69,6 +69,53 @@ class Redistribute(nn.Module):
         if self.grad_partial:
             text += f", backward {collectives.backward_kind_of(self.src, self.dst, True)}"
         return text
+
+
+class _LinearSavingShard(torch.autograd.Function):
+    """``linear(x_full, weight, bias)`` that saves ``x_shard`` (this rank's chunk of ``x_full``
+    along ``dim``) instead of ``x_full``, and all-gathers it again in backward for the weight's
+    gradient. The input's gradient is computed from the output's and the weight alone; it flows
+    to ``x_full`` (whose edges reduce-scatter it back to the shard), never to ``x_shard``."""
+
+    @staticmethod
+    def forward(ctx: Any, x_full: Tensor, x_shard: Tensor, weight: Tensor, bias: Tensor | None, dim: int,
+                comm: Comm) -> Tensor:
+        ctx.save_for_backward(x_shard, weight)
+        ctx.dim, ctx.comm = dim, comm
+        return F.linear(x_full, weight, bias)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        x_shard, weight = ctx.saved_tensors
+        grad_x = grad.matmul(weight) if ctx.needs_input_grad[0] else None
+        grad_weight = grad_bias = None
+        if ctx.needs_input_grad[2]:
+            x_full = collectives.regather(x_shard, ctx.dim, ctx.comm)
+            # (..., out) x (..., in) summed over every leading dim -> (out, in)
+            grad_weight = grad.reshape(-1, grad.shape[-1]).t().matmul(x_full.reshape(-1, x_full.shape[-1]))
+        if ctx.needs_input_grad[3]:
+            grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0)
+        return grad_x, None, grad_weight, grad_bias, None, None
+
+
+class LinearOnGatheredInput(nn.Module):
+    """A column-parallel ``linear`` whose input was all-gathered from ``S(dim)`` (sequence
+    parallelism): autograd keeps the input's shard, 1/N of the gathered input, and backward
+    gathers it again, as Megatron-LM does (``autotp/passes/save_shards.py`` puts it in place).
+    Its forward is the plain ``linear``; its backward adds one all-gather of the input shard."""
+
+    def __init__(self, dim: int, comm: Comm) -> None:
+        super().__init__()
+        self.dim = dim
+        self.comm = comm
+
+    def forward(self, x_full: Tensor, x_shard: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+        if not torch.is_grad_enabled():
+            return F.linear(x_full, weight, bias)
+        return _LinearSavingShard.apply(x_full, x_shard, weight, bias, self.dim, self.comm)
+
+    def extra_repr(self) -> str:
+        return f"input saved as S({self.dim}), all-gathered again in backward"
 
 
 def vocab_range(num_embeddings: int, rank: int, world_size: int) -> tuple[int, int]:

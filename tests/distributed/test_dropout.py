@@ -60,7 +60,7 @@ def _losses(model: torch.nn.Module) -> tuple[list[float], list[torch.Tensor]]:
 def _rank_losses(rank: int, world: int, folder: str, trace: str) -> dict:
     from autotp import parallelize_model
 
-    model = parallelize_model(folder, tp_size=world, trace_dir=trace)
+    model = parallelize_model(folder, tp_size=world, trace_dir=trace, logits_with_loss=True)
     losses, logits = _losses(model)
     rewrites: dict[str, int] = {}
     for summary in sorted(Path(trace, f"rank{rank}").glob("graph*/summary.json")):

@@ -45,8 +45,13 @@ def _rank_causal_lm(rank: int, world: int, folder: str) -> dict:
     for name, p in model.named_parameters():
         meta = meta_of(p)
         grads[name] = (p.grad.detach().clone(), meta.placement.dim if isinstance(meta.placement, Shard) else None)
-    return {"rank": rank, "loss": float(out.loss.detach()), "forward": forward_counts, "backward": dict(comm.backward_counts),
-            "plans": model.autotp.plans, "grads": grads, "logits_shape": tuple(out.logits.shape)}
+    backward_counts = dict(comm.backward_counts)
+    model.autotp.logits_with_loss = True  # asked for: the same call also gathers the logits
+    comm.reset_counts()
+    asked = model(input_ids=IDS, labels=LABELS)  # the same graph (no recompile), another boundary
+    return {"rank": rank, "loss": float(out.loss.detach()), "forward": forward_counts, "backward": backward_counts,
+            "plans": model.autotp.plans, "grads": grads, "logits": out.logits, "slot_1": out[1],
+            "asked_logits": asked.logits.detach(), "asked_loss": float(asked.loss.detach()), "asked_forward": dict(comm.counts)}
 
 
 def test_a_causal_lm_loss_with_ignored_labels_is_vocab_parallel_and_equals_one_process(tmp_path: Path) -> None:
@@ -55,24 +60,31 @@ def test_a_causal_lm_loss_with_ignored_labels_is_vocab_parallel_and_equals_one_p
     folder = save_tiny("llama", tmp_path / "ckpt", seed=0, num_hidden_layers=LAYERS, vocab_size=VOCAB)
     ref_model = AutoModelForCausalLM.from_pretrained(folder)
     ref_model.train()
-    ref_loss = ref_model(input_ids=IDS, labels=LABELS).loss
-    ref_loss.backward()
+    ref_out = ref_model(input_ids=IDS, labels=LABELS)
+    ref_out.loss.backward()
+    ref_loss = ref_out.loss
     for r in run_ranks(_rank_causal_lm, 2, str(folder)):
-        assert r["loss"] == pytest.approx(float(ref_loss), rel=1e-5)
-        assert r["logits_shape"] == (2, 8, VOCAB)  # the user still gets the whole logits
+        assert r["loss"] == pytest.approx(float(ref_loss.detach()), rel=1e-5)
+        # the logits stay sharded inside the loss and are not gathered for the user: the output
+        # says so with None (never a partial tensor), in the logits' own slot
+        assert r["logits"] is None and r["slot_1"] is None
         # the graph with labels: 2 all-reduces per block, 1 for the embedding, 2 for the row max and
         # sum-exp of the sharded log-softmax, 1 for the loss; the logits are never gathered inside it
         (with_labels,) = [p for p in r["plans"] if p["collectives"].get("all_reduce", 0) == 2 * LAYERS + 1 + 3]
         assert set(with_labels["collectives"]) == {"all_reduce"}
         assert with_labels["parameters"]["lm_head.weight"]["shard_dim"] == 0
-        # at run time: the same all-reduces, and one all-gather of the logits for the user at the
-        # model boundary (outside the loss, whose backward never gathers)
-        assert r["forward"] == {"all_reduce": 2 * LAYERS + 1 + 3, "all_gather": 1}
+        # at run time: the same all-reduces and no all-gather at all, neither inside the graph nor
+        # at the model boundary, and none in the loss's backward
+        assert r["forward"] == {"all_reduce": 2 * LAYERS + 1 + 3}
         assert "all_gather" not in r["backward"]
         for name, p in ref_model.named_parameters():
             grad, dim = r["grads"][name]
             expected = p.grad if dim is None else p.grad.chunk(2, dim)[r["rank"]]
             torch.testing.assert_close(grad, expected, atol=1e-5, rtol=1e-4, msg=name)
+        # logits_with_loss: one all-gather at the boundary, and the logits are the whole ones
+        assert r["asked_forward"] == {"all_reduce": 2 * LAYERS + 1 + 3, "all_gather": 1}
+        assert r["asked_loss"] == pytest.approx(float(ref_loss.detach()), rel=1e-5)
+        torch.testing.assert_close(r["asked_logits"], ref_out.logits.detach(), atol=1e-5, rtol=1e-4)
 
 
 HIDDEN, CLASSES, ROWS = 16, 16384, 12
