@@ -8,7 +8,8 @@ puts it under ``"provenance"`` in its JSON (:func:`write_result`):
 * ``commit`` (``git rev-parse HEAD``) and ``dirty`` (uncommitted changes under ``autotp/`` or
   ``benchmarks/``), ``date`` (UTC, ISO 8601, at the start) and ``duration_s``;
 * ``command``: the command line as typed, ``python benchmarks/<script>.py ...``, so the result can
-  be made again;
+  be made again (a path inside the repository relative to it, another absolute path as
+  ``.../<name>``);
 * ``versions``: python, torch, transformers, safetensors, huggingface_hub, numpy, autotp;
 * ``machine``: cores (``os.cpu_count``), the CPU model, total memory, the platform, and the load
   averages (1, 5, 15 minutes) at the start and at the end: on a shared machine, a run whose load
@@ -88,6 +89,16 @@ def _memory_total() -> int | None:
     return None
 
 
+def _portable(arg: str) -> str:
+    """An argument as recorded: a path inside the repository relative to it, another absolute path
+    by its last part only (a result names no folder of the machine that made it)."""
+    head, eq, value = arg.rpartition("=") if arg.startswith("--") and "=" in arg else ("", "", arg)
+    if os.path.isabs(value):
+        path = Path(value)
+        value = os.fspath(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else f".../{path.name}"
+    return f"{head}{eq}{value}"
+
+
 def _command(argv: list[str]) -> str:
     script = Path(sys.argv[0])
     try:
@@ -95,8 +106,8 @@ def _command(argv: list[str]) -> str:
     except ValueError:
         script = Path(script.name)
     if script.name == "__main__.py" or script.suffix != ".py":  # python -m benchmarks.x
-        return shlex.join(["python", "-m", __package__ or "benchmarks", *argv])
-    return shlex.join(["python", os.fspath(script), *argv])
+        return shlex.join(["python", "-m", __package__ or "benchmarks", *map(_portable, argv)])
+    return shlex.join(["python", os.fspath(script), *map(_portable, argv)])
 
 
 class Provenance:
@@ -161,13 +172,15 @@ def _proc_fields(path: str, keys: tuple[str, ...]) -> dict[str, int]:
 
 def memory() -> dict[str, int | None]:
     """This process's memory now, in bytes: ``peak_rss`` (VmHWM), ``rss`` (VmRSS), ``rss_anon``
-    (RssAnon) and ``anonymous`` (smaps_rollup's Anonymous); None where /proc does not say."""
-    status = _proc_fields("/proc/self/status", ("VmHWM", "VmRSS", "RssAnon"))
+    (RssAnon), ``rss_file`` (RssFile: mapped file pages) and ``anonymous`` (smaps_rollup's
+    Anonymous); None where /proc does not say."""
+    status = _proc_fields("/proc/self/status", ("VmHWM", "VmRSS", "RssAnon", "RssFile"))
     rollup = _proc_fields("/proc/self/smaps_rollup", ("Anonymous",))
     return {
         "peak_rss": status.get("VmHWM"),
         "rss": status.get("VmRSS"),
         "rss_anon": status.get("RssAnon"),
+        "rss_file": status.get("RssFile"),
         "anonymous": rollup.get("Anonymous"),
     }
 

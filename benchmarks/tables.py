@@ -40,6 +40,10 @@ def _ms(summary: dict[str, Any], metric: str) -> str:
     return f"{value:.1f} ms"
 
 
+def _seconds(value: float) -> str:
+    return f"{1000 * value:.0f} ms" if value < 1 else f"{value:.1f} s"
+
+
 def generation_rows(result: dict[str, Any]) -> list[Row]:
     engines = result["engines"]
     setup = f"tp={result['tp']}, {result['dtype']}"
@@ -55,7 +59,7 @@ def generation_rows(result: dict[str, Any]) -> list[Row]:
         rows.append(
             (
                 f"first token after load (compilation included), {setup}",
-                cells(lambda s: f"{s['first_token_s']:.1f} s" if "first_token_s" in s else "-"),
+                cells(lambda s: _seconds(s["first_token_s"]) if "first_token_s" in s else "-"),
             )
         )
     if any("peak_rss_bytes" in s for s in engines.values()):
