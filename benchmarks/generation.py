@@ -1,6 +1,6 @@
 """Prefill and decode speed, side by side: autotp vs transformers' ``tp_plan="auto"`` vs one process.
 
-    python benchmarks/generation.py --cache /tmp/autotp-bench --tp 2 --dtype float32 \\
+    python benchmarks/generation.py --tp 2 --dtype float32 \\
         --prefill 256 --decode 32 --rounds 2 --out generation.json [--png generation.png]
     python benchmarks/generation.py --size small --prefill 32 --decode 4 --reps 1 --rounds 1  # smoke run
 

@@ -1,6 +1,6 @@
 """Eager vs inductor inner compiler, interleaved in one process (one rank, no process group).
 
-    python benchmarks/inner_compiler.py --cache /tmp/autotp-bench [--dtype bfloat16] [--size small]
+    python benchmarks/inner_compiler.py [--dtype bfloat16] [--size small]
 
 Loads the benchmark checkpoint twice with ``parallelize_model`` (``compile_inner="eager"`` and
 ``"inductor"``, both fused) and alternates the two models call by call: a prefill of 1 x P tokens

@@ -1,7 +1,7 @@
 """The whole job as a user waits for it: start the process, import, load, greedily generate 16 new
 tokens from a 16-token prompt, exit.
 
-    python benchmarks/startup.py --cache /tmp/autotp-bench --tp 2 --rounds 3 \\
+    python benchmarks/startup.py --tp 2 --rounds 3 \\
         --out benchmarks/results/startup_tp2_fp32.json [--png startup.png]
     python benchmarks/startup.py --size small --rounds 1   # smoke run of the script
 

@@ -1,6 +1,6 @@
 """Training step speed and memory per rank: forward + backward + AdamW at tp = 1, 2, 4.
 
-    python benchmarks/training.py --cache /tmp/autotp-bench --tp 1,2,4 --batch 1 --seq 128 \\
+    python benchmarks/training.py --tp 1,2,4 --batch 1 --seq 128 \\
         --steps 3 --out training.json
 
 Same checkpoint as the other benchmarks (``benchmarks/_checkpoint.py``: 154M-parameter Llama
