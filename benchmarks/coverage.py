@@ -15,7 +15,8 @@ solve of the same warm-up forward, one process, simulated collectives), per deco
 the architecture test reads it (:func:`tests.distributed.test_architectures.collectives_per_block`);
 T5 (encoder and decoder blocks share layer numbers) and architectures the meta planner cannot
 trace say "not measured". *Plan* lists the matmul weights of layer 0 by style (``fused``: stored
-strided, each rank holds its chunk of every segment). One JSON line per run goes to ``--out``;
+strided, each rank holds its chunk of every segment). One JSON line per run goes to ``--out``, with the run's provenance (commit, date, command,
+versions, machine: ``benchmarks/_record.py``);
 ``--update FILE`` replaces the rows of the cases run in FILE and keeps the others;
 ``--blocks-only`` recomputes only the per-block column of FILE's rows; ``--widths-only`` the
 batch-2 column (the tiny model planned at batch 2, after the batch-1 warm-up, as a batch-2 call
@@ -37,6 +38,11 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+# for _record; appended, so no module of benchmarks/ shadows an installed one
+sys.path.append(str(ROOT / "benchmarks"))
+
+from _record import Provenance  # noqa: E402
 
 from tests._tiny import ARCHS  # noqa: E402
 from tests.distributed.test_architectures import (  # noqa: E402
@@ -116,6 +122,9 @@ def add_widths(rows: list[dict[str, Any]], folder_of: Any) -> None:
 
 
 def run(cases: list[Case], out: Path, measure_blocks: bool = True) -> list[dict[str, Any]]:
+    """Run ``cases``; one row per (case, tp), each with the run's provenance (``_record``: commit,
+    date, command, versions, machine)."""
+    provenance = Provenance.start()
     rows = []
     with tempfile.TemporaryDirectory() as tmp_name, out.open("w") as sink:
         tmp = Path(tmp_name)
@@ -140,6 +149,7 @@ def run(cases: list[Case], out: Path, measure_blocks: bool = True) -> list[dict[
                         reason=KNOWN_FAILURES.get(case.id, last[:200]),
                     )
                     traceback.print_exc()
+                row["provenance"] = provenance.finish()
                 rows.append(row)
                 sink.write(json.dumps(row) + "\n")
                 sink.flush()
