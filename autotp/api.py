@@ -30,12 +30,13 @@ import torch.distributed as dist
 from autotp.backend import make_backend
 from autotp.checkpoint_match import match_parameters
 from autotp.collectives import Comm, attach_health, ensure_process_group, peer_failures, redistribute
+from autotp.compat import BackendCompilerFailed, maybe_mark_dynamic, no_guard_latency_profile
 from autotp.config import AutoTPConfig, parse_dtype
 from autotp.context import TPContext, attach_meta, meta_of, shard_of, standin
 from autotp.errors import AutoTPError, divisors_up_to
 from autotp.hf_config import read_config
 from autotp.inputs import InputGuard, TokenIdCheck
-from autotp.memory import no_guard_latency_profile, release_free_memory
+from autotp.memory import release_free_memory
 from autotp.mesh import MeshLayout, check_data_parallel, check_layout, check_tp_size
 from autotp.placement import R
 from autotp.progress import load_progress
@@ -170,7 +171,7 @@ class _SwappingForward:
                     no_guard_latency_profile():
                 return gather_user_values(self.compiled(*args, **kwargs), self.comm,
                                           logits_with_loss=self.logits_with_loss)
-        except torch._dynamo.exc.BackendCompilerFailed as e:  # Dynamo wraps what the backend raised
+        except BackendCompilerFailed as e:  # Dynamo wraps what the backend raised
             if isinstance(e.inner_exception, AutoTPError):  # the user's error, with its own cause
                 raise e.inner_exception from e.inner_exception.__cause__
             raise
@@ -469,7 +470,7 @@ def _warmup_inputs(module: torch.nn.Module, world_size: int) -> dict[str, Any]:
     for key in ("input_ids", "decoder_input_ids"):
         if key in inputs or key == "input_ids":
             inputs[key] = ids.clone()
-            torch._dynamo.maybe_mark_dynamic(inputs[key], 1)
+            maybe_mark_dynamic(inputs[key], 1)
     inputs.pop("attention_mask", None)
     return inputs
 
@@ -481,7 +482,7 @@ def _on_device(inputs: dict[str, Any], device: torch.device) -> dict[str, Any]:
         if isinstance(v, torch.Tensor) and v.device != device:
             moved = v.to(device)
             for dim in getattr(v, "_dynamo_weak_dynamic_indices", ()):
-                torch._dynamo.maybe_mark_dynamic(moved, dim)
+                maybe_mark_dynamic(moved, dim)
             v = moved
         out[k] = v
     return out

@@ -53,6 +53,7 @@ from typing import Any
 
 import torch
 
+from autotp.compat import weight_conversions
 from autotp.errors import CheckpointError
 
 __all__ = [
@@ -127,20 +128,16 @@ def converted_sources(
     (none for a model that is not a ``PreTrainedModel``). Names stored as they are, and names that
     differ only by the base-model prefix, are left to :func:`autotp.weights.checkpoint_key`.
     """
-    from transformers.core_model_loading import (
-        WeightConverter,
-        WeightRenaming,
-        dot_natural_key,
-        rename_source_key,
-    )
+    hf = weight_conversions()
+    WeightConverter, WeightRenaming = hf.WeightConverter, hf.WeightRenaming  # noqa: N806 - classes
+    dot_natural_key, rename_source_key = hf.dot_natural_key, hf.rename_source_key
 
     if transforms is None:
         from transformers import PreTrainedModel
-        from transformers.conversion_mapping import get_model_conversion_mapping
 
         if not isinstance(model, PreTrainedModel):
             return {}
-        transforms = get_model_conversion_mapping(model)
+        transforms = hf.get_model_conversion_mapping(model)
     if not transforms:
         return {}
     renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
@@ -173,7 +170,8 @@ def _converter_sources(converter: Any, layer_name: str, by_pattern: dict[str, li
                        model: torch.nn.Module) -> dict[str, Source]:
     """The sources of the parameters one converter fills from ``by_pattern``: sliced trees when its
     operations only stack and concatenate, else :class:`Converted` for each target."""
-    from transformers.core_model_loading import Concatenate, MergeModulelist
+    hf = weight_conversions()
+    Concatenate, MergeModulelist = hf.Concatenate, hf.MergeModulelist  # noqa: N806 - classes
 
     state: dict[str, list[Source] | Source] = {p: [Stored(k) for k in keys] for p, keys in by_pattern.items()}
     targets = list(converter.target_patterns)

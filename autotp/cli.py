@@ -5,7 +5,7 @@
                 [--device cpu|cuda] [--do-sample --temperature T --top-k K --top-p P --seed S]
                 [--nnodes M --rdzv-backend B --rdzv-endpoint HOST:PORT --rdzv-id ID] [--trace-dir DIR]
     autotp plan MODEL --tp N [--json | --tp-plan] [--dtype D] [--batch B] [--seq-len S]
-                [--override PATTERN=STYLE] [--explain FQN] [--html FILE] [--no-decode]
+                [--override PATTERN=STYLE] [--explain FQN] [--html FILE] [--png FILE] [--no-decode]
 
 ``plan`` runs in this process on the meta device (:mod:`autotp.planner`); it reads no weights.
 
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import os
 import sys
@@ -83,9 +84,17 @@ WARMUP_TOKENS = 4
 # ---------------------------------------------------------------------------------------------
 
 
-def _rank_generate(folder: str, prompt: list[int] | str, new_tokens: int, tp: int,
-                   trace_dir: str | None, dtype: str | None, device: str = "cpu",
-                   sampling: dict[str, Any] | None = None, stream: bool = False) -> dict[str, Any]:
+def _rank_generate(
+    folder: str,
+    prompt: list[int] | str,
+    new_tokens: int,
+    tp: int,
+    trace_dir: str | None,
+    dtype: str | None,
+    device: str = "cpu",
+    sampling: dict[str, Any] | None = None,
+    stream: bool = False,
+) -> dict[str, Any]:
     """Load ``folder`` tensor-parallel over the launcher's group and generate.
 
     ``prompt`` is token ids, or text for the checkpoint's tokenizer. ``sampling`` (``do_sample``,
@@ -118,7 +127,11 @@ def _rank_generate(folder: str, prompt: list[int] | str, new_tokens: int, tp: in
         if health is not None:
             health.set_phase("generate")
         tokenizer = _tokenizer(folder) if isinstance(prompt, str) else None
-        ids = tokenizer(prompt, return_tensors="pt").input_ids if tokenizer is not None else torch.tensor([prompt])
+        ids = (
+            tokenizer(prompt, return_tensors="pt").input_ids
+            if tokenizer is not None
+            else torch.tensor([prompt])
+        )
         ids = ids.to(target)
         options = dict(sampling or {})
         seed = options.pop("seed", 0)
@@ -137,7 +150,7 @@ def _rank_generate(folder: str, prompt: list[int] | str, new_tokens: int, tp: in
             torch.manual_seed(seed)  # the same seed on every rank: sampled tokens agree across ranks
             out = model.generate(ids, max_new_tokens=new_tokens, streamer=streamer, **options)
         done = time.perf_counter()
-        tokens = out[0, ids.shape[1]:].tolist()
+        tokens = out[0, ids.shape[1] :].tolist()
         return {
             "rank": rank,
             "tokens": tokens,
@@ -187,10 +200,13 @@ def _report_on_termination() -> Any:
             except Exception:  # noqa: BLE001 - exiting anyway
                 suspects = []
             if suspects:
-                print(f"autotp: rank {health.rank}: stopped by the launcher because "
-                      + "; ".join(s.describe() for s in suspects)
-                      + f". Check the log of {', '.join(f'rank {s.rank}' for s in suspects)} for its first error.",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"autotp: rank {health.rank}: stopped by the launcher because "
+                    + "; ".join(s.describe() for s in suspects)
+                    + f". Check the log of {', '.join(f'rank {s.rank}' for s in suspects)} for its first error.",
+                    file=sys.stderr,
+                    flush=True,
+                )
         sys.stdout.flush()
         os._exit(128 + signum)
 
@@ -207,7 +223,8 @@ def _tokenizer(folder: str) -> Any:
     except (OSError, ValueError) as exc:
         raise AutoTPError(
             f"--prompt needs the checkpoint's tokenizer, but none loads from {folder} ({exc}); pass token "
-            "ids with --prompt-ids instead") from None
+            "ids with --prompt-ids instead"
+        ) from None
 
 
 class _Streamer:
@@ -229,19 +246,28 @@ class _Streamer:
             print(f"{self.tokens[-1]} ", end="", flush=True)
             return
         text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
-        print(text[self.printed:], end="", flush=True)
+        print(text[self.printed :], end="", flush=True)
         self.printed = len(text)
 
     def end(self) -> None:
         print(flush=True)
 
 
-def _launch(tp: int, args: tuple[Any, ...], log_dir: Path, nnodes: int = 1, rdzv_backend: str = "c10d",
-            rdzv_endpoint: str = "127.0.0.1:0", rdzv_id: str | None = None) -> dict[int, dict[str, Any]]:
+def _launch(
+    tp: int,
+    args: tuple[Any, ...],
+    log_dir: Path,
+    nnodes: int = 1,
+    rdzv_backend: str = "c10d",
+    rdzv_endpoint: str = "127.0.0.1:0",
+    rdzv_id: str | None = None,
+) -> dict[int, dict[str, Any]]:
     """Run :func:`_rank_generate` on ``tp`` ranks (``tp / nnodes`` on this machine); return each
     rank's result. The rendezvous flags are torchrun's, passed through for multi-node runs."""
     if tp % nnodes:
-        raise AutoTPError(f"--tp {tp} is not divisible by --nnodes {nnodes}; each node runs tp / nnodes ranks")
+        raise AutoTPError(
+            f"--tp {tp} is not divisible by --nnodes {nnodes}; each node runs tp / nnodes ranks"
+        )
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -303,8 +329,12 @@ def _safetensors_bytes(folder: Path) -> int:
     for path in sorted(folder.glob("*.safetensors")):
         with open(path, "rb") as f:
             header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
-        total += sum(end - start for k, v in header.items() if k != "__metadata__"
-                     for start, end in [v["data_offsets"]])
+        total += sum(
+            end - start
+            for k, v in header.items()
+            if k != "__metadata__"
+            for start, end in [v["data_offsets"]]
+        )
     return total
 
 
@@ -326,8 +356,10 @@ def _print_plan(plan: dict[str, Any] | None, param_bytes: int, full_bytes: int, 
     print(f"  parameters ({len(params)}): {_counts(styles)}")
     print(f"  collectives per forward: {_counts(plan.get('collectives', {}))}")
     share = 100.0 * param_bytes / full_bytes if full_bytes else float("nan")
-    print(f"  parameter bytes per rank: {_mib(param_bytes)} of {_mib(full_bytes)} in the full checkpoint "
-          f"({share:.1f}%)")
+    print(
+        f"  parameter bytes per rank: {_mib(param_bytes)} of {_mib(full_bytes)} in the full checkpoint "
+        f"({share:.1f}%)"
+    )
     # One decoder block stands for all of them; other layers' entries are the same styles.
     shown = [(fqn, e) for fqn, e in params.items() if ".layers." not in fqn or ".layers.0." in fqn]
     width = max((len(fqn) for fqn, _ in shown), default=0)
@@ -344,9 +376,11 @@ def _throughput(summary: dict[str, Any]) -> str:
     n, seconds = len(summary["tokens"]), summary["generate_s"]
     rate = f"{n / seconds:.2f} tokens/s" if seconds > 0 else "n/a tokens/s"
     late = summary.get("graphs_compiled_while_timed", 0)
-    note = (f"; {late} graph(s) compiled during it, included" if late else "; compilation excluded")
-    return (f"generated {n} tokens in {seconds:.2f} s: {rate} (rank 0{note}); warm-up generate "
-            f"(compiles the prefill and decode graphs) {summary.get('warmup_s', 0.0):.2f} s")
+    note = f"; {late} graph(s) compiled during it, included" if late else "; compilation excluded"
+    return (
+        f"generated {n} tokens in {seconds:.2f} s: {rate} (rank 0{note}); warm-up generate "
+        f"(compiles the prefill and decode graphs) {summary.get('warmup_s', 0.0):.2f} s"
+    )
 
 
 def _rank_summary(results: dict[int, dict[str, Any]], tp: int) -> dict[str, Any]:
@@ -355,8 +389,10 @@ def _rank_summary(results: dict[int, dict[str, Any]], tp: int) -> dict[str, Any]
     if not same:
         for rank, r in sorted(results.items()):
             print(f"  rank {rank} tokens: {r['tokens']}")
-    print(f"tp={tp}: parallelize_model {first['load_s']:.1f} s, generate {first['generate_s']:.1f} s on rank 0; "
-          f"all {len(results)} ranks produced the same tokens: {'yes' if same else 'NO'}")
+    print(
+        f"tp={tp}: parallelize_model {first['load_s']:.1f} s, generate {first['generate_s']:.1f} s on rank 0; "
+        f"all {len(results)} ranks produced the same tokens: {'yes' if same else 'NO'}"
+    )
     return {**first, "ranks_agree": same}
 
 
@@ -392,23 +428,32 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         check_divisible(config, args.tp)  # refuse a bad --tp before building or launching anything
         folder = build_demo_checkpoint(workdir / "checkpoint")
         full_bytes = _safetensors_bytes(folder)
-        print(f"autotp demo: seeded Llama-family checkpoint ({config.num_hidden_layers} layers, hidden "
-              f"{config.hidden_size}, {config.num_attention_heads} heads / {config.num_key_value_heads} kv heads, "
-              f"vocab {config.vocab_size}, fp32, {_mib(full_bytes)}) in {folder}")
+        print(
+            f"autotp demo: seeded Llama-family checkpoint ({config.num_hidden_layers} layers, hidden "
+            f"{config.hidden_size}, {config.num_attention_heads} heads / {config.num_key_value_heads} kv heads, "
+            f"vocab {config.vocab_size}, fp32, {_mib(full_bytes)}) in {folder}"
+        )
 
         prompt = list(DEMO_PROMPT)
         t0 = time.perf_counter()
         reference = AutoModelForCausalLM.from_pretrained(folder).eval()
         ids = torch.tensor([prompt])
         with torch.no_grad():
-            ref = reference.generate(ids, max_new_tokens=args.new_tokens, do_sample=False)[0, len(prompt):].tolist()
+            ref = reference.generate(ids, max_new_tokens=args.new_tokens, do_sample=False)[
+                0, len(prompt) :
+            ].tolist()
         del reference
-        print(f"one process (plain transformers): greedy generate {args.new_tokens} tokens in "
-              f"{time.perf_counter() - t0:.1f} s")
+        print(
+            f"one process (plain transformers): greedy generate {args.new_tokens} tokens in "
+            f"{time.perf_counter() - t0:.1f} s"
+        )
 
         print(f"launching {args.tp} CPU rank(s) (gloo) with torch's elastic launcher ...", flush=True)
-        results = _launch(args.tp, (os.fspath(folder), prompt, args.new_tokens, args.tp, args.trace_dir, None),
-                          workdir / "logs")
+        results = _launch(
+            args.tp,
+            (os.fspath(folder), prompt, args.new_tokens, args.tp, args.trace_dir, None),
+            workdir / "logs",
+        )
         summary = _rank_summary(results, args.tp)
         _print_plan(summary["plan"], summary["param_bytes"], full_bytes, args.tp)
         identical = summary["ranks_agree"] and summary["tokens"] == ref
@@ -417,7 +462,9 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         print(f"autotp tp={args.tp}, rank 0:  {summary['tokens']}")
         print(f"tokens identical to one process: {'yes' if identical else 'NO'}")
         if args.trace_dir:
-            print(f"solver traces: {Path(args.trace_dir).resolve()} (rank*/graph*/, see docs/architecture.md)")
+            print(
+                f"solver traces: {Path(args.trace_dir).resolve()} (rank*/graph*/, see docs/architecture.md)"
+            )
         print(f"demo took {time.perf_counter() - started:.1f} s")
     return 0 if identical else 1
 
@@ -466,16 +513,23 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     _positive("--max-new-tokens", args.max_new_tokens)
     _positive("--nnodes", args.nnodes)
     if (args.prompt is None) == (args.prompt_ids is None):
-        raise AutoTPError("give the prompt as text (--prompt, with the checkpoint's tokenizer) or as token ids "
-                          "(--prompt-ids), exactly one of them")
+        raise AutoTPError(
+            "give the prompt as text (--prompt, with the checkpoint's tokenizer) or as token ids "
+            "(--prompt-ids), exactly one of them"
+        )
     prompt: list[int] | str = args.prompt if args.prompt is not None else _parse_ids(args.prompt_ids)
     if args.device == "cuda":
         import torch
 
         if not torch.cuda.is_available():
             raise AutoTPError("--device cuda but this torch build sees no CUDA device; use --device cpu")
-    sampling = {"do_sample": args.do_sample, "temperature": args.temperature, "top_k": args.top_k,
-                "top_p": args.top_p, "seed": args.seed}
+    sampling = {
+        "do_sample": args.do_sample,
+        "temperature": args.temperature,
+        "top_k": args.top_k,
+        "top_p": args.top_p,
+        "seed": args.seed,
+    }
     with contextlib.ExitStack() as stack:
         stack.enter_context(_environ(_QUIET_ENV))  # threads: parallelize_model gives cores / local ranks
         logs = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="autotp-logs-")))
@@ -483,13 +537,30 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         from autotp.weights import resolve_checkpoint
 
         # Resolve (download) once here, not once per rank; the ranks get the local folder.
-        folder = resolve_checkpoint(args.model, revision=args.revision, local_files_only=args.local_files_only)
+        folder = resolve_checkpoint(
+            args.model, revision=args.revision, local_files_only=args.local_files_only
+        )
         _check_before_launch(folder, args.tp, args.dtype, prompt)
         print(f"launching {args.tp} rank(s) ({args.device}) ...", flush=True)
-        results = _launch(args.tp, (os.fspath(folder), prompt, args.max_new_tokens, args.tp, args.trace_dir,
-                                    args.dtype, args.device, sampling, True), logs,
-                          nnodes=args.nnodes, rdzv_backend=args.rdzv_backend, rdzv_endpoint=args.rdzv_endpoint,
-                          rdzv_id=args.rdzv_id)
+        results = _launch(
+            args.tp,
+            (
+                os.fspath(folder),
+                prompt,
+                args.max_new_tokens,
+                args.tp,
+                args.trace_dir,
+                args.dtype,
+                args.device,
+                sampling,
+                True,
+            ),
+            logs,
+            nnodes=args.nnodes,
+            rdzv_backend=args.rdzv_backend,
+            rdzv_endpoint=args.rdzv_endpoint,
+            rdzv_id=args.rdzv_id,
+        )
         summary = _rank_summary(results, args.tp)
         _print_plan(summary["plan"], summary["param_bytes"], _safetensors_bytes(folder), args.tp)
         print(_throughput(summary))
@@ -519,27 +590,55 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if args.seq_len is not None:
         _positive("--seq-len", args.seq_len)
     overrides = _parse_overrides(args.override)
-    if args.html and not Path(args.html).expanduser().resolve().parent.is_dir():
-        raise AutoTPError(f"--html {args.html}: the folder {Path(args.html).expanduser().resolve().parent} does not "
-                          "exist; create it or pass another path")
+    for flag, path in (("--html", args.html), ("--png", args.png)):
+        if path and not Path(path).expanduser().resolve().parent.is_dir():
+            raise AutoTPError(
+                f"{flag} {path}: the folder {Path(path).expanduser().resolve().parent} does not "
+                "exist; create it or pass another path"
+            )
+    if args.png and importlib.util.find_spec("matplotlib") is None:
+        raise AutoTPError(
+            "autotp plan --png needs matplotlib, which is not installed: "
+            "pip install 'autotp[plot]' (or pip install matplotlib), or use --html"
+        )
     with _environ(_QUIET_ENV):
         _quiet_transformers()
         from autotp.planner import explain_matching, plan_model
-        from autotp.render import render_html, render_text
+        from autotp.render import render_html, render_png, render_text
 
-        report = plan_model(args.model, args.tp, dtype=args.dtype, batch=args.batch, seq_len=args.seq_len,
-                            decode=not args.no_decode, overrides=overrides, revision=args.revision,
-                            local_files_only=args.local_files_only, explain_names=args.explain)
+        report = plan_model(
+            args.model,
+            args.tp,
+            dtype=args.dtype,
+            batch=args.batch,
+            seq_len=args.seq_len,
+            decode=not args.no_decode,
+            overrides=overrides,
+            revision=args.revision,
+            local_files_only=args.local_files_only,
+            explain_names=args.explain,
+        )
         explanations = [e for name in args.explain for e in explain_matching(report, name)]
     if args.html:
         try:
             Path(args.html).write_text(render_html(report))
         except OSError as e:
-            raise AutoTPError(f"cannot write --html {args.html}: {e.strerror or e}; pass a writable path") from e
+            raise AutoTPError(
+                f"cannot write --html {args.html}: {e.strerror or e}; pass a writable path"
+            ) from e
+    if args.png:
+        try:
+            render_png(report, args.png)
+        except OSError as e:
+            raise AutoTPError(
+                f"cannot write --png {args.png}: {e.strerror or e}; pass a writable path"
+            ) from e
     if args.json:
         out = report.to_json()
         if explanations:
-            out["explanations"] = {e.fqn: {"chain": e.chain, "alternatives": e.alternatives} for e in explanations}
+            out["explanations"] = {
+                e.fqn: {"chain": e.chain, "alternatives": e.alternatives} for e in explanations
+            }
         print(json.dumps(out, indent=1))
     elif args.tp_plan:
         print(json.dumps(report.transformers_tp_plan(), indent=1))
@@ -547,43 +646,76 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         print(render_text(report))
         for e in explanations:
             print(e.text())
-        if args.html:
-            print(f"plan drawn in {Path(args.html).resolve()}")
+        for path in (args.html, args.png):
+            if path:
+                print(f"plan drawn in {Path(path).resolve()}")
     return 0
 
 
 def _add_debug(parser: argparse.ArgumentParser) -> None:
     """``--debug`` after the subcommand as well (SUPPRESS: an unset flag leaves the top-level one)."""
-    parser.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
-                        help="on an error, show the traceback as well as the one-line message")
+    parser.add_argument(
+        "--debug",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="on an error, show the traceback as well as the one-line message",
+    )
 
 
 def _add_plan_parser(sub: Any) -> None:
     plan = sub.add_parser(
-        "plan", help="print the tensor-parallel plan of a model from its config (no weights, one process)",
+        "plan",
+        help="print the tensor-parallel plan of a model from its config (no weights, one process)",
         description="Plan MODEL (Hub id, folder, or a folder holding only config.json) for --tp ranks in one "
-                    "process on the meta device: per-parameter styles, collectives per forward and per "
-                    "generated token, bytes per rank, solver timings.",
+        "process on the meta device: per-parameter styles, collectives per forward and per "
+        "generated token, bytes per rank, solver timings.",
     )
     plan.add_argument("model", metavar="MODEL", help="Hub id ('org/name') or a folder with config.json")
     plan.add_argument("--tp", type=int, required=True, help="tensor-parallel size to plan for")
-    plan.add_argument("--dtype", default=None, help="parameter dtype (bf16, fp16, fp32; default: the config's)")
+    plan.add_argument(
+        "--dtype", default=None, help="parameter dtype (bf16, fp16, fp32; default: the config's)"
+    )
     plan.add_argument("--batch", type=int, default=1, help="batch size of the planned calls (default 1)")
-    plan.add_argument("--seq-len", type=int, default=None,
-                      help="prompt length, and KV-cache positions of the decode step (default 2*tp+1)")
-    plan.add_argument("--override", action="append", default=[], metavar="PATTERN=STYLE",
-                      help="pin parameters (fnmatch on parameter/module names) to a style: colwise, rowwise, "
-                           "vocab, replicate, shard(d); repeatable")
-    plan.add_argument("--explain", action="append", default=[], metavar="NAME",
-                      help="say why a parameter got its placement: a parameter or module name, or an fnmatch "
-                           "pattern, as --override reads them (e.g. lm_head); repeatable")
+    plan.add_argument(
+        "--seq-len",
+        type=int,
+        default=None,
+        help="prompt length, and KV-cache positions of the decode step (default 2*tp+1)",
+    )
+    plan.add_argument(
+        "--override",
+        action="append",
+        default=[],
+        metavar="PATTERN=STYLE",
+        help="pin parameters (fnmatch on parameter/module names) to a style: colwise, rowwise, "
+        "vocab, replicate, shard(d); repeatable",
+    )
+    plan.add_argument(
+        "--explain",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="say why a parameter got its placement: a parameter or module name, or an fnmatch "
+        "pattern, as --override reads them (e.g. lm_head); repeatable",
+    )
     plan.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    plan.add_argument("--tp-plan", action="store_true",
-                      help="print the plan as a transformers tp_plan dict (DistributedConfig(tp_plan=...))")
+    plan.add_argument(
+        "--tp-plan",
+        action="store_true",
+        help="print the plan as a transformers tp_plan dict (DistributedConfig(tp_plan=...))",
+    )
     plan.add_argument("--html", default=None, metavar="FILE", help="also draw the plan into this HTML file")
+    plan.add_argument(
+        "--png",
+        default=None,
+        metavar="FILE",
+        help="also draw the plan into this PNG file (needs matplotlib: the [plot] extra)",
+    )
     plan.add_argument("--no-decode", action="store_true", help="plan the forward only (skip the decode step)")
     plan.add_argument("--revision", default=None, help="Hub revision (branch, tag or commit)")
-    plan.add_argument("--local-files-only", action="store_true", help="do not download; use the Hub cache only")
+    plan.add_argument(
+        "--local-files-only", action="store_true", help="do not download; use the Hub cache only"
+    )
     _add_debug(plan)
     plan.set_defaults(func=_cmd_plan)
 
@@ -598,49 +730,70 @@ def _parser() -> argparse.ArgumentParser:
         prog="autotp",
         description="Run Hugging Face models tensor-parallel with autotp (a torch.compile backend).",
     )
-    parser.add_argument("--debug", action="store_true",
-                        help="on an error, show the traceback as well as the one-line message")
+    parser.add_argument(
+        "--debug", action="store_true", help="on an error, show the traceback as well as the one-line message"
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     demo = sub.add_parser(
-        "demo", help="build a tiny seeded Llama checkpoint, run it tensor-parallel on CPU, compare tokens",
+        "demo",
+        help="build a tiny seeded Llama checkpoint, run it tensor-parallel on CPU, compare tokens",
         description="Build a small seeded Llama-family checkpoint, generate greedily in one process, then "
-                    "on --tp CPU ranks with parallelize_model; exit 0 only if the tokens are identical.",
+        "on --tp CPU ranks with parallelize_model; exit 0 only if the tokens are identical.",
     )
     demo.add_argument("--tp", type=int, default=2, help="tensor-parallel size = number of ranks (default 2)")
     demo.add_argument("--new-tokens", type=int, default=16, help="tokens to generate (default 16)")
-    demo.add_argument("--workdir", default=None,
-                      help="folder for the checkpoint and launcher logs (kept); default: a temporary folder")
+    demo.add_argument(
+        "--workdir",
+        default=None,
+        help="folder for the checkpoint and launcher logs (kept); default: a temporary folder",
+    )
     demo.add_argument("--trace-dir", default=None, help="write autotp's solver traces here (rank*/graph*/)")
     _add_debug(demo)
     demo.set_defaults(func=_cmd_demo)
 
     gen = sub.add_parser(
-        "generate", help="generate text with a checkpoint loaded tensor-parallel, streaming the tokens",
+        "generate",
+        help="generate text with a checkpoint loaded tensor-parallel, streaming the tokens",
         description="Load MODEL (Hub id or local folder) with parallelize_model on --tp ranks (torch's elastic "
-                    "launcher; --nnodes/--rdzv-* pass through for several machines) and generate from the "
-                    "prompt, printing tokens as they come and the tokens/s at the end.",
+        "launcher; --nnodes/--rdzv-* pass through for several machines) and generate from the "
+        "prompt, printing tokens as they come and the tokens/s at the end.",
     )
-    gen.add_argument("model", metavar="MODEL", help="Hub id ('org/name') or a folder written by save_pretrained")
+    gen.add_argument(
+        "model", metavar="MODEL", help="Hub id ('org/name') or a folder written by save_pretrained"
+    )
     gen.add_argument("--tp", type=int, required=True, help="tensor-parallel size = number of ranks")
     gen.add_argument("--prompt", default=None, help="prompt text (tokenized with the checkpoint's tokenizer)")
     gen.add_argument("--prompt-ids", default=None, help='or comma-separated token ids, e.g. "1,2,3"')
-    gen.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
-                     help="cpu (gloo) or cuda (NCCL, one GPU per rank); default cpu")
+    gen.add_argument(
+        "--device",
+        default="cpu",
+        choices=("cpu", "cuda"),
+        help="cpu (gloo) or cuda (NCCL, one GPU per rank); default cpu",
+    )
     gen.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
     gen.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1.0)")
     gen.add_argument("--top-k", type=int, default=50, help="sampling top-k (default 50)")
     gen.add_argument("--top-p", type=float, default=1.0, help="sampling top-p (default 1.0)")
     gen.add_argument("--seed", type=int, default=0, help="seed, the same on every rank (default 0)")
-    gen.add_argument("--nnodes", type=int, default=1, help="machines taking part (torchrun's flag; default 1)")
+    gen.add_argument(
+        "--nnodes", type=int, default=1, help="machines taking part (torchrun's flag; default 1)"
+    )
     gen.add_argument("--rdzv-backend", default="c10d", help="torchrun's rendezvous backend (default c10d)")
-    gen.add_argument("--rdzv-endpoint", default="127.0.0.1:0",
-                     help="torchrun's rendezvous endpoint HOST:PORT (default: this machine, a free port)")
+    gen.add_argument(
+        "--rdzv-endpoint",
+        default="127.0.0.1:0",
+        help="torchrun's rendezvous endpoint HOST:PORT (default: this machine, a free port)",
+    )
     gen.add_argument("--rdzv-id", default=None, help="torchrun's rendezvous id (default: a fresh one)")
     gen.add_argument("--max-new-tokens", type=int, default=16, help="tokens to generate (default 16)")
-    gen.add_argument("--dtype", default=None, help="load the weights in this dtype (default: the checkpoint's)")
+    gen.add_argument(
+        "--dtype", default=None, help="load the weights in this dtype (default: the checkpoint's)"
+    )
     gen.add_argument("--revision", default=None, help="Hub revision (branch, tag or commit)")
-    gen.add_argument("--local-files-only", action="store_true", help="do not download; use the Hub cache only")
+    gen.add_argument(
+        "--local-files-only", action="store_true", help="do not download; use the Hub cache only"
+    )
     gen.add_argument("--trace-dir", default=None, help="write autotp's solver traces here (rank*/graph*/)")
     _add_debug(gen)
     gen.set_defaults(func=_cmd_generate)
@@ -669,9 +822,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"autotp: error: {one_line(str(exc))}", file=sys.stderr)
         return 2
     except _RankFailure as exc:
-        print(f"autotp: error: {exc.summary}. A rank killed by signal 9 with no error of its own is usually the "
-              "out-of-memory killer; otherwise the launcher's report below shows the first error "
-              f"(a bug in autotp or its environment):\n{exc.report}", file=sys.stderr)
+        print(
+            f"autotp: error: {exc.summary}. A rank killed by signal 9 with no error of its own is usually the "
+            "out-of-memory killer; otherwise the launcher's report below shows the first error "
+            f"(a bug in autotp or its environment):\n{exc.report}",
+            file=sys.stderr,
+        )
         return 1
     except KeyboardInterrupt:
         return 130

@@ -904,7 +904,9 @@ def functional_redistribute(x: Tensor, src: Placement, dst: Placement, comm: Com
 
     ``S(a) -> S(b)`` is an all-to-all over the concatenated layout, as in :func:`_all_to_all`.
     """
-    import torch.distributed._functional_collectives as funcol
+    from autotp.compat import functional_collectives
+
+    funcol = functional_collectives()
 
     if not is_supported(src, dst):
         raise _unsupported(src, dst)

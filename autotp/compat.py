@@ -1,7 +1,27 @@
-"""The private torch internals autotp relies on, in one place (one section each).
+"""The private torch and transformers internals autotp relies on, in one place (one section each).
 
-Each function names the internal it touches and why no public API does the job; when torch
-changes one of them, this module is the one to fix.
+Each name here says which internal it reaches and why no public API does the job; when torch or
+transformers changes one of them, this module is the one to fix. Every internal is reached through
+a feature probe (:func:`require`): a missing module or attribute raises an
+:class:`~autotp.errors.AutoTPError` naming it and the installed torch and transformers versions,
+and pointing at the versions autotp supports, instead of an ``ImportError`` or
+``AttributeError`` deep inside a compile. The torch names below are probed when this module is
+imported (autotp cannot trace without them); the transformers ones when first used (only some
+checkpoints need them).
+
+**Dynamo and ATen internals.** ``BackendCompilerFailed`` / ``TorchDynamoException`` (what Dynamo
+wraps a backend's error in: autotp unwraps its own ``AutoTPError``), ``maybe_mark_dynamic`` (a
+dynamic-size hint without a recompile), ``OpOverload`` / ``OpOverloadPacket`` (the type of an ATen
+op in a graph), ``FakeTensor`` / ``FakeTensorMode`` / ``fake_tensor_tls`` (tracing with no data),
+``core_aten_decompositions`` (the decomposition table to core ATen), ``linear_builtin``
+(``torch._C._nn.linear``, what Dynamo records for ``F.linear``), ``legacy_get_string``, ``pytree``,
+:func:`functional_collectives` and :func:`no_guard_latency_profile` (Dynamo's guard-latency
+profiler, see ``autotp/memory.py``).
+
+**transformers' loading internals.** :func:`weight_conversions` (the per-model weight transforms,
+``transformers.conversion_mapping`` and ``core_model_loading``), :func:`causal_lm_class_name`
+(``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``) and :func:`rope_init_functions`
+(``modeling_rope_utils.ROPE_INIT_FUNCTIONS``).
 
 **Grouped matmuls over stand-ins.** ``parallelize_model`` traces a model whose parameters are
 stand-ins: one element expanded to the global shape, stride 0 (``context.standin``), so tracing
@@ -30,13 +50,170 @@ which the 2-D mesh reaches into (``tests/distributed/test_mesh.py`` notices a ch
 from __future__ import annotations
 
 import contextlib
+import importlib
+import sys
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from importlib import metadata
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 
-__all__ = ["fsdp_params", "grouped_mm_accepts_standins", "no_ddp_graph_split", "use_as_unsharded_param"]
+from autotp.errors import AutoTPError
+
+__all__ = [
+    "BackendCompilerFailed",
+    "FakeTensor",
+    "FakeTensorMode",
+    "OpOverload",
+    "OpOverloadPacket",
+    "TorchDynamoException",
+    "causal_lm_class_name",
+    "core_aten_decompositions",
+    "fake_tensor_tls",
+    "fsdp_params",
+    "functional_collectives",
+    "grouped_mm_accepts_standins",
+    "legacy_get_string",
+    "linear_builtin",
+    "maybe_mark_dynamic",
+    "no_ddp_graph_split",
+    "pytree",
+    "no_guard_latency_profile",
+    "require",
+    "require_module",
+    "rope_init_functions",
+    "use_as_unsharded_param",
+    "weight_conversions",
+]
+
+#: what autotp supports (pyproject.toml's ranges), named in every failed probe
+SUPPORTED = "torch 2.13.x and transformers 5.24.x"
+
+
+def installed_versions() -> str:
+    """``torch 2.13.0, transformers 5.24.0``: the versions a failed probe names."""
+    out = []
+    for name in ("torch", "transformers"):
+        try:
+            out.append(f"{name} {metadata.version(name)}")
+        except metadata.PackageNotFoundError:
+            out.append(f"{name} (not installed)")
+    return ", ".join(out)
+
+
+def require(module: str, name: str) -> Any:
+    """``module.name`` (a private internal), or an :class:`AutoTPError` naming it and the installed
+    versions when this install does not have it."""
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise AutoTPError(
+            f"autotp needs {module}.{name}, which this install does not have ({installed_versions()}; "
+            f"{type(e).__name__}: {e}). autotp supports {SUPPORTED}: install those "
+            "(pip install 'torch==2.13.*' 'transformers==5.24.*'), or see what a newer release changed "
+            "with scripts/check-latest."
+        ) from e
+
+
+def require_module(module: str) -> Any:
+    """The private module ``module``, or an :class:`AutoTPError` as :func:`require` raises."""
+    parent, _, name = module.rpartition(".")
+    importlib.import_module(parent)
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        return require(parent, name)  # raises the probe's error (or finds a non-module attribute)
+
+
+# -- Dynamo and ATen internals (probed at import) ------------------------------------------
+BackendCompilerFailed: type[Exception] = require("torch._dynamo.exc", "BackendCompilerFailed")
+TorchDynamoException: type[Exception] = require("torch._dynamo.exc", "TorchDynamoException")
+maybe_mark_dynamic: Callable[..., None] = require("torch._dynamo", "maybe_mark_dynamic")
+OpOverload: type = require("torch._ops", "OpOverload")
+OpOverloadPacket: type = require("torch._ops", "OpOverloadPacket")
+FakeTensor: type = require("torch._subclasses.fake_tensor", "FakeTensor")
+FakeTensorMode: type = require("torch._subclasses.fake_tensor", "FakeTensorMode")
+fake_tensor_tls: Any = require("torch._subclasses.fake_tensor", "fake_tensor_tls")
+core_aten_decompositions: Callable[[], dict[Any, Callable[..., Any]]] = require(
+    "torch._decomp", "core_aten_decompositions"
+)
+#: the builtin ``F.linear`` calls, which Dynamo records in graphs in its place
+linear_builtin: Callable[..., torch.Tensor] = require("torch._C._nn", "linear")
+#: ``reduction=`` from the legacy ``size_average`` / ``reduce`` arguments of torch's losses
+legacy_get_string: Callable[..., str] = require("torch.nn._reduction", "legacy_get_string")
+#: torch's pytree utilities (flatten / unflatten of nested containers of tensors)
+pytree: Any = require_module("torch.utils._pytree")
+
+
+def functional_collectives() -> Any:
+    """``torch.distributed._functional_collectives``: collectives as traceable, out-of-place ops
+    (what inductor-compiled inner graphs call); imported when first used."""
+    return require_module("torch.distributed._functional_collectives")
+
+
+def _no_latency(*_args: Any) -> float:
+    """Stands in for Dynamo's guard-latency profiler: no cache eviction, latency 0."""
+    return 0.0
+
+
+@contextlib.contextmanager
+def no_guard_latency_profile() -> Iterator[None]:
+    """Within the block, Dynamo compiles without profiling guard latency (why:
+    ``autotp/memory.py``'s docstring). Only the name Dynamo's guard module calls
+    (``torch._dynamo.guards.profile_guard_manager``) is swapped, and restored on exit; on a torch
+    without it the block changes nothing (the profiling costs memory, not correctness). Nested
+    blocks restore what they found."""
+    guards = sys.modules.get("torch._dynamo.guards")
+    original = getattr(guards, "profile_guard_manager", None)
+    if original is None:
+        yield
+        return
+    guards.profile_guard_manager = _no_latency
+    try:
+        yield
+    finally:
+        guards.profile_guard_manager = original
+
+
+# -- transformers' loading internals (probed when first used) ------------------------------
+def weight_conversions() -> SimpleNamespace:
+    """transformers' weight-conversion machinery (``autotp/checkpoint_keys.py`` reads checkpoints
+    through it): ``get_model_conversion_mapping`` and, from ``core_model_loading``,
+    ``WeightConverter``, ``WeightRenaming``, ``Concatenate``, ``MergeModulelist``,
+    ``dot_natural_key`` and ``rename_source_key``. Public API: none (transformers applies it inside
+    ``from_pretrained``)."""
+    loading = "transformers.core_model_loading"
+    return SimpleNamespace(
+        get_model_conversion_mapping=require(
+            "transformers.conversion_mapping", "get_model_conversion_mapping"
+        ),
+        **{
+            name: require(loading, name)
+            for name in (
+                "WeightConverter",
+                "WeightRenaming",
+                "Concatenate",
+                "MergeModulelist",
+                "dot_natural_key",
+                "rename_source_key",
+            )
+        },
+    )
+
+
+def causal_lm_class_name(model_type: str) -> str | None:
+    """The causal-LM class transformers maps ``model_type`` to (``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``;
+    ``AutoModelForCausalLM`` exposes no name lookup without building the class), or None."""
+    names = require("transformers.models.auto.modeling_auto", "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES")
+    return names.get(model_type)
+
+
+def rope_init_functions() -> dict[str, Callable[..., Any]]:
+    """transformers' rotary-embedding initialisers by ``rope_type`` (``ROPE_INIT_FUNCTIONS``), used
+    to compute ``inv_freq`` buffers of a model built on the meta device."""
+    return require("transformers.modeling_rope_utils", "ROPE_INIT_FUNCTIONS")
 
 
 class _GroupedMmMeta:
@@ -56,9 +233,17 @@ class _GroupedMmMeta:
             warnings.simplefilter("ignore", UserWarning)
             self.library.impl("_grouped_mm", self.meta, "Meta")
 
-    def meta(self, mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor | None = None,
-             bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> Any:
-        return self.original(_unexpanded(mat_a), _unexpanded(mat_b), offs=offs, bias=bias, out_dtype=out_dtype)
+    def meta(
+        self,
+        mat_a: torch.Tensor,
+        mat_b: torch.Tensor,
+        offs: torch.Tensor | None = None,
+        bias: torch.Tensor | None = None,
+        out_dtype: torch.dtype | None = None,
+    ) -> Any:
+        return self.original(
+            _unexpanded(mat_a), _unexpanded(mat_b), offs=offs, bias=bias, out_dtype=out_dtype
+        )
 
 
 def _unexpanded(t: torch.Tensor) -> torch.Tensor:
@@ -120,8 +305,10 @@ def use_as_unsharded_param(fsdp_param: Any, local: torch.nn.Parameter) -> None:
     has no public way to supply it."""
     unsharded = fsdp_param._unsharded_param
     if tuple(unsharded.shape) != tuple(local.shape) or unsharded.dtype != local.dtype:
-        raise RuntimeError(f"FSDP2's unsharded parameter {tuple(unsharded.shape)} {unsharded.dtype} does not "
-                           f"match the local shard {tuple(local.shape)} {local.dtype}")
+        raise RuntimeError(
+            f"FSDP2's unsharded parameter {tuple(unsharded.shape)} {unsharded.dtype} does not "
+            f"match the local shard {tuple(local.shape)} {local.dtype}"
+        )
     with torch.no_grad():
         local.data = unsharded.data
     local.requires_grad_(unsharded.requires_grad)

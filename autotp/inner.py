@@ -35,6 +35,7 @@ import torch.fx
 from torch import Tensor, nn
 
 from autotp.collectives import Comm, functional_redistribute, kind_of
+from autotp.compat import TorchDynamoException
 from autotp.layers import Redistribute, VocabParallelEmbedding
 from autotp.placement import Placement
 from autotp.plan import gradient_node
@@ -127,7 +128,7 @@ def inner_compile(gm: torch.fx.GraphModule, compiler: str, comm: Comm) -> tuple[
         if not state.get("fell_back"):
             try:
                 out = compiled(*args)
-            except torch._dynamo.exc.TorchDynamoException as e:
+            except TorchDynamoException as e:
                 # compiling (or recompiling for a new shape) failed; the graph is a pure function of
                 # its inputs on every rank alike, so every rank reruns it eagerly the same way
                 warnings.warn(f"autotp: inductor could not compile a graph ({type(e).__name__}: "

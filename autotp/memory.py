@@ -23,18 +23,15 @@ One allocation burst is not the model's at all: after a backend returns, Dynamo 
 the new graph's guards take to check (``torch._dynamo.guards.profile_guard_manager``, for its
 compile-time metrics), and first evicts the CPU caches by writing a fresh buffer of about 32 MB
 (measured: +26 to +32 MB of peak per compiled graph, on top of the shards).
-:func:`no_guard_latency_profile` skips that measurement while autotp's compiled model runs (the
+:func:`autotp.compat.no_guard_latency_profile` (it patches a private Dynamo name) skips that measurement while autotp's compiled model runs (the
 metric ``guard_latency_us`` reads 0 for those graphs; guards are built and checked as before).
 """
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import gc
 import sys
-from collections.abc import Iterator
-from typing import Any
 
 
 def trim_heap() -> bool:
@@ -56,25 +53,3 @@ def release_free_memory(collect: bool = True) -> bool:
     if collect:
         gc.collect()
     return trim_heap()
-
-
-def _no_latency(*_args: Any) -> float:
-    """Stands in for Dynamo's guard-latency profiler: no cache eviction, latency 0."""
-    return 0.0
-
-
-@contextlib.contextmanager
-def no_guard_latency_profile() -> Iterator[None]:
-    """Within the block, Dynamo compiles without profiling guard latency (see the module
-    docstring). Only the name Dynamo's guard module calls is swapped, and restored on exit; on a
-    torch without it the block changes nothing. Nested blocks restore what they found."""
-    guards = sys.modules.get("torch._dynamo.guards")
-    original = getattr(guards, "profile_guard_manager", None)
-    if original is None:
-        yield
-        return
-    guards.profile_guard_manager = _no_latency
-    try:
-        yield
-    finally:
-        guards.profile_guard_manager = original

@@ -15,9 +15,10 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
+from autotp.compat import linear_builtin
 from autotp.placement import Placement, Replicate, Shard, local_shape
 
-LINEAR_LIKE = {F.linear, torch._C._nn.linear}
+LINEAR_LIKE = {F.linear, linear_builtin}
 MATMUL_LIKE = {torch.matmul, torch.mm, torch.bmm, torch.addmm, torch.Tensor.matmul, torch.einsum}
 
 

@@ -61,8 +61,8 @@ from typing import Any
 
 import torch
 import torch.fx
-import torch.utils._pytree as pytree
 
+from autotp.compat import FakeTensor, OpOverload, OpOverloadPacket, pytree
 from autotp.passes.annotate import Annotation, EdgePlan, NodePlan
 from autotp.placement import Partial, Placement, Replicate, Shard, StridedShard, parse
 
@@ -117,7 +117,7 @@ def versions() -> dict[str, Any]:
 
 
 def _qualname(obj: Any) -> str:
-    if isinstance(obj, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+    if isinstance(obj, (OpOverload, OpOverloadPacket)):
         return f"op:{obj}"
     module = getattr(obj, "__module__", None) or type(obj).__module__
     name = getattr(obj, "__qualname__", None) or getattr(obj, "__name__", None)
@@ -156,7 +156,7 @@ def _encode_arg(a: Any, index: Mapping[torch.fx.Node, int]) -> Any:
     if isinstance(a, torch.Tensor):
         return ["tensor", *_tensor_fields(a), _tensor_content(a)]
     if isinstance(a, (types.FunctionType, types.BuiltinFunctionType, types.MethodDescriptorType,
-                      torch._ops.OpOverload, torch._ops.OpOverloadPacket, type)):
+                      OpOverload, OpOverloadPacket, type)):
         return ["callable", _qualname(a)]
     raise Uncacheable(f"an argument of type {type(a).__module__}.{type(a).__qualname__}")
 
@@ -167,7 +167,7 @@ def _tensor_fields(t: torch.Tensor) -> list[Any]:
 
 
 def _tensor_content(t: torch.Tensor) -> str:
-    if t.device.type == "meta" or isinstance(t, torch._subclasses.FakeTensor):
+    if t.device.type == "meta" or isinstance(t, FakeTensor):
         raise Uncacheable("a tensor constant without data")
     data = t.detach().cpu().contiguous().reshape(-1)  # (numel,): a 0-d tensor has no byte view
     return hashlib.sha256(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"").hexdigest()

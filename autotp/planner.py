@@ -45,11 +45,11 @@ from typing import Any
 
 import torch
 import torch.fx
-from torch._subclasses.fake_tensor import fake_tensor_tls
 
 from autotp.api import gather_user_values
 from autotp.backend import SolveRecord, check_override_styles, compile_graph, matching_overrides
 from autotp.collectives import Comm, kind_of
+from autotp.compat import BackendCompilerFailed, fake_tensor_tls
 from autotp.config import AutoTPConfig, parse_dtype
 from autotp.context import TPContext, attach_meta, meta_of, output_path_of, standin
 from autotp.errors import AutoTPError, SolverError
@@ -370,7 +370,7 @@ def plan_model(model: Any, tp: int, *, dtype: str | torch.dtype | None = None, b
         seen.append(_Compiled(gm, list(example_inputs), time.perf_counter() - t, time.process_time() - c))
         return fn
 
-    torch._dynamo.reset()
+    torch.compiler.reset()
     # static shapes: the decode call would otherwise recompile the prefill's code object with
     # Dynamo's automatic dynamic shapes (symbolic sequence lengths), which costs a quarter of the
     # whole plan and changes no collective: the plan is for the given B and S
@@ -497,7 +497,7 @@ def _run_graph(name: str, forward: Any, kwargs: dict[str, Any], comm: Comm, seen
         with torch.no_grad(), _meta_constants_allowed():
             out = forward(**kwargs)
             out = gather_user_values(out, comm)  # what parallelize_model does on return (logits)
-    except torch._dynamo.exc.BackendCompilerFailed as e:  # Dynamo wraps what the backend raised
+    except BackendCompilerFailed as e:  # Dynamo wraps what the backend raised
         inner = e.inner_exception
         if isinstance(inner, AutoTPError):  # keep its own cause (a PassError names the failing pass)
             raise inner from inner.__cause__

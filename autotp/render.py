@@ -1,6 +1,7 @@
 """Show a :class:`~autotp.planner.PlanReport` to people: :func:`render_text` (what ``autotp plan``
-prints) and :func:`render_html` (``autotp plan --html FILE``: one self-contained page, no scripts,
-no external assets, inline CSS only).
+prints), :func:`render_html` (``autotp plan --html FILE``: one self-contained page, no scripts,
+no external assets, inline CSS only) and :func:`render_png` (``autotp plan --png FILE``, with
+matplotlib from the ``[plot]`` extra). Both drawings draw :func:`plan_blocks`, computed once.
 
 The text lists every parameter of the first decoder layer and the non-layer ones, then says
 which other layers differ from layer 0 (none, for a uniform decoder). The HTML page shows the model as a column of blocks in forward order: the non-layer parameters, then
@@ -15,13 +16,17 @@ forward and per generated token, and bytes per rank.
 from __future__ import annotations
 
 import html
+import os
 import re
+import textwrap
 from collections import Counter
+from dataclasses import dataclass
 from typing import Any
 
+from autotp.errors import AutoTPError
 from autotp.planner import PlanReport
 
-__all__ = ["render_html", "render_text"]
+__all__ = ["Block", "CollectiveRow", "ParamRow", "plan_blocks", "render_html", "render_png", "render_text"]
 
 _COLORS = {"colwise": "#2b7bb9", "rowwise": "#e08b1f", "vocab": "#6a3d9a", "replicate": "#9e9e9e"}
 _LAYER = re.compile(r"^(.*?\.)(\d+)\.(.*)$")
@@ -56,10 +61,12 @@ def _group_key(fqn: str) -> tuple[str, int | None, str]:
 def _param_row(name: str, e: dict[str, Any]) -> str:
     color = _COLORS.get(e["style"], "#1b9e77")
     width = 24 if e["style"] == "replicate" else 24 + int(56 * (1 - _fraction(e)))
-    return (f'<div class="p"><span class="bar" style="width:{width}px;background:{color}"></span>'
-            f'<span class="name" title="{_esc(name)}">{_esc(name)}</span>'
-            f'<span class="shape">{_esc(tuple(e["global_shape"]))} &rarr; {_esc(tuple(e["local_shape"]))}</span>'
-            f'<span>{_esc(e["style"])}</span></div>')
+    return (
+        f'<div class="p"><span class="bar" style="width:{width}px;background:{color}"></span>'
+        f'<span class="name" title="{_esc(name)}">{_esc(name)}</span>'
+        f'<span class="shape">{_esc(tuple(e["global_shape"]))} &rarr; {_esc(tuple(e["local_shape"]))}</span>'
+        f"<span>{_esc(e['style'])}</span></div>"
+    )
 
 
 def _fraction(e: dict[str, Any]) -> float:
@@ -80,8 +87,37 @@ def _norm(after: str) -> str:
     return re.sub(r"\.\d+(?=\.|$)", ".*", after)
 
 
-def render_html(report: PlanReport) -> str:
-    """The plan as an HTML page (a string; ``autotp plan --html FILE`` writes it)."""
+@dataclass(frozen=True)
+class ParamRow:
+    """One parameter of a block: its name inside the block and its plan entry."""
+
+    name: str
+    entry: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class CollectiveRow:
+    """One collective of the forward's solution, drawn right after the module whose output it moves."""
+
+    module: str
+    site: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Block:
+    """One card of the drawing: a non-layer module, or a run of identical decoder layers (``layers``
+    lists them; the first is shown). ``rows`` are in forward order: each parameter, then the
+    collectives after its module."""
+
+    title: str
+    layers: tuple[int, ...]
+    rows: tuple[ParamRow | CollectiveRow, ...]
+
+
+def plan_blocks(report: PlanReport) -> list[Block]:
+    """The plan as the drawings show it (``--html`` and ``--png`` both draw these): the non-layer
+    parameters before the first layer (embeddings), one block per run of identical decoder layers
+    (same styles and shapes, same collectives: a uniform 32-layer model is one block), the rest."""
     params = {k: v for k, v in report.parameters.items() if not v.get("tied_to")}
     sites = _sites_by_module(report)
     # Parameters in forward order: non-layer ones before the first layer (embeddings), layers, rest.
@@ -95,57 +131,112 @@ def render_html(report: PlanReport) -> str:
     # Identical consecutive layers (same styles and shapes, same collectives) are drawn once.
     groups: list[tuple[list[int], list]] = []
     for idx in sorted(layers):
-        sig = (tuple((r, e["style"], tuple(e["local_shape"])) for r, e, _ in layers[idx]),
-               tuple(sorted(Counter((_norm(s["after"]), s["kind"]) for a, ss in sites.items() for s in ss
-                                    if s["layer"] == idx).items())))
+        sig = (
+            tuple((r, e["style"], tuple(e["local_shape"])) for r, e, _ in layers[idx]),
+            tuple(
+                sorted(
+                    Counter(
+                        (_norm(s["after"]), s["kind"])
+                        for a, ss in sites.items()
+                        for s in ss
+                        if s["layer"] == idx
+                    ).items()
+                )
+            ),
+        )
         if groups and groups[-1][1][0] == sig:
             groups[-1][0].append(idx)
         else:
             groups.append(([idx], [sig, layers[idx]]))
 
-    def collectives_after(module: str, layer: int | None) -> str:
-        rows = [s for s in sites.get(module, []) if s["layer"] == layer]
-        return "".join(f'<div class="coll">&#9650; {_esc(s["kind"])} {_esc(s["src"])}&rarr;{_esc(s["dst"])} '
-                       f'of {_esc(tuple(s["global_shape"] or ()))} after {_esc(module)}</div>' for s in rows)
+    def collectives_after(module: str, layer: int | None) -> list[CollectiveRow]:
+        return [CollectiveRow(module, s) for s in sites.get(module, []) if s["layer"] == layer]
 
-    def card(title: str, rows: list[tuple[str, dict[str, Any]]], layer: int | None, prefix: str = "") -> str:
-        body, done = [], set()
+    def block(
+        title: str, rows: list[tuple[str, dict[str, Any]]], layers: list[int], prefix: str = ""
+    ) -> Block:
+        layer = layers[0] if layers else None
+        body: list[ParamRow | CollectiveRow] = []
+        done: set[str] = set()
         for name, e in rows:
-            body.append(_param_row(name, e))
+            body.append(ParamRow(name, e))
             owner = name.rpartition(".")[0]
             module = f"{prefix}{layer}.{owner}" if layer is not None else owner
             if module not in done:
                 done.add(module)
-                body.append(collectives_after(module, layer))
+                body += collectives_after(module, layer)
         if layer is not None:  # collectives after a module that holds no parameter (e.g. the block)
             for module in sorted(sites):
                 if module not in done and any(s["layer"] == layer for s in sites[module]):
-                    body.append(collectives_after(module, layer))
-        return f'<div class="card"><h3>{_esc(title)}</h3>{"".join(body)}</div>'
+                    body += collectives_after(module, layer)
+        return Block(title, tuple(layers), tuple(body))
 
-    cards = [card(name.rpartition(".")[0] or name, [(name, e)], None) for name, e in head]
+    blocks = [block(name.rpartition(".")[0] or name, [(name, e)], []) for name, e in head]
     for idxs, (_, members) in groups:
         first, prefix = idxs[0], members[0][2]
-        title = f"{prefix}{first}" if len(idxs) == 1 else f"{prefix}{{{idxs[0]}..{idxs[-1]}}} ({len(idxs)} identical blocks, layer {first} shown)"
-        cards.append(card(title, [(r, e) for r, e, _ in members], first, prefix))
-    cards += [card(name.rpartition(".")[0] or name, [(name, e)], None) for name, e in tail]
+        title = (
+            f"{prefix}{first}"
+            if len(idxs) == 1
+            else f"{prefix}{{{idxs[0]}..{idxs[-1]}}} ({len(idxs)} identical blocks, layer {first} shown)"
+        )
+        blocks.append(block(title, [(r, e) for r, e, _ in members], idxs, prefix))
+    blocks += [block(name.rpartition(".")[0] or name, [(name, e)], []) for name, e in tail]
+    return blocks
+
+
+def _summary(report: PlanReport) -> list[tuple[str, Any]]:
+    """The summary table of both drawings: model, tp, collectives, bytes per rank, timings."""
 
     def counts(d: dict[str, int] | None) -> str:
         return ", ".join(f"{k} {v}" for k, v in sorted((d or {}).items())) or "none"
 
     dec = report.decode
-    summary = [
+    return [
         ("model", f"{report.model} ({report.architecture}, {report.num_layers} layers, {report.dtype})"),
         ("tensor-parallel size", report.tp),
-        ("collectives per forward", f"{counts(report.forward.collectives)} "
-                                    f"(input {tuple(report.forward.input_shape)})"),
+        (
+            "collectives per forward",
+            f"{counts(report.forward.collectives)} (input {tuple(report.forward.input_shape)})",
+        ),
         ("collectives per generated token", counts(dec.collectives) if dec else report.decode_note),
-        ("parameter bytes per rank", f"{_human(report.param_bytes_per_rank)} of {_human(report.param_bytes_total)}"),
-        ("KV-cache bytes per rank", f"{_human(report.kv_cache_bytes_per_rank)} of {_human(report.kv_cache_bytes_total)} "
-                                    f"(batch {report.batch}, {report.seq_len} positions)"),
+        (
+            "parameter bytes per rank",
+            f"{_human(report.param_bytes_per_rank)} of {_human(report.param_bytes_total)}",
+        ),
+        (
+            "KV-cache bytes per rank",
+            f"{_human(report.kv_cache_bytes_per_rank)} of {_human(report.kv_cache_bytes_total)} "
+            f"(batch {report.batch}, {report.seq_len} positions)",
+        ),
         ("timings (seconds)", ", ".join(f"{k} {v:.1f}" for k, v in report.timings.items())),
     ]
-    legend = "".join(f'<span><i class="sw" style="background:{c}"></i>{_esc(s)}</span>' for s, c in _COLORS.items())
+
+
+def _where(row: CollectiveRow) -> str:
+    """``of <global shape> after <module>``: what a collective row moves, and from where."""
+    return f"of {tuple(row.site['global_shape'] or ())} after {row.module}"
+
+
+def render_html(report: PlanReport) -> str:
+    """The plan as an HTML page (a string; ``autotp plan --html FILE`` writes it)."""
+
+    def card(b: Block) -> str:
+        body = []
+        for row in b.rows:
+            if isinstance(row, ParamRow):
+                body.append(_param_row(row.name, row.entry))
+            else:
+                body.append(
+                    f'<div class="coll">&#9650; {_esc(row.site["kind"])} {_esc(row.site["src"])}&rarr;'
+                    f"{_esc(row.site['dst'])} {_esc(_where(row))}</div>"
+                )
+        return f'<div class="card"><h3>{_esc(b.title)}</h3>{"".join(body)}</div>'
+
+    cards = [card(b) for b in plan_blocks(report)]
+    summary = _summary(report)
+    legend = "".join(
+        f'<span><i class="sw" style="background:{c}"></i>{_esc(s)}</span>' for s, c in _COLORS.items()
+    )
     rows = "".join(f"<tr><th>{_esc(k)}</th><td>{_esc(v)}</td></tr>" for k, v in summary)
     return (
         "<!DOCTYPE html><html><head><meta charset='utf-8'>"
@@ -155,6 +246,129 @@ def render_html(report: PlanReport) -> str:
         "<span>bar length: the share of the parameter a rank does not hold</span></div>"
         f"<h2>Blocks, in forward order</h2>{''.join(cards)}</body></html>\n"
     )
+
+
+def render_png(report: PlanReport, path: str | os.PathLike[str]) -> None:
+    """Draw the plan into a PNG (``autotp plan --png FILE``): the same blocks as the HTML page, one
+    line per parameter (a glyph of the weight split ``tp`` ways along its shard dim, this rank's
+    part filled in the style's colour; name; global -> local shape; style) and a red line per
+    collective right after the module whose output it moves. Identical layers are one block, so a
+    uniform 32-layer decoder is drawn in a few dozen lines. Needs matplotlib (the ``[plot]`` extra)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.patches import FancyBboxPatch, Rectangle
+    except ImportError as e:
+        raise AutoTPError(
+            "autotp plan --png needs matplotlib, which is not installed: "
+            "pip install 'autotp[plot]' (or pip install matplotlib), or use --html"
+        ) from e
+    blocks = plan_blocks(report)
+    summary = [(key, textwrap.wrap(str(value), 130) or [""]) for key, value in _summary(report)]
+    line = 0.24  # inches per text line
+    lines = 2 + sum(len(v) for _, v in summary) + 2 + sum(len(b.rows) + 2 for b in blocks)
+    width, height = 13.0, lines * line + 0.4
+    fig = plt.figure(figsize=(width, height), dpi=110)
+    ax = fig.add_axes((0, 0, 1, 1))
+    ax.set_xlim(0, 100)
+    ax.set_ylim(lines, 0)  # y counts text lines from the top
+    ax.axis("off")
+    y = 1.0
+    ax.text(1, y, f"autotp plan: {report.model} at tp={report.tp}", fontsize=13, weight="bold", va="center")
+    y += 1.2
+    for key, values in summary:
+        ax.text(1, y, f"{key}:", fontsize=9, weight="bold", va="center")
+        for value in values:
+            ax.text(22, y, value, fontsize=9, va="center")
+            y += 1
+    x = 1.0
+    for style, color in _COLORS.items():
+        ax.add_patch(Rectangle((x, y - 0.3), 1.2, 0.6, color=color))
+        ax.text(x + 1.6, y, style, fontsize=9, va="center")
+        x += 10
+    ax.text(
+        x,
+        y,
+        "\u25b2 collective (forward), after the module whose output it moves",
+        color="#b2182b",
+        fontsize=9,
+        va="center",
+    )
+    y += 1.5
+    for b in blocks:
+        top = y - 0.6
+        ax.text(1.5, y, b.title, fontsize=10, weight="bold", va="center")
+        y += 1
+        for row in b.rows:
+            if isinstance(row, ParamRow):
+                _glyph(ax, Rectangle, row.entry, report.tp, 2.0, y)
+                ax.text(8, y, row.name, fontsize=8.5, family="monospace", va="center")
+                ax.text(
+                    50,
+                    y,
+                    f"{tuple(row.entry['global_shape'])} \u2192 {tuple(row.entry['local_shape'])}",
+                    fontsize=8.5,
+                    family="monospace",
+                    color="#555555",
+                    va="center",
+                )
+                ax.text(
+                    82,
+                    y,
+                    row.entry["style"],
+                    fontsize=8.5,
+                    va="center",
+                    color=_COLORS.get(row.entry["style"], "#1b9e77"),
+                )
+            else:
+                ax.text(
+                    4,
+                    y,
+                    f"\u25b2 {row.site['kind']} {row.site['src']}\u2192{row.site['dst']} {_where(row)}",
+                    fontsize=8.5,
+                    family="monospace",
+                    color="#b2182b",
+                    va="center",
+                )
+            y += 1
+        ax.add_patch(
+            FancyBboxPatch(
+                (0.8, top),
+                98.4,
+                y - top - 0.4,
+                boxstyle="round,pad=0,rounding_size=0.3",
+                fill=False,
+                edgecolor="#bbbbbb",
+                linewidth=0.8,
+            )
+        )
+        y += 1
+    fig.savefig(path, format="png")
+    plt.close(fig)
+
+
+def _glyph(ax: Any, rectangle: Any, entry: dict[str, Any], tp: int, x: float, y: float) -> None:
+    """A weight's split: a box cut into ``tp`` stripes across its shard dim (rows for dim 0,
+    columns for dim 1), the first stripe, one rank's part, filled; a replicated weight is filled
+    whole."""
+    w, h = 4.0, 0.7
+    color = _COLORS.get(entry["style"], "#1b9e77")
+    dim = entry.get("shard_dim")
+    ndim = len(entry["global_shape"])
+    if entry["style"] == "replicate" or dim is None or tp == 1:
+        ax.add_patch(rectangle((x, y - h / 2), w, h, facecolor=color, edgecolor="#444444", linewidth=0.5))
+        return
+    across_rows = dim == 0 and ndim > 1  # dim 0 of a matrix: horizontal stripes
+    for i in range(tp):
+        if across_rows:
+            box = (x, y - h / 2 + i * h / tp), w, h / tp
+        else:
+            box = (x + i * w / tp, y - h / 2), w / tp, h
+        ax.add_patch(
+            rectangle(*box, facecolor=color if i == 0 else "#eeeeee", edgecolor="#444444", linewidth=0.5)
+        )
 
 
 def _human(n: int | None) -> str:
@@ -177,13 +391,20 @@ def _counts_bytes(counts: dict[str, int], nbytes: dict[str, int]) -> str:
 
 def render_text(report: PlanReport) -> str:
     """The per-layer table and the totals ``autotp plan`` prints."""
-    lines = [f"autotp plan: {report.model} ({report.architecture}, {report.num_layers} layers, {report.dtype}) "
-             f"at tp={report.tp}, on meta (no weights, no process group)"]
+    lines = [
+        f"autotp plan: {report.model} ({report.architecture}, {report.num_layers} layers, {report.dtype}) "
+        f"at tp={report.tp}, on meta (no weights, no process group)"
+    ]
     if report.overrides:
         extra = report.forward.extra_cost_of_overrides
-        lines.append(f"overrides: {report.overrides}"
-                     + (f" (cost +{extra:.1f} byte-equivalents per token over the unconstrained plan)"
-                        if extra is not None else " (the unconstrained plan already satisfies them)"))
+        lines.append(
+            f"overrides: {report.overrides}"
+            + (
+                f" (cost +{extra:.1f} byte-equivalents per token over the unconstrained plan)"
+                if extra is not None
+                else " (the unconstrained plan already satisfies them)"
+            )
+        )
     params = {k: v for k, v in report.parameters.items()}
     shown = [(k, v) for k, v in params.items() if _group_key(k)[1] in (None, 0)]
     width = max((len(k) for k, _ in shown), default=10)
@@ -191,43 +412,76 @@ def render_text(report: PlanReport) -> str:
     for fqn, e in shown:
         style = f"tied to {e['tied_to']}" if e.get("tied_to") else e["style"]
         dim = "-" if e["shard_dim"] is None else str(e["shard_dim"])
-        lines.append(f"  {fqn:<{width}}  {style:<9} {dim:>3}  {str(tuple(e['global_shape'])):<16} "
-                     f"{tuple(e['local_shape'])}")
-    layer0 = {_group_key(k)[2]: (v["style"], v["placement"]) for k, v in params.items() if _group_key(k)[1] == 0}
-    differ = sorted({idx for k, v in params.items() for _, idx, rest in [_group_key(k)]
-                     if idx not in (None, 0) and layer0.get(rest) != (v["style"], v["placement"])})
+        lines.append(
+            f"  {fqn:<{width}}  {style:<9} {dim:>3}  {str(tuple(e['global_shape'])):<16} "
+            f"{tuple(e['local_shape'])}"
+        )
+    layer0 = {
+        _group_key(k)[2]: (v["style"], v["placement"]) for k, v in params.items() if _group_key(k)[1] == 0
+    }
+    differ = sorted(
+        {
+            idx
+            for k, v in params.items()
+            for _, idx, rest in [_group_key(k)]
+            if idx not in (None, 0) and layer0.get(rest) != (v["style"], v["placement"])
+        }
+    )
     others = sorted({idx for k in params for _, idx, _ in [_group_key(k)] if idx not in (None, 0)})
     if others:
-        lines.append(f"  layers {others[0]}..{others[-1]}: "
-                     + ("same styles as layer 0" if not differ else f"differ from layer 0 in layers {differ}"))
+        lines.append(
+            f"  layers {others[0]}..{others[-1]}: "
+            + ("same styles as layer 0" if not differ else f"differ from layer 0 in layers {differ}")
+        )
     f, d = report.forward, report.decode
-    lines.append(f"collectives per forward (input {tuple(f.input_shape)}, bytes per rank): "
-                 f"{_counts_bytes(f.collectives, f.collective_bytes)}")
+    lines.append(
+        f"collectives per forward (input {tuple(f.input_shape)}, bytes per rank): "
+        f"{_counts_bytes(f.collectives, f.collective_bytes)}"
+    )
     blocks = report.block_collectives()
     if blocks:
         kinds = {str(v) for v in blocks.values()}
         per = next(iter(kinds)) if len(kinds) == 1 else "varies"
-        lines.append(f"  per decoder block: {per}; outside blocks: "
-                     + (", ".join(f"{s['kind']} after {s['after']}" for s in f.sites if s["layer"] is None) or "none"))
+        lines.append(
+            f"  per decoder block: {per}; outside blocks: "
+            + (", ".join(f"{s['kind']} after {s['after']}" for s in f.sites if s["layer"] is None) or "none")
+        )
     if f.cost is not None:
-        lines.append(f"  solver: cost {f.cost:.1f} byte-equivalents per token; "
-                     + ("proved optimal (gap 0)" if not f.gap else
-                        f"the optimum is at least {f.lower_bound:.1f} (gap {f.gap:.1f}: the beam dropped cheaper "
-                        "partial plans: a wider beam, plan_model(beam_width=...), may close it)"))
+        lines.append(
+            f"  solver: cost {f.cost:.1f} byte-equivalents per token; "
+            + (
+                "proved optimal (gap 0)"
+                if not f.gap
+                else f"the optimum is at least {f.lower_bound:.1f} (gap {f.gap:.1f}: the beam dropped cheaper "
+                "partial plans: a wider beam, plan_model(beam_width=...), may close it)"
+            )
+        )
     if d is not None:
-        lines.append(f"collectives per generated token (input {tuple(d.input_shape)}, KV cache of {report.seq_len} "
-                     f"positions, bytes per rank): {_counts_bytes(d.collectives, d.collective_bytes)}")
+        lines.append(
+            f"collectives per generated token (input {tuple(d.input_shape)}, KV cache of {report.seq_len} "
+            f"positions, bytes per rank): {_counts_bytes(d.collectives, d.collective_bytes)}"
+        )
     else:
         lines.append(f"collectives per generated token: not available: {report.decode_note}")
-    lines.append(f"parameter bytes per rank: {_human(report.param_bytes_per_rank)} of {_human(report.param_bytes_total)}")
+    lines.append(
+        f"parameter bytes per rank: {_human(report.param_bytes_per_rank)} of {_human(report.param_bytes_total)}"
+    )
     if report.kv_cache_bytes_total is not None:
-        lines.append(f"KV-cache bytes per rank (batch {report.batch}, {report.seq_len} positions): "
-                     f"{_human(report.kv_cache_bytes_per_rank)} of {_human(report.kv_cache_bytes_total)}")
+        lines.append(
+            f"KV-cache bytes per rank (batch {report.batch}, {report.seq_len} positions): "
+            f"{_human(report.kv_cache_bytes_per_rank)} of {_human(report.kv_cache_bytes_total)}"
+        )
     t = report.timings
     phases = [k for k in ("trace", "decompose", "solve", "total") if f"{k}_s" in t]
-    lines.append("timings, wall / CPU seconds (CPU excludes time other processes took): "
-                 + ", ".join(f"{k} {t[f'{k}_s']:.1f} / {t.get(f'{k}_cpu_s', float('nan')):.1f}" for k in phases)
-                 + "; " + ", ".join(f"{k.removesuffix('_s')} {v:.1f}" for k, v in t.items()
-                                    if k.endswith("_s") and not k.endswith("cpu_s")
-                                    and k.removesuffix("_s") not in phases) + " (wall)")
+    lines.append(
+        "timings, wall / CPU seconds (CPU excludes time other processes took): "
+        + ", ".join(f"{k} {t[f'{k}_s']:.1f} / {t.get(f'{k}_cpu_s', float('nan')):.1f}" for k in phases)
+        + "; "
+        + ", ".join(
+            f"{k.removesuffix('_s')} {v:.1f}"
+            for k, v in t.items()
+            if k.endswith("_s") and not k.endswith("cpu_s") and k.removesuffix("_s") not in phases
+        )
+        + " (wall)"
+    )
     return "\n".join(lines)

@@ -1005,10 +1005,10 @@ def _architecture_class(config: Any) -> tuple[str, Any]:
     if names:
         name = names[0]
     else:
-        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+        from autotp.compat import causal_lm_class_name
 
         model_type = getattr(config, "model_type", None)
-        name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type or "")
+        name = causal_lm_class_name(model_type or "")
         if name is None:
             raise AutoTPError(
                 f"the config (model_type {model_type!r}) names no architecture: set "
@@ -1105,10 +1105,9 @@ def _rebuild_rope_buffers(model: torch.nn.Module) -> list[str]:
     """
     if not meta_buffers(model):
         return []
-    try:
-        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-    except ImportError:  # pragma: no cover - transformers layout changed
-        ROPE_INIT_FUNCTIONS = {}
+    from autotp.compat import rope_init_functions
+
+    ROPE_INIT_FUNCTIONS = rope_init_functions()  # noqa: N806 - transformers' name
     for module in model.modules():
         inv = module._buffers.get("inv_freq")
         cfg = getattr(module, "config", None)

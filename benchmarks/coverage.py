@@ -15,7 +15,8 @@ solve of the same warm-up forward, one process, simulated collectives), per deco
 the architecture test reads it (:func:`tests.distributed.test_architectures.collectives_per_block`);
 T5 (encoder and decoder blocks share layer numbers) and architectures the meta planner cannot
 trace say "not measured". *Plan* lists the matmul weights of layer 0 by style (``fused``: stored
-strided, each rank holds its chunk of every segment). One JSON line per run goes to ``--out``;
+strided, each rank holds its chunk of every segment). One JSON line per run goes to ``--out``, with the run's provenance (commit, date, command,
+versions, machine: ``benchmarks/_record.py``);
 ``--update FILE`` replaces the rows of the cases run in FILE and keeps the others;
 ``--blocks-only`` recomputes only the per-block column of FILE's rows; ``--widths-only`` the
 batch-2 column (the tiny model planned at batch 2, after the batch-1 warm-up, as a batch-2 call
@@ -38,6 +39,11 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+# for _record; appended, so no module of benchmarks/ shadows an installed one
+sys.path.append(str(ROOT / "benchmarks"))
+
+from _record import Provenance  # noqa: E402
+
 from tests._tiny import ARCHS  # noqa: E402
 from tests.distributed.test_architectures import (  # noqa: E402
     BY_ID,
@@ -49,7 +55,6 @@ from tests.distributed.test_architectures import (  # noqa: E402
     save_case,
 )
 
-BEGIN, END = "<!-- coverage:begin -->", "<!-- coverage:end -->"
 #: the first layer's weights: "<stack>.0.<rest>.weight", where no earlier name part is a number
 BLOCK = re.compile(r"^((?:[A-Za-z_]\w*\.)+)0\.(.+)\.weight$")
 
@@ -83,8 +88,10 @@ def per_block(case: Case, world: int, folder: Path | Any, batch: int = 1) -> str
         blocks = collectives_per_block(plan_model(model, world, batch=batch, decode=False).forward.sites)
     except Exception as e:  # noqa: BLE001 - a planner failure is a table cell
         return f"not measured (meta planner: {type(e).__name__})"
-    texts = {layer: ", ".join(f"{n} {k.replace('_', '-')}" for k, n in sorted(kinds.items()))
-             for layer, kinds in blocks.items()}
+    texts = {
+        layer: ", ".join(f"{n} {k.replace('_', '-')}" for k, n in sorted(kinds.items()))
+        for layer, kinds in blocks.items()
+    }
     if len(set(texts.values())) == 1:
         return next(iter(texts.values()))
     return "; ".join(f"block {layer}: {text}" for layer, text in texts.items()) or "none"
@@ -115,6 +122,9 @@ def add_widths(rows: list[dict[str, Any]], folder_of: Any) -> None:
 
 
 def run(cases: list[Case], out: Path, measure_blocks: bool = True) -> list[dict[str, Any]]:
+    """Run ``cases``; one row per (case, tp), each with the run's provenance (``_record``: commit,
+    date, command, versions, machine)."""
+    provenance = Provenance.start()
     rows = []
     with tempfile.TemporaryDirectory() as tmp_name, out.open("w") as sink:
         tmp = Path(tmp_name)
@@ -124,15 +134,22 @@ def run(cases: list[Case], out: Path, measure_blocks: bool = True) -> list[dict[
                 row: dict[str, Any] = {"case": case.id, "tp": world}
                 try:
                     result = run_case(case, world, folder)
-                    row.update(status="pass", seconds=round(result["seconds"], 1),
-                               plan=plan_summary(result["plan"]), collectives=result["plan"]["collectives"])
+                    row.update(
+                        status="pass",
+                        seconds=round(result["seconds"], 1),
+                        plan=plan_summary(result["plan"]),
+                        collectives=result["plan"]["collectives"],
+                    )
                     if measure_blocks and world == case.worlds[0]:
                         row["per_block"] = per_block(case, world, folder)
                 except Exception as e:  # noqa: BLE001 - a failing architecture is a table row
                     last = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-                    row.update(status="xfail" if case.id in KNOWN_FAILURES else "fail",
-                               reason=KNOWN_FAILURES.get(case.id, last[:200]))
+                    row.update(
+                        status="xfail" if case.id in KNOWN_FAILURES else "fail",
+                        reason=KNOWN_FAILURES.get(case.id, last[:200]),
+                    )
                     traceback.print_exc()
+                row["provenance"] = provenance.finish()
                 rows.append(row)
                 sink.write(json.dumps(row) + "\n")
                 sink.flush()
@@ -144,30 +161,33 @@ def table(rows: list[dict[str, Any]]) -> str:
     by_case: dict[str, list[dict[str, Any]]] = {}
     for row in rows:
         by_case.setdefault(row["case"], []).append(row)
-    lines = ["| architecture | entry point | tp: status | plan (layer 0) | collectives, whole 2-layer forward "
-             "| collectives per block | per block, batch 2 | per block at real widths (2 layers) |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| architecture | entry point | tp: status | plan (layer 0) | collectives, whole 2-layer forward "
+        "| collectives per block | per block, batch 2 | per block at real widths (2 layers) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for case_id, runs in by_case.items():
         case = BY_ID[case_id]
         entry = "parallelize_model" if case.path == "load" else "torch.compile"
         tps = ", ".join(f"{r['tp']}: {r['status']}" for r in runs)
         first = runs[0]
         plan = first.get("plan") or first.get("reason", "")
-        total = ", ".join(f"{n} {k.replace('_', '-')}" for k, n in sorted(first.get("collectives", {}).items()))
-        lines.append(f"| {ARCHS[case.arch][1]} | {entry} | {tps} | {plan} | {total or '-'} | "
-                     f"{first.get('per_block', 'not measured')} | {first.get('batch2', 'not measured')} | "
-                     f"{first.get('real_widths', 'not measured')} |")
+        total = ", ".join(
+            f"{n} {k.replace('_', '-')}" for k, n in sorted(first.get("collectives", {}).items())
+        )
+        lines.append(
+            f"| {ARCHS[case.arch][1]} | {entry} | {tps} | {plan} | {total or '-'} | "
+            f"{first.get('per_block', 'not measured')} | {first.get('batch2', 'not measured')} | "
+            f"{first.get('real_widths', 'not measured')} |"
+        )
     return "\n".join(lines)
 
 
 def write_readme(readme: Path, rows: list[dict[str, Any]]) -> None:
-    text = readme.read_text()
-    body = f"{BEGIN}\n{table(rows)}\n{END}"
-    if BEGIN in text and END in text:
-        text = text[: text.index(BEGIN)] + body + text[text.index(END) + len(END):]
-    else:
-        text = text.rstrip("\n") + "\n\n" + body + "\n"
-    readme.write_text(text)
+    """Replace the README's ``coverage`` region with the table of ``rows``."""
+    from benchmarks.tables import replace_region
+
+    readme.write_text(replace_region(readme.read_text(), "coverage", table(rows)))
 
 
 def read_rows(path: Path) -> list[dict[str, Any]]:
@@ -186,9 +206,14 @@ def main() -> None:
     ap.add_argument("--no-per-block", action="store_true", help="skip the planner's per-block counts")
     ap.add_argument("--rows", type=Path, help="write the table from saved JSON rows instead of running")
     ap.add_argument("--update", type=Path, help="rows file: replace the rows of the cases run, keep the rest")
-    ap.add_argument("--blocks-only", action="store_true", help="with --update: only recompute per-block counts")
-    ap.add_argument("--widths-only", action="store_true",
-                    help="with --update: only recompute the batch-2 and real-width columns")
+    ap.add_argument(
+        "--blocks-only", action="store_true", help="with --update: only recompute per-block counts"
+    )
+    ap.add_argument(
+        "--widths-only",
+        action="store_true",
+        help="with --update: only recompute the batch-2 and real-width columns",
+    )
     args = ap.parse_args()
     if args.rows:
         rows = read_rows(args.rows)
@@ -211,7 +236,9 @@ def main() -> None:
         rows = run(cases, args.out, measure_blocks=not args.no_per_block)
         if args.update:
             fresh = {r["case"] for r in rows}
-            kept = [r for r in read_rows(args.update) if r["case"] not in fresh] if args.update.exists() else []
+            kept = (
+                [r for r in read_rows(args.update) if r["case"] not in fresh] if args.update.exists() else []
+            )
             order = {c.id: i for i, c in enumerate(CASES)}
             rows = sorted(kept + rows, key=lambda r: (order.get(r["case"], len(order)), r["tp"]))
             write_rows(args.update, rows)

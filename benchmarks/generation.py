@@ -1,6 +1,6 @@
 """Prefill and decode speed, side by side: autotp vs transformers' ``tp_plan="auto"`` vs one process.
 
-    python benchmarks/generation.py --cache /tmp/autotp-bench --tp 2 --dtype float32 \\
+    python benchmarks/generation.py --tp 2 --dtype float32 \\
         --prefill 256 --decode 32 --rounds 2 --out generation.json [--png generation.png]
     python benchmarks/generation.py --size small --prefill 32 --decode 4 --reps 1 --rounds 1  # smoke run
 
@@ -8,6 +8,7 @@ Same checkpoint for every engine (``benchmarks/_checkpoint.py``: 154M-parameter 
 615 MB in fp32; ``--size small`` is a 6M-parameter one for checking the script). Engines:
 
 * ``one_process``: plain transformers, one process, all the threads the ranks share;
+* ``one_process_compiled``: the same under ``torch.compile`` (inductor), the compiled baseline;
 * ``transformers_tp``: ``from_pretrained(..., tp_plan="auto")`` on ``--tp`` ranks (gloo, CPU);
 * ``autotp``: ``parallelize_model`` on ``--tp`` ranks, fused sibling matmuls, eager inner graphs,
   all-reduces and small all-gathers through shared memory (the CPU default);
@@ -18,11 +19,16 @@ Same checkpoint for every engine (``benchmarks/_checkpoint.py``: 154M-parameter 
 
 Every engine runs in its own launch (torch's elastic launcher, ``--standalone``); launches
 alternate A B C A B C for ``--rounds`` rounds, so drift on a shared machine hits all engines alike.
-Each launch loads once, warms up (one prefill and a few decode steps: autotp compiles its prefill
-and decode graphs there), then measures ``--reps`` times: *prefill* = one forward of 1 x P tokens
+Each launch loads once and times its *first token*: the first prefill after load
+(``first_token_s``, compilation included) and the first decode step after it
+(``first_decode_s``); then it warms up (a few decode steps: autotp and ``torch.compile`` compile their
+decode graphs there) and measures ``--reps`` times: *prefill* = one forward of 1 x P tokens
 into an empty ``DynamicCache``; *decode* = P-token prefill, then ``--decode`` greedy steps of one
 token each through the cache, timed per step (ms/token is the median step). Medians are over all
-rounds and reps; ratios are autotp / transformers_tp and autotp / one_process.
+rounds and reps, with min, max and spread (``benchmarks/_record.py``: ``stats``); ratios are
+autotp / transformers_tp and autotp / one_process. Rank 0 of each launch reports its own memory at
+the end (peak RSS and anonymous resident memory, ``_record.memory``). The result records its
+provenance (commit, date, command, versions, machine and load averages; ``_record.Provenance``).
 
 Each rank uses ``cores // ranks`` threads unless ``OMP_NUM_THREADS`` is set. For autotp the
 output also has the collectives one decode step issued (from ``Comm.counts``) next to what the
@@ -40,7 +46,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -49,7 +54,17 @@ from typing import Any
 
 sys.path.insert(0, os.fspath(Path(__file__).resolve().parent))
 
-ENGINES = ("one_process", "transformers_tp", "autotp", "autotp_gloo", "autotp_unfused", "autotp_inductor")
+from _record import Provenance, checkpoint_name, launch, memory, pyplot, stats, write_result  # noqa: E402
+
+ENGINES = (
+    "one_process",
+    "one_process_compiled",
+    "transformers_tp",
+    "autotp",
+    "autotp_gloo",
+    "autotp_unfused",
+    "autotp_inductor",
+)
 #: autotp engines -> parallelize_model options
 AUTOTP_VARIANTS: dict[str, dict[str, Any]] = {
     "autotp": {"fuse": True, "compile_inner": "eager"},
@@ -59,7 +74,9 @@ AUTOTP_VARIANTS: dict[str, dict[str, Any]] = {
 }
 
 
-def _worker(engine: str, folder: str, prefill: int, decode: int, reps: int, result: str, dtype_name: str) -> None:
+def _worker(
+    engine: str, folder: str, prefill: int, decode: int, reps: int, result: str, dtype_name: str
+) -> None:
     """One launch: load with ``engine``, warm up, time prefill and decode; rank 0 writes JSON."""
     import torch
     import torch.distributed as dist
@@ -67,7 +84,7 @@ def _worker(engine: str, folder: str, prefill: int, decode: int, reps: int, resu
     from transformers import DynamicCache
 
     transformers.logging.set_verbosity_error()
-    distributed = engine != "one_process"
+    distributed = not engine.startswith("one_process")
     if distributed:
         dist.init_process_group("gloo")
     rank = dist.get_rank() if distributed else 0
@@ -84,6 +101,8 @@ def _worker(engine: str, folder: str, prefill: int, decode: int, reps: int, resu
         model = transformers.AutoModelForCausalLM.from_pretrained(folder, tp_plan="auto", dtype=dtype).eval()
     else:
         model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+        if engine == "one_process_compiled":
+            model.forward = torch.compile(model.forward)  # inductor, as a user compiles it
     load_s = time.perf_counter() - t0
     vocab = model.config.vocab_size
     ids = (torch.arange(prefill) * 7919 % (vocab - 1) + 1).unsqueeze(0)  # (1, P), deterministic
@@ -116,7 +135,12 @@ def _worker(engine: str, folder: str, prefill: int, decode: int, reps: int, resu
 
     with torch.no_grad():
         t = time.perf_counter()
-        run_decode(4)  # warm-up: compiles prefill, first decode and the dynamic-length decode graph
+        first_token_s, cache, token = run_prefill()  # the first call after load: compiles the prefill
+        barrier()
+        start = time.perf_counter()
+        model(input_ids=token, use_cache=True, position_ids=torch.tensor([[prefill]]), **{keyword: cache})
+        first_decode_s = time.perf_counter() - start
+        run_decode(4)  # warm-up: the dynamic-length decode graph
         warmup_s = time.perf_counter() - t
         comm = model.autotp.context.comm if engine in AUTOTP_VARIANTS else None
         step_collectives: dict[str, Any] = {}
@@ -124,14 +148,19 @@ def _worker(engine: str, folder: str, prefill: int, decode: int, reps: int, resu
         if comm is not None:  # one prefill's and one decode step's collectives, counted as issued
             comm.reset_counts()
             _, cache, token = run_prefill()
-            prefill_collectives = {"issued": dict(comm.counts), "bytes_per_rank": dict(comm.bytes),
-                                   "compile_inner": model.autotp.context.config.compile_inner}
+            prefill_collectives = {
+                "issued": dict(comm.counts),
+                "bytes_per_rank": dict(comm.bytes),
+                "compile_inner": model.autotp.context.config.compile_inner,
+            }
             comm.reset_counts()
             model(input_ids=token, use_cache=True, position_ids=torch.tensor([[prefill]]), **{keyword: cache})
             plan = model.autotp.plans[-1]
             step_collectives = {
-                "issued": dict(comm.counts), "bytes_per_rank": dict(comm.bytes),
-                "plan_in_graph": plan["collectives"], "plan_sharded_outputs": plan["sharded_outputs"],
+                "issued": dict(comm.counts),
+                "bytes_per_rank": dict(comm.bytes),
+                "plan_in_graph": plan["collectives"],
+                "plan_sharded_outputs": plan["sharded_outputs"],
                 "graphs_compiled": model.autotp.context.graphs_compiled,
                 "compile_inner": model.autotp.context.config.compile_inner,
                 "inner_reports": model.autotp.context.inner_reports,
@@ -142,41 +171,69 @@ def _worker(engine: str, folder: str, prefill: int, decode: int, reps: int, resu
             times, tokens = run_decode(decode)
             decode_s.extend(times)
     if rank == 0:
-        Path(result).write_text(json.dumps({
-            "engine": engine, "world_size": world, "threads": torch.get_num_threads(), "load_s": load_s,
-            "warmup_s": warmup_s, "prefill_s": prefill_s, "decode_step_s": decode_s, "tokens": tokens,
-            "decode_collectives": step_collectives, "prefill_collectives": prefill_collectives,
-        }))
+        Path(result).write_text(
+            json.dumps(
+                {
+                    "engine": engine,
+                    "world_size": world,
+                    "threads": torch.get_num_threads(),
+                    "load_s": load_s,
+                    "warmup_s": warmup_s,
+                    "first_token_s": first_token_s,
+                    "first_decode_s": first_decode_s,
+                    "memory": memory(),
+                    "prefill_s": prefill_s,
+                    "decode_step_s": decode_s,
+                    "tokens": tokens,
+                    "decode_collectives": step_collectives,
+                    "prefill_collectives": prefill_collectives,
+                }
+            )
+        )
     if distributed:
         dist.barrier()
         dist.destroy_process_group()
 
 
 def _launch(engine: str, folder: Path, args: argparse.Namespace, result: Path) -> dict[str, Any]:
-    ranks = 1 if engine == "one_process" else args.tp
-    env = dict(os.environ)
-    cores = os.cpu_count() or 1
-    env.setdefault("OMP_NUM_THREADS", str(max(cores // ranks, 1)))
-    worker = [os.fspath(Path(__file__).resolve()), "--worker", engine, os.fspath(folder),
-              str(args.prefill), str(args.decode), str(args.reps), os.fspath(result), args.dtype]
-    if engine == "one_process":
-        cmd = [sys.executable, *worker]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", *worker]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{engine}: exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    ranks = 1 if engine.startswith("one_process") else args.tp
+    worker = [
+        os.fspath(Path(__file__).resolve()),
+        "--worker",
+        engine,
+        os.fspath(folder),
+        str(args.prefill),
+        str(args.decode),
+        str(args.reps),
+        os.fspath(result),
+        args.dtype,
+    ]
+    launch(ranks, worker, label=engine)
     return json.loads(result.read_text())
 
 
 def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
     prefill = [t for r in runs for t in r["prefill_s"]]
     decode = [t for r in runs for t in r["decode_step_s"]]
+    prefill_ms, decode_ms = stats([1000 * t for t in prefill]), stats([1000 * t for t in decode])
+    memories = [r["memory"] for r in runs if r.get("memory")]
     return {
-        "prefill_ms": 1000 * statistics.median(prefill),
-        "decode_ms_per_token": 1000 * statistics.median(decode),
+        "prefill_ms": prefill_ms["median"],
+        "decode_ms_per_token": decode_ms["median"],
+        "prefill_ms_stats": {k: v for k, v in prefill_ms.items() if k != "all"},
+        "decode_ms_per_token_stats": {k: v for k, v in decode_ms.items() if k != "all"},
+        "first_token_s": statistics.median(r["first_token_s"] for r in runs),
+        "first_decode_s": statistics.median(r["first_decode_s"] for r in runs),
         "load_s": statistics.median(r["load_s"] for r in runs),
         "warmup_s": statistics.median(r["warmup_s"] for r in runs),
+        **(
+            {
+                "peak_rss_bytes": max(m["peak_rss"] for m in memories),
+                "rss_anon_bytes": max(m["rss_anon"] for m in memories),
+            }
+            if memories and memories[0]["peak_rss"]
+            else {}
+        ),
         "threads_per_rank": runs[0]["threads"],
         "tokens": runs[0]["tokens"],
         "samples": {"prefill": len(prefill), "decode_steps": len(decode)},
@@ -200,7 +257,8 @@ def _compare_with_plan(folder: Path, args: argparse.Namespace, summary: dict[str
             continue
         out[phase] = _issued_vs_plan(
             {"counts": dict(graph.collectives), "bytes_per_rank": dict(graph.collective_bytes)},
-            {engine: s.get(f"{phase}_collectives", {}) for engine, s in summary.items()})
+            {engine: s.get(f"{phase}_collectives", {}) for engine, s in summary.items()},
+        )
     return out
 
 
@@ -211,7 +269,8 @@ def _issued_vs_plan(plan: dict[str, Any], issued_by_engine: dict[str, dict[str, 
             continue
         counted_bytes = issued.get("compile_inner") == "eager"  # compiled graphs do not count bytes
         out[engine] = {
-            "counts": issued["issued"], "bytes_per_rank": issued.get("bytes_per_rank") if counted_bytes else None,
+            "counts": issued["issued"],
+            "bytes_per_rank": issued.get("bytes_per_rank") if counted_bytes else None,
             "counts_match_plan": issued["issued"] == plan["counts"],
             "bytes_match_plan": issued["bytes_per_rank"] == plan["bytes_per_rank"] if counted_bytes else None,
         }
@@ -219,21 +278,25 @@ def _issued_vs_plan(plan: dict[str, Any], issued_by_engine: dict[str, dict[str, 
 
 
 def _plot(report: dict[str, Any], path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no PNG (pip install matplotlib)")
+    plt = pyplot()
+    if plt is None:
         return
     engines = [e for e in ENGINES if e in report["engines"]]
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
-    for ax, metric, label in ((axes[0], "prefill_ms", f"prefill 1x{report['prefill']} (ms)"),
-                              (axes[1], "decode_ms_per_token", "decode (ms/token)")):
+    for ax, metric, label in (
+        (axes[0], "prefill_ms", f"prefill 1x{report['prefill']} (ms)"),
+        (axes[1], "decode_ms_per_token", "decode (ms/token)"),
+    ):
         values = [report["engines"][e][metric] for e in engines]
-        colors = {"one_process": "#999999", "transformers_tp": "#d08030", "autotp": "#3070c0", "autotp_gloo": "#80a8e0",
-                  "autotp_unfused": "#80a8e0", "autotp_inductor": "#205090"}
+        colors = {
+            "one_process": "#999999",
+            "one_process_compiled": "#666666",
+            "transformers_tp": "#d08030",
+            "autotp": "#3070c0",
+            "autotp_gloo": "#80a8e0",
+            "autotp_unfused": "#80a8e0",
+            "autotp_inductor": "#205090",
+        }
         ax.bar(engines, values, color=[colors[e] for e in engines])
         ax.tick_params(axis="x", labelrotation=20)
         ax.set_title(label)
@@ -246,16 +309,28 @@ def _plot(report: dict[str, Any], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--worker", nargs=7,
-                        metavar=("ENGINE", "FOLDER", "PREFILL", "DECODE", "REPS", "RESULT", "DTYPE"),
-                        help=argparse.SUPPRESS)
-    parser.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "autotp-bench"),
-                        help="folder for the benchmark checkpoint (written once)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--worker",
+        nargs=7,
+        metavar=("ENGINE", "FOLDER", "PREFILL", "DECODE", "REPS", "RESULT", "DTYPE"),
+        help=argparse.SUPPRESS,
+    )
+    parser.add_argument(
+        "--cache",
+        default=os.path.join(tempfile.gettempdir(), "autotp-bench"),
+        help="folder for the benchmark checkpoint (written once)",
+    )
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-    parser.add_argument("--size", default="150m", choices=("150m", "small"),
-                        help="benchmark checkpoint size (small: a smoke run of the script)")
+    parser.add_argument(
+        "--size",
+        default="150m",
+        choices=("150m", "small"),
+        help="benchmark checkpoint size (small: a smoke run of the script)",
+    )
     parser.add_argument("--prefill", type=int, default=256)
     parser.add_argument("--decode", type=int, default=32)
     parser.add_argument("--reps", type=int, default=2, help="timed repetitions per launch")
@@ -272,13 +347,13 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from _checkpoint import make_checkpoint
 
+    provenance = Provenance.start(argv)
     folder = make_checkpoint(args.cache, getattr(torch, args.dtype), size=args.size)
     engines = [e for e in args.engines.split(",") if e]
     unknown = sorted(set(engines) - set(ENGINES))
     if unknown:
         parser.error(f"unknown engines {unknown}; choose from {list(ENGINES)}")
     runs: dict[str, list[dict[str, Any]]] = {e: [] for e in engines}
-    load_start = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="autotp-gen-") as tmp:
         for round_ in range(args.rounds):
             for engine in engines:  # A B C A B C ...
@@ -286,24 +361,36 @@ def main(argv: list[str] | None = None) -> int:
                 runs[engine].append(_launch(engine, folder, args, Path(tmp) / f"{engine}-{round_}.json"))
                 print(f"round {round_} {engine}: {time.perf_counter() - t:.0f} s", flush=True)
     summary = {e: _summary(r) for e, r in runs.items()}
-    report: dict[str, Any] = {"checkpoint": os.fspath(folder), "size": args.size, "tp": args.tp, "dtype": args.dtype,
-                              "prefill": args.prefill, "decode": args.decode, "cores": os.cpu_count(),
-                              "engines": summary, "ratios": {},
-                              # a shared machine: other jobs' load (1/5/15-minute averages) around the run
-                              "load_average": {"start": load_start, "end": os.getloadavg()}}
+    report: dict[str, Any] = {
+        "checkpoint": checkpoint_name(folder),
+        "size": args.size,
+        "tp": args.tp,
+        "dtype": args.dtype,
+        "prefill": args.prefill,
+        "decode": args.decode,
+        "rounds": args.rounds,
+        "reps": args.reps,
+        "engines": summary,
+        "ratios": {},
+    }
     for metric in ("prefill_ms", "decode_ms_per_token"):
         for variant in AUTOTP_VARIANTS:
-            for base in ("transformers_tp", "one_process", "autotp"):
+            for base in ("transformers_tp", "one_process", "one_process_compiled", "autotp"):
                 if variant in summary and base in summary and base != variant:
-                    report["ratios"][f"{variant}/{base}:{metric}"] = summary[variant][metric] / summary[base][metric]
+                    report["ratios"][f"{variant}/{base}:{metric}"] = (
+                        summary[variant][metric] / summary[base][metric]
+                    )
     if any(e in AUTOTP_VARIANTS for e in engines):
         report["collectives_vs_plan"] = _compare_with_plan(folder, args, summary)
     tokens = {e: s["tokens"] for e, s in summary.items()}
     report["same_greedy_tokens"] = len({tuple(t) for t in tokens.values()}) == 1
-    Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    report = write_result(args.out, report, provenance)
     print(json.dumps({k: v for k, v in report.items() if k != "engines"}, indent=1))
     for e, s in summary.items():
-        print(f"{e:>16}: prefill {s['prefill_ms']:.1f} ms, decode {s['decode_ms_per_token']:.2f} ms/token")
+        print(
+            f"{e:>20}: prefill {s['prefill_ms']:.1f} ms, decode {s['decode_ms_per_token']:.2f} ms/token, "
+            f"first token {s['first_token_s']:.2f} s"
+        )
     if args.png:
         _plot(report, Path(args.png))
     return 0

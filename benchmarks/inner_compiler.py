@@ -1,6 +1,6 @@
 """Eager vs inductor inner compiler, interleaved in one process (one rank, no process group).
 
-    python benchmarks/inner_compiler.py --cache /tmp/autotp-bench [--dtype bfloat16] [--size small]
+    python benchmarks/inner_compiler.py [--dtype bfloat16] [--size small]
 
 Loads the benchmark checkpoint twice with ``parallelize_model`` (``compile_inner="eager"`` and
 ``"inductor"``, both fused) and alternates the two models call by call: a prefill of 1 x P tokens
@@ -8,8 +8,9 @@ into an empty ``DynamicCache``, then D greedy decode steps, each step timed, ``-
 Interleaving in one process puts both under the same machine load at the same moment, which a
 shared machine needs (launch-level alternation, ``benchmarks/generation.py``, drifts with the other
 jobs' load). The first repetition's prefill and the first 4 decode steps are warm-up (compiles).
-Writes JSON: medians, the ratios inductor/eager, whether the greedy tokens agree, and the machine
-load around the run. Measures compute only (no collectives: tp=1).
+Writes JSON: medians with min, max and spread, the ratios inductor/eager, whether the greedy tokens
+agree, and the run's provenance (``benchmarks/_record.py``: commit, command, versions, machine, load
+averages). Measures compute only (no collectives: tp=1).
 """
 
 from __future__ import annotations
@@ -26,11 +27,15 @@ from typing import Any
 
 sys.path.insert(0, os.fspath(Path(__file__).resolve().parent))
 
+from _record import Provenance, checkpoint_name, stats, write_result  # noqa: E402
+
 COMPILERS = ("eager", "inductor")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "autotp-bench"))
     parser.add_argument("--size", default="150m", choices=("150m", "small"))
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
@@ -40,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="inner_compiler.json")
     args = parser.parse_args(argv)
 
+    provenance = Provenance.start(argv)
     import torch
     from _checkpoint import make_checkpoint
     from transformers import DynamicCache
@@ -49,8 +55,10 @@ def main(argv: list[str] | None = None) -> int:
 
     dtype = getattr(torch, args.dtype)
     folder = make_checkpoint(args.cache, dtype, size=args.size)
-    load_start = os.getloadavg()
-    models = {c: parallelize_model(os.fspath(folder), compile_inner=c, dtype=dtype, progress=False) for c in COMPILERS}
+    models = {
+        c: parallelize_model(os.fspath(folder), compile_inner=c, dtype=dtype, progress=False)
+        for c in COMPILERS
+    }
     vocab = models["eager"].config.vocab_size
     keyword = cache_keyword(type(models["eager"]).forward)  # "cache" from transformers 5.24
     P = args.prefill
@@ -71,25 +79,43 @@ def main(argv: list[str] | None = None) -> int:
                 for c, m in models.items():
                     cache, token = state[c]
                     start = time.perf_counter()
-                    out = m(input_ids=token, use_cache=True, position_ids=torch.tensor([[P + i]]),
-                            **{keyword: cache})
+                    out = m(
+                        input_ids=token,
+                        use_cache=True,
+                        position_ids=torch.tensor([[P + i]]),
+                        **{keyword: cache},
+                    )
                     if rep > 0 or i >= 4:
                         decode[c].append(time.perf_counter() - start)
                     state[c] = (returned_cache(out), out.logits[:, -1:].argmax(-1))
                     if rep == args.reps - 1:
                         tokens[c].append(int(state[c][1]))
-    summary = {c: {"prefill_ms": 1000 * statistics.median(prefill[c]) if prefill[c] else None,
-                   "decode_ms_per_token": 1000 * statistics.median(decode[c]),
-                   "samples": {"prefill": len(prefill[c]), "decode_steps": len(decode[c])}} for c in COMPILERS}
-    report = {
-        "checkpoint": os.fspath(folder), "size": args.size, "dtype": args.dtype, "tp": 1, "prefill": P,
-        "threads": torch.get_num_threads(), "compilers": summary,
-        "ratios": {f"inductor/eager:{k}": summary["inductor"][k] / summary["eager"][k]
-                   for k in ("prefill_ms", "decode_ms_per_token") if summary["eager"][k]},
-        "same_greedy_tokens": tokens["eager"] == tokens["inductor"],
-        "load_average": {"start": load_start, "end": os.getloadavg()},
+    summary = {
+        c: {
+            "prefill_ms": 1000 * statistics.median(prefill[c]) if prefill[c] else None,
+            "decode_ms_per_token": 1000 * statistics.median(decode[c]),
+            "prefill_ms_stats": stats([1000 * t for t in prefill[c]]) if prefill[c] else None,
+            "decode_ms_per_token_stats": stats([1000 * t for t in decode[c]]),
+            "samples": {"prefill": len(prefill[c]), "decode_steps": len(decode[c])},
+        }
+        for c in COMPILERS
     }
-    Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    report = {
+        "checkpoint": checkpoint_name(folder),
+        "size": args.size,
+        "dtype": args.dtype,
+        "tp": 1,
+        "prefill": P,
+        "threads": torch.get_num_threads(),
+        "compilers": summary,
+        "ratios": {
+            f"inductor/eager:{k}": summary["inductor"][k] / summary["eager"][k]
+            for k in ("prefill_ms", "decode_ms_per_token")
+            if summary["eager"][k]
+        },
+        "same_greedy_tokens": tokens["eager"] == tokens["inductor"],
+    }
+    report = write_result(args.out, report, provenance)
     print(json.dumps(report, indent=1))
     return 0
 

@@ -7,17 +7,18 @@ checkpoint (``benchmarks/_checkpoint.py``: ~154M-parameter Llama, fp32, seeded),
 (torch's elastic launcher, ``python -m torch.distributed.run --standalone``), CPU + gloo, one
 thread per rank.
 
-Each rank reads ``/proc/self/status`` (``VmHWM`` = peak resident set, which counts every
-touched page of a file mapping as well as anonymous memory; ``ru_maxrss`` is recorded as a cross
-check) at three points: after importing torch + transformers + autotp (the *baseline*, the same
-imports in both modes), after loading, and after one forward of 8 tokens. Reported per rank:
+Each rank reads its memory (``benchmarks/_record.py``: ``memory``; ``peak_rss`` = ``VmHWM``, the
+peak resident set, which counts every touched page of a file mapping as well as anonymous memory;
+``ru_maxrss`` is recorded as a cross check) at three points: after importing torch + transformers
+(the *baseline*, the same imports in both modes), after loading, and after one forward of 8
+tokens. Nothing else runs in a rank: the transformers ranks never import autotp or warm
+torch.compile, and autotp's import and its torch.compile stack count as autotp's cost. Reported
+per rank:
 
 * ``peak_bytes``: raw peak RSS of the process;
 * ``peak_minus_baseline``: peak RSS minus the RSS right after the imports, i.e. what loading and
   the forward added;
 * ``ratio_raw`` / ``ratio_above_baseline``: those divided by the checkpoint's tensor bytes;
-* ``ratio_above_compile_baseline``: the same above a second baseline taken after warming
-  ``torch.compile``'s stack on a trivial function (in both modes), a fixed cost of compiling;
 * autotp only, ``reads_ratio``: RSS after its last checkpoint read minus RSS before its first one
   (the reads happen inside the warm-up's compilation, after tracing and solving), divided by the
   checkpoint bytes: what loading the shards itself costs.
@@ -38,20 +39,17 @@ appended: a least-squares line through (checkpoint bytes, the worst rank's ``pea
 ``fixed_bytes`` + ``slope`` x checkpoint bytes, with ``max_abs_residual_bytes``, the per-size
 ``ratios_above_baseline``, and ``checkpoint_bytes_to_meet_0.55`` = fixed / (0.55 - slope), the size
 from which the ratio stays <= 0.55 (null when the slope is >= 0.55: no size does);
-``above_compile_baseline`` repeats the fit above the RSS after the compile warm-up. Measured at tp=2
-(``benchmarks/results/load_memory_tp2_fp32_sizes.json``): autotp fixed 263 MB, slope 0.500
-(ratios 0.93 / 0.72 / 0.61 / 0.53), meets 0.55 from a ~5.3 GB checkpoint; transformers fixed 91 MB,
-slope 0.81 (ratios 1.00 / 0.88 / 0.83 / 0.82), never. (Its fixed part varies by ~50 MB between
-runs; ~102 MB of each library's is the compile warm-up this script runs in both modes.)
+the figures are in ``docs/benchmarks.md``.
 
     python benchmarks/load_memory.py [--cache DIR] [--tp 2] [--out FILE.jsonl] [--which autotp,transformers]
                                      [--sizes 150m[,300m,600m,2b]]
 
 Output: one JSON line per (library, rank) and one summary line per library, to stdout and
 ``--out`` (appended; an ``--out`` ending in ``.json`` gets one JSON document with all the lines
-instead, as in ``benchmarks/results/load_memory_tp2_fp32.json``). Each rank's line carries
-``phases``: how much the peak RSS grew in each phase (imports, the compile stack, tracing and
-solving, the reads, the rest of the warm-up, the forward). With more than one size, every line also
+and the run's provenance instead, as in ``benchmarks/results/load_memory_tp2_fp32.json``). Each
+rank's line carries ``phases``: how much the peak RSS grew in each phase (imports; for autotp its
+own import, tracing and solving, the reads, the rest of the warm-up; for transformers the load;
+the forward). With more than one size, every line also
 carries ``size``, each summary the launch's ``wall_s``, the fit lines come last, and the JSON
 document names ``checkpoints`` (size -> folder) instead of ``checkpoint``; one size (the default,
 150m) gives the output as before.
@@ -63,7 +61,6 @@ import argparse
 import json
 import os
 import resource
-import subprocess
 import sys
 import tempfile
 import time
@@ -71,17 +68,11 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, os.fspath(HERE))
+
+from _record import Provenance, checkpoint_name, launch, memory, write_result  # noqa: E402
+
 DEFAULT_CACHE = Path(os.environ.get("AUTOTP_BENCH_CACHE", Path.home() / ".cache" / "autotp-bench"))
-
-
-def _status() -> dict[str, int]:
-    """VmRSS / VmHWM / RssAnon / RssFile of this process, in bytes."""
-    out: dict[str, int] = {}
-    for line in Path("/proc/self/status").read_text().splitlines():
-        key, _, value = line.partition(":")
-        if key in ("VmRSS", "VmHWM", "RssAnon", "RssFile", "RssShmem"):
-            out[key] = int(value.split()[0]) * 1024
-    return out
 
 
 def _rank(library: str, folder: str, result_dir: str) -> None:
@@ -91,16 +82,12 @@ def _rank(library: str, folder: str, result_dir: str) -> None:
     import torch.distributed as dist
     import transformers
 
-    import autotp  # noqa: F401 - the same imports in both modes, so the baseline is comparable
-
     transformers.logging.set_verbosity_error()
     torch.set_num_threads(1)
-    baseline = _status()
-    # torch.compile's own stack (dynamo, sympy, fx; ~0.1 GB) is a fixed cost autotp pays and
-    # transformers does not: warm it on a trivial function, in both modes, and record the RSS after
-    # it as a second baseline.
-    torch.compile(lambda x: torch.relu(x) + 1, backend="eager")(torch.ones(2))
-    baseline_compile = _status()
+    baseline = memory()  # torch + transformers imported, the same in both modes
+    if library == "autotp":
+        import autotp  # noqa: F401 - autotp's import is autotp's cost
+    imported = memory()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     start = time.perf_counter()
@@ -113,9 +100,9 @@ def _rank(library: str, folder: str, result_dir: str) -> None:
 
         def observed_read(self: Any, *args: Any, **kwargs: Any) -> Any:
             # RSS before the first slice read and after the latest one: what the reads themselves add
-            reads.setdefault("before_first_read", _status())
+            reads.setdefault("before_first_read", memory())
             out = real_read(self, *args, **kwargs)
-            reads["after_last_read"] = _status()
+            reads["after_last_read"] = memory()
             return out
 
         autotp.weights.Checkpoint.read_slice = observed_read
@@ -124,18 +111,18 @@ def _rank(library: str, folder: str, result_dir: str) -> None:
         model = transformers.AutoModelForCausalLM.from_pretrained(folder, tp_plan="auto", dtype=torch.float32)
         model.eval()
     loaded_at = time.perf_counter()
-    after_load = _status()
+    after_load = memory()
     ids = torch.arange(1, 9).unsqueeze(0)  # (1, 8)
     with torch.no_grad():
         logits = model(input_ids=ids).logits
-    after_forward = _status()
+    after_forward = memory()
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     record = {
         "library": library,
         "rank": rank,
         "world_size": world,
         "baseline": baseline,
-        "baseline_compile": baseline_compile,
+        "imported": imported,
         "reads": reads,
         "after_load": after_load,
         "after_forward": after_forward,
@@ -153,31 +140,35 @@ def _rank(library: str, folder: str, result_dir: str) -> None:
 
 def _launch(library: str, folder: Path, tp: int, result_dir: Path) -> list[dict[str, Any]]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CI": os.environ.get("CI", "1")}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={tp}",
-           os.fspath(Path(__file__).resolve()), "--rank", library, os.fspath(folder), os.fspath(result_dir)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{library}: ranks failed (exit {proc.returncode}):\n{proc.stdout[-4000:]}\n"
-                           f"{proc.stderr[-8000:]}")
+    worker = [
+        os.fspath(Path(__file__).resolve()),
+        "--rank",
+        library,
+        os.fspath(folder),
+        os.fspath(result_dir),
+    ]
+    launch(tp, worker, env=env, label=library)
     return [json.loads((result_dir / f"{library}-rank{r}.json").read_text()) for r in range(tp)]
 
 
 def _phases(rec: dict[str, Any], ckpt_bytes: int) -> dict[str, dict[str, float]]:
     """Per phase, how much the peak RSS (``VmHWM``) grew during it, in MB and as a fraction of the
-    checkpoint: ``imports`` (python + torch + transformers + autotp), ``compile_stack`` (warming
-    torch.compile on a trivial function), then for autotp ``trace_solve`` (process group, meta
-    model, Dynamo tracing, decomposition and solving of the warm-up graph: everything before the
-    first checkpoint read), ``reads`` (first to last slice read), ``warmup_rest`` (the rest of
+    checkpoint: ``imports`` (python + torch + transformers), then for autotp ``autotp_import``,
+    ``trace_solve`` (process group, meta model, torch.compile's stack, Dynamo tracing,
+    decomposition and solving of the warm-up graph: everything before the first checkpoint read), ``reads`` (first to last slice read), ``warmup_rest`` (the rest of
     ``parallelize_model``: rewriting, the warm-up's run); for transformers ``load``; then
     ``forward`` (the 8-token forward; for autotp it reuses the warm-up's dynamic-length graph)."""
-    marks = [("imports", rec["baseline"]["VmHWM"]), ("compile_stack", rec["baseline_compile"]["VmHWM"])]
+    marks = [("imports", rec["baseline"]["peak_rss"])]
     if rec.get("reads"):
-        marks += [("trace_solve", rec["reads"]["before_first_read"]["VmHWM"]),
-                  ("reads", rec["reads"]["after_last_read"]["VmHWM"]),
-                  ("warmup_rest", rec["after_load"]["VmHWM"])]
+        marks += [
+            ("autotp_import", rec["imported"]["peak_rss"]),
+            ("trace_solve", rec["reads"]["before_first_read"]["peak_rss"]),
+            ("reads", rec["reads"]["after_last_read"]["peak_rss"]),
+            ("warmup_rest", rec["after_load"]["peak_rss"]),
+        ]
     else:
-        marks.append(("load", rec["after_load"]["VmHWM"]))
-    marks.append(("forward", rec["after_forward"]["VmHWM"]))
+        marks.append(("load", rec["after_load"]["peak_rss"]))
+    marks.append(("forward", rec["after_forward"]["peak_rss"]))
     out, last = {}, 0
     for name, hwm in marks:
         grew = hwm - last
@@ -189,38 +180,55 @@ def _phases(rec: dict[str, Any], ckpt_bytes: int) -> dict[str, dict[str, float]]
 def _summarize(records: list[dict[str, Any]], ckpt_bytes: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     lines = []
     for rec in records:
-        peak = rec["after_forward"]["VmHWM"]
-        base = rec["baseline"]["VmRSS"]
-        lines.append({
-            "library": rec["library"], "rank": rec["rank"], "tp": rec["world_size"],
-            "checkpoint_bytes": ckpt_bytes,
-            "baseline_rss_bytes": base,
-            "peak_after_load_bytes": rec["after_load"]["VmHWM"],
-            "peak_bytes": peak,
-            "peak_minus_baseline": peak - base,
-            "ratio_raw": round(peak / ckpt_bytes, 3),
-            "ratio_above_baseline": round((peak - base) / ckpt_bytes, 3),
-            "baseline_with_compile_stack_bytes": rec["baseline_compile"]["VmRSS"],
-            "ratio_above_compile_baseline": round((peak - rec["baseline_compile"]["VmRSS"]) / ckpt_bytes, 3),
-            **({"rss_before_first_read": rec["reads"]["before_first_read"]["VmRSS"],
-                "rss_after_last_read": rec["reads"]["after_last_read"]["VmRSS"],
-                "reads_ratio": round((rec["reads"]["after_last_read"]["VmRSS"]
-                                      - rec["reads"]["before_first_read"]["VmRSS"]) / ckpt_bytes, 3)}
-               if rec.get("reads") else {}),
-            "rss_file_after_forward": rec["after_forward"]["RssFile"],
-            "rss_anon_after_forward": rec["after_forward"]["RssAnon"],
-            "ru_maxrss_bytes": rec["ru_maxrss_bytes"],
-            "phases": _phases(rec, ckpt_bytes),
-            "param_bytes": rec["param_bytes"],
-            "load_s": round(rec["load_s"], 2), "forward_s": round(rec["forward_s"], 2),
-            "logits_checksum": rec["logits_checksum"],
-        })
+        peak = rec["after_forward"]["peak_rss"]
+        base = rec["baseline"]["rss"]
+        lines.append(
+            {
+                "library": rec["library"],
+                "rank": rec["rank"],
+                "tp": rec["world_size"],
+                "checkpoint_bytes": ckpt_bytes,
+                "baseline_rss_bytes": base,
+                "peak_after_load_bytes": rec["after_load"]["peak_rss"],
+                "peak_bytes": peak,
+                "peak_minus_baseline": peak - base,
+                "ratio_raw": round(peak / ckpt_bytes, 3),
+                "ratio_above_baseline": round((peak - base) / ckpt_bytes, 3),
+                **(
+                    {
+                        "rss_before_first_read": rec["reads"]["before_first_read"]["rss"],
+                        "rss_after_last_read": rec["reads"]["after_last_read"]["rss"],
+                        "reads_ratio": round(
+                            (
+                                rec["reads"]["after_last_read"]["rss"]
+                                - rec["reads"]["before_first_read"]["rss"]
+                            )
+                            / ckpt_bytes,
+                            3,
+                        ),
+                    }
+                    if rec.get("reads")
+                    else {}
+                ),
+                "rss_file_after_forward": rec["after_forward"]["rss_file"],
+                "rss_anon_after_forward": rec["after_forward"]["rss_anon"],
+                "anonymous_after_forward": rec["after_forward"]["anonymous"],
+                "ru_maxrss_bytes": rec["ru_maxrss_bytes"],
+                "phases": _phases(rec, ckpt_bytes),
+                "param_bytes": rec["param_bytes"],
+                "load_s": round(rec["load_s"], 2),
+                "forward_s": round(rec["forward_s"], 2),
+                "logits_checksum": rec["logits_checksum"],
+            }
+        )
     worst = max(lines, key=lambda x: x["peak_minus_baseline"])
     summary = {
-        "library": worst["library"], "tp": worst["tp"], "summary": True, "checkpoint_bytes": ckpt_bytes,
+        "library": worst["library"],
+        "tp": worst["tp"],
+        "summary": True,
+        "checkpoint_bytes": ckpt_bytes,
         "max_ratio_raw": max(x["ratio_raw"] for x in lines),
         "max_ratio_above_baseline": worst["ratio_above_baseline"],
-        "max_ratio_above_compile_baseline": max(x["ratio_above_compile_baseline"] for x in lines),
         "criterion": "ratio_above_baseline <= 0.55",
         "meets_criterion": worst["ratio_above_baseline"] <= 0.55,
     }
@@ -243,44 +251,51 @@ def _meet(fixed: float, slope: float, bar: float = 0.55) -> int | None:
 def _fit(library: str, tp: int, summaries: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """Least-squares line through (checkpoint bytes, worst rank's peak RSS above the import baseline)
     over the sizes that ran: ``fixed_bytes`` + ``slope`` x checkpoint bytes, and the checkpoint size
-    from which the ratio stays <= 0.55 (``fixed / (0.55 - slope)``; None when the slope is >= 0.55).
-    ``above_compile_baseline``: the same fit above the RSS after warming torch.compile's stack."""
+    from which the ratio stays <= 0.55 (``fixed / (0.55 - slope)``; None when the slope is >= 0.55)."""
     xs = [float(summaries[s]["checkpoint_bytes"]) for s in summaries]
-    fixed, slope, residual = _line_fit(xs, [float(summaries[s]["max_peak_minus_baseline"]) for s in summaries])
-    cfixed, cslope, cresidual = _line_fit(
-        xs, [float(summaries[s]["max_peak_minus_compile_baseline"]) for s in summaries])
+    fixed, slope, residual = _line_fit(
+        xs, [float(summaries[s]["max_peak_minus_baseline"]) for s in summaries]
+    )
     return {
-        "library": library, "tp": tp, "fit": True,
+        "library": library,
+        "tp": tp,
+        "fit": True,
         "model": "max over ranks of peak_minus_baseline = fixed_bytes + slope x checkpoint_bytes",
-        "fixed_bytes": round(fixed), "slope": round(slope, 4), "ideal_slope": round(1 / tp, 4),
+        "fixed_bytes": round(fixed),
+        "slope": round(slope, 4),
+        "ideal_slope": round(1 / tp, 4),
         "sizes": list(summaries),
         "checkpoint_bytes": {s: summaries[s]["checkpoint_bytes"] for s in summaries},
         "peak_minus_baseline": {s: summaries[s]["max_peak_minus_baseline"] for s in summaries},
         "ratios_above_baseline": {s: summaries[s]["max_ratio_above_baseline"] for s in summaries},
         "max_abs_residual_bytes": round(residual),
         "checkpoint_bytes_to_meet_0.55": _meet(fixed, slope),
-        "above_compile_baseline": {
-            "fixed_bytes": round(cfixed), "slope": round(cslope, 4), "max_abs_residual_bytes": round(cresidual),
-            "checkpoint_bytes_to_meet_0.55": _meet(cfixed, cslope)},
     }
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--cache", type=Path, default=DEFAULT_CACHE, help="where the checkpoint is written once")
+    parser.add_argument(
+        "--cache", type=Path, default=DEFAULT_CACHE, help="where the checkpoint is written once"
+    )
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--out", type=Path, default=None, help="append the JSON lines here too")
     parser.add_argument("--which", default="autotp,transformers")
-    parser.add_argument("--sizes", default="150m",
-                        help="comma-separated checkpoint sizes (keys of _checkpoint.SIZES, e.g. 150m,300m,600m); "
-                             "with more than one, a fixed + slope x bytes fit per library is appended")
-    parser.add_argument("--rank", nargs=3, metavar=("LIBRARY", "FOLDER", "RESULT_DIR"), help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--sizes",
+        default="150m",
+        help="comma-separated checkpoint sizes (keys of _checkpoint.SIZES, e.g. 150m,300m,600m); "
+        "with more than one, a fixed + slope x bytes fit per library is appended",
+    )
+    parser.add_argument(
+        "--rank", nargs=3, metavar=("LIBRARY", "FOLDER", "RESULT_DIR"), help=argparse.SUPPRESS
+    )
     args = parser.parse_args(argv)
     if args.rank:
         _rank(*args.rank)
         return 0
 
-    sys.path.insert(0, os.fspath(HERE))
+    provenance = Provenance.start(argv)
     import torch
     from _checkpoint import SIZES, checkpoint_bytes, make_checkpoint
 
@@ -307,9 +322,9 @@ def main(argv: list[str] | None = None) -> int:
                         line["size"] = size
                     summary["wall_s"] = round(time.perf_counter() - started, 1)
                 summaries[library][size] = {
-                    **summary, "max_peak_minus_baseline": max(x["peak_minus_baseline"] for x in lines),
-                    "max_peak_minus_compile_baseline": max(x["peak_bytes"] - x["baseline_with_compile_stack_bytes"]
-                                                           for x in lines)}
+                    **summary,
+                    "max_peak_minus_baseline": max(x["peak_minus_baseline"] for x in lines),
+                }
                 for line in [*lines, summary]:
                     print(json.dumps(line), flush=True)
                     out_lines.append(line)
@@ -319,10 +334,12 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(line), flush=True)
             out_lines.append(line)
     if args.out and args.out.suffix == ".json":  # one document (benchmarks/results/)
-        where = ({"checkpoints": {size: os.fspath(folder) for size, folder in folders.items()}} if several
-                 else {"checkpoint": os.fspath(folders[sizes[0]])})
-        args.out.write_text(json.dumps({**where, "tp": args.tp, "dtype": "float32",
-                                        "cores": os.cpu_count(), "lines": out_lines}, indent=1) + "\n")
+        where = (
+            {"checkpoints": {size: checkpoint_name(folder) for size, folder in folders.items()}}
+            if several
+            else {"checkpoint": checkpoint_name(folders[sizes[0]])}
+        )
+        write_result(args.out, {**where, "tp": args.tp, "dtype": "float32", "lines": out_lines}, provenance)
     elif args.out:
         with open(args.out, "a") as f:
             for line in out_lines:

@@ -27,23 +27,53 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, os.fspath(Path(__file__).resolve().parent))
+
+from _record import Provenance, pyplot, write_result  # noqa: E402
+
 SHAPES: dict[str, dict[str, Any]] = {
-    "llama3-8b": dict(cls="LlamaConfig", arch="LlamaForCausalLM", hidden_size=4096, intermediate_size=14336,
-                      num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
-                      max_position_embeddings=8192, rope_theta=500000.0, num_hidden_layers=32),
-    "llama3-70b": dict(cls="LlamaConfig", arch="LlamaForCausalLM", hidden_size=8192, intermediate_size=28672,
-                       num_attention_heads=64, num_key_value_heads=8, vocab_size=128256,
-                       max_position_embeddings=8192, rope_theta=500000.0, num_hidden_layers=80),
-    "mixtral-8x7b": dict(cls="MixtralConfig", arch="MixtralForCausalLM", hidden_size=4096,
-                         intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8, vocab_size=32000,
-                         num_local_experts=8, num_experts_per_tok=2, num_hidden_layers=32),
+    "llama3-8b": dict(
+        cls="LlamaConfig",
+        arch="LlamaForCausalLM",
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        max_position_embeddings=8192,
+        rope_theta=500000.0,
+        num_hidden_layers=32,
+    ),
+    "llama3-70b": dict(
+        cls="LlamaConfig",
+        arch="LlamaForCausalLM",
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        max_position_embeddings=8192,
+        rope_theta=500000.0,
+        num_hidden_layers=80,
+    ),
+    "mixtral-8x7b": dict(
+        cls="MixtralConfig",
+        arch="MixtralForCausalLM",
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=32000,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        num_hidden_layers=32,
+    ),
 }
 
 
@@ -68,19 +98,28 @@ def child(shape: str, layers: int | None, tp: int, decode: bool) -> dict[str, An
     config = make_config(shape, layers)
     report = plan_model(config, tp, decode=decode)
     return {
-        "shape": shape, "layers": config.num_hidden_layers, "tp": tp, "decode": decode,
-        "timings": report.timings, "import_s": import_s,
-        "process_wall_s": time.perf_counter() - wall0, "process_cpu_s": time.process_time() - cpu0,
+        "shape": shape,
+        "layers": config.num_hidden_layers,
+        "tp": tp,
+        "decode": decode,
+        "timings": report.timings,
+        "import_s": import_s,
+        "process_wall_s": time.perf_counter() - wall0,
+        "process_cpu_s": time.process_time() - cpu0,
         "collectives": report.collectives,
         "collectives_per_token": report.decode.collectives if report.decode else None,
         "decode_note": report.decode_note,
-        "block_collectives": sorted({json.dumps(v, sort_keys=True) for v in report.block_collectives().values()}),
+        "block_collectives": sorted(
+            {json.dumps(v, sort_keys=True) for v in report.block_collectives().values()}
+        ),
         "param_bytes_per_rank": report.param_bytes_per_rank,
     }
 
 
 def run_point(shape: str, layers: int | None, tp: int, decode: bool, timeout: float) -> dict[str, Any]:
-    cmd = [sys.executable, __file__, "--child", shape, str(layers or 0), "--tp", str(tp)] + (["--decode"] if decode else [])
+    cmd = [sys.executable, __file__, "--child", shape, str(layers or 0), "--tp", str(tp)] + (
+        ["--decode"] if decode else []
+    )
     start = time.perf_counter()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
@@ -97,14 +136,12 @@ def run_point(shape: str, layers: int | None, tp: int, decode: bool, timeout: fl
 
 
 def plot(points: list[dict[str, Any]], path: Path) -> str:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "matplotlib is not installed: no PNG written (pip install matplotlib to get one)"
-    ok = sorted((p for p in points if "error" not in p and p["shape"] == "llama3-8b"), key=lambda p: p["layers"])
+    plt = pyplot()
+    if plt is None:
+        return "no PNG written"
+    ok = sorted(
+        (p for p in points if "error" not in p and p["shape"] == "llama3-8b"), key=lambda p: p["layers"]
+    )
     if not ok:
         return "no successful point to plot"
     xs = [p["layers"] for p in ok]
@@ -127,9 +164,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, nargs="+", default=[8, 16, 32, 80])
     parser.add_argument("--tp", type=int, default=8)
-    parser.add_argument("--decode", action="store_true", help="also plan a decode step (two graphs per point)")
-    parser.add_argument("--extra", nargs="*", default=[], choices=[s for s in SHAPES if s != "llama3-8b"],
-                        help="also plan these full-size shapes")
+    parser.add_argument(
+        "--decode", action="store_true", help="also plan a decode step (two graphs per point)"
+    )
+    parser.add_argument(
+        "--extra",
+        nargs="*",
+        default=[],
+        choices=[s for s in SHAPES if s != "llama3-8b"],
+        help="also plan these full-size shapes",
+    )
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per point")
     parser.add_argument("--child", nargs=2, metavar=("SHAPE", "LAYERS"), help=argparse.SUPPRESS)
@@ -139,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(child(shape, layers, args.tp, args.decode)), flush=True)
         return 0
 
+    provenance = Provenance.start(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     points = []
@@ -147,10 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         point = run_point(shape, layers, args.tp, args.decode, args.timeout)
         print(json.dumps(point), flush=True)
         points.append(point)
-    machine = {"python": platform.python_version(), "platform": platform.platform(), "cpus": os.cpu_count(),
-               "load_average_at_end": os.getloadavg() if hasattr(os, "getloadavg") else None}
-    (out / "solver_scaling.json").write_text(json.dumps({"machine": machine, "points": points}, indent=1) + "\n")
-    print(f"results written to {out / 'solver_scaling.json'}")
+    write_result(out / "solver_scaling.json", {"tp": args.tp, "points": points}, provenance)
     print(plot(points, out / "solver_scaling.png"))
     return 0 if all("error" not in p for p in points) else 1
 

@@ -1,7 +1,7 @@
 """The whole job as a user waits for it: start the process, import, load, greedily generate 16 new
 tokens from a 16-token prompt, exit.
 
-    python benchmarks/startup.py --cache /tmp/autotp-bench --tp 2 --rounds 3 \\
+    python benchmarks/startup.py --tp 2 --rounds 3 \\
         --out benchmarks/results/startup_tp2_fp32.json [--png startup.png]
     python benchmarks/startup.py --size small --rounds 1   # smoke run of the script
 
@@ -22,8 +22,8 @@ Launches alternate ``autotp_cold autotp_warm transformers_tp one_process`` for `
 all engines alike. Reported per engine: every wall time, the median, min, max and spread (max -
 min), and rank 0's own phases (``import_s``: torch + transformers + autotp; ``load_s``;
 ``generate_s``), plus ratios of medians against ``transformers_tp`` and ``one_process``, whether
-all engines produced the same tokens, the commit, the machine's load averages at the start and the
-end, and the versions. Each rank uses ``cores // ranks`` threads unless ``OMP_NUM_THREADS`` is set.
+all engines produced the same tokens, each engine's peak RSS and anonymous memory, and the run's
+provenance (``benchmarks/_record.py``: commit, date, command, versions, machine, load averages). Each rank uses ``cores // ranks`` threads unless ``OMP_NUM_THREADS`` is set.
 """
 
 from __future__ import annotations
@@ -31,9 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -41,6 +38,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, os.fspath(Path(__file__).resolve().parent))
+
+from _record import Provenance, checkpoint_name, launch, memory, pyplot, stats, write_result  # noqa: E402
 
 ENGINES = ("autotp_cold", "autotp_warm", "transformers_tp", "one_process")
 PROMPT_TOKENS = 16
@@ -77,13 +76,21 @@ def _worker(engine: str, folder: str, result: str, dtype_name: str) -> None:
     ids = (torch.arange(PROMPT_TOKENS) * 7919 % (vocab - 1) + 1).unsqueeze(0)  # (1, 16), deterministic
     t = time.perf_counter()
     with torch.no_grad():
-        out = model.generate(ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
-                             pad_token_id=0)
+        out = model.generate(
+            ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0
+        )
     generate_s = time.perf_counter() - t
     if rank == 0:
-        report: dict[str, Any] = {"engine": engine, "world_size": world, "threads": torch.get_num_threads(),
-                                  "import_s": import_s, "load_s": load_s, "generate_s": generate_s,
-                                  "tokens": out[0, PROMPT_TOKENS:].tolist()}
+        report: dict[str, Any] = {
+            "engine": engine,
+            "world_size": world,
+            "threads": torch.get_num_threads(),
+            "import_s": import_s,
+            "load_s": load_s,
+            "generate_s": generate_s,
+            "tokens": out[0, PROMPT_TOKENS:].tolist(),
+            "memory": memory(),
+        }
         if engine.startswith("autotp"):
             report["graphs_compiled"] = model.autotp.context.graphs_compiled
             report["plan_cache"] = [o.as_dict() for o in model.autotp.context.plan_cache.outcomes]
@@ -92,35 +99,37 @@ def _worker(engine: str, folder: str, result: str, dtype_name: str) -> None:
         dist.destroy_process_group()
 
 
-def _launch(engine: str, folder: Path, args: argparse.Namespace, result: Path, cache_dir: Path) -> dict[str, Any]:
+def _launch(
+    engine: str, folder: Path, args: argparse.Namespace, result: Path, cache_dir: Path
+) -> dict[str, Any]:
     ranks = 1 if engine == "one_process" else args.tp
     env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", str(max((os.cpu_count() or 1) // ranks, 1)))
     env["AUTOTP_CACHE_DIR"] = os.fspath(cache_dir)
     env.pop("AUTOTP_CACHE", None)
-    worker = [os.fspath(Path(__file__).resolve()), "--worker", engine, os.fspath(folder), os.fspath(result), args.dtype]
-    if engine == "one_process":
-        cmd = [sys.executable, *worker]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", *worker]
-    start = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    wall_s = time.perf_counter() - start
-    if proc.returncode != 0:
-        raise RuntimeError(f"{engine}: exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    worker = [
+        os.fspath(Path(__file__).resolve()),
+        "--worker",
+        engine,
+        os.fspath(folder),
+        os.fspath(result),
+        args.dtype,
+    ]
+    wall_s = launch(ranks, worker, env=env, label=engine)
     return {**json.loads(result.read_text()), "wall_s": wall_s}
 
 
-def _stats(values: list[float]) -> dict[str, Any]:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values),
-            "spread": max(values) - min(values), "all": values}
-
-
 def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    out = {"wall_s": _stats([r["wall_s"] for r in runs]), "threads_per_rank": runs[0]["threads"],
-           "tokens": runs[0]["tokens"]}
+    out = {
+        "wall_s": stats([r["wall_s"] for r in runs]),
+        "threads_per_rank": runs[0]["threads"],
+        "tokens": runs[0]["tokens"],
+    }
     for phase in ("import_s", "load_s", "generate_s"):
-        out[phase] = _stats([r[phase] for r in runs])
+        out[phase] = stats([r[phase] for r in runs])
+    memories = [r["memory"] for r in runs if r.get("memory", {}).get("peak_rss")]
+    if memories:
+        out["peak_rss_bytes"] = max(m["peak_rss"] for m in memories)
+        out["rss_anon_bytes"] = max(m["rss_anon"] for m in memories)
     if "plan_cache" in runs[0]:
         out["graphs_compiled"] = [r["graphs_compiled"] for r in runs]
         out["plan_cache_status"] = [[o["status"] for o in r["plan_cache"]] for r in runs]
@@ -128,64 +137,56 @@ def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def _commit() -> dict[str, Any]:
-    root = Path(__file__).resolve().parent.parent
-
-    def git(*cmd: str) -> str:
-        try:
-            return subprocess.run(["git", *cmd], cwd=root, capture_output=True, text=True, check=True).stdout.strip()
-        except (OSError, subprocess.CalledProcessError):
-            return ""
-
-    return {"commit": git("rev-parse", "HEAD") or None, "dirty": bool(git("status", "--porcelain", "--", "autotp"))}
-
-
-def _versions() -> dict[str, Any]:
-    from importlib import metadata
-
-    import torch
-    import transformers
-
-    return {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
-            "autotp": metadata.version("autotp")}
-
-
 def _plot(report: dict[str, Any], path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no PNG (pip install matplotlib)")
+    plt = pyplot()
+    if plt is None:
         return
     engines = [e for e in ENGINES if e in report["engines"]]
     medians = [report["engines"][e]["wall_s"]["median"] for e in engines]
     lows = [m - report["engines"][e]["wall_s"]["min"] for e, m in zip(engines, medians, strict=True)]
     highs = [report["engines"][e]["wall_s"]["max"] - m for e, m in zip(engines, medians, strict=True)]
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.bar(engines, medians, yerr=[lows, highs], capsize=4,
-           color=["#3070c0", "#80a8e0", "#d08030", "#999999"][: len(engines)])
+    ax.bar(
+        engines,
+        medians,
+        yerr=[lows, highs],
+        capsize=4,
+        color=["#3070c0", "#80a8e0", "#d08030", "#999999"][: len(engines)],
+    )
     for i, v in enumerate(medians):
         ax.text(i, v, f"{v:.1f}", ha="center", va="bottom")
     ax.set_ylabel("process start to exit (s)")
-    load = report["load_average"]
-    ax.set_title(f"{report['size']} tp={report['tp']} {report['dtype']}: {PROMPT_TOKENS}+{NEW_TOKENS} tokens, "
-                 f"median, min-max (load {load['start'][0]:.1f}-{load['end'][0]:.1f})", fontsize=9)
+    load = report["provenance"]["machine"]["load_average"]
+    ax.set_title(
+        f"{report['size']} tp={report['tp']} {report['dtype']}: {PROMPT_TOKENS}+{NEW_TOKENS} tokens, "
+        f"median, min-max (load {load['start'][0]:.1f}-{load['end'][0]:.1f})",
+        fontsize=9,
+    )
     fig.tight_layout()
     fig.savefig(path)
     print(f"wrote {path}")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--worker", nargs=4, metavar=("ENGINE", "FOLDER", "RESULT", "DTYPE"), help=argparse.SUPPRESS)
-    parser.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "autotp-bench"),
-                        help="folder for the benchmark checkpoint (written once)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--worker", nargs=4, metavar=("ENGINE", "FOLDER", "RESULT", "DTYPE"), help=argparse.SUPPRESS
+    )
+    parser.add_argument(
+        "--cache",
+        default=os.path.join(tempfile.gettempdir(), "autotp-bench"),
+        help="folder for the benchmark checkpoint (written once)",
+    )
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-    parser.add_argument("--size", default="150m", choices=("150m", "300m", "small"),
-                        help="benchmark checkpoint size (small: a smoke run of the script)")
+    parser.add_argument(
+        "--size",
+        default="150m",
+        choices=("150m", "300m", "small"),
+        help="benchmark checkpoint size (small: a smoke run of the script)",
+    )
     parser.add_argument("--rounds", type=int, default=3, help="alternating launches per engine")
     parser.add_argument("--engines", default=",".join(ENGINES))
     parser.add_argument("--out", default="startup.json")
@@ -205,39 +206,53 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown engines {unknown}; choose from {list(ENGINES)}")
     if "autotp_warm" in engines and "autotp_cold" not in engines:
         parser.error("autotp_warm reads the cache its round's autotp_cold launch leaves: run both")
+    provenance = Provenance.start(argv)
     folder = make_checkpoint(args.cache, getattr(torch, args.dtype), size=args.size)
     runs: dict[str, list[dict[str, Any]]] = {e: [] for e in engines}
-    load_start = os.getloadavg()
-    started = time.time()
     with tempfile.TemporaryDirectory(prefix="autotp-startup-") as tmp:
         for round_ in range(args.rounds):
             plans = Path(tmp) / f"plans-{round_}"  # empty for this round's cold launch
             for engine in engines:
                 t = time.perf_counter()
-                runs[engine].append(_launch(engine, folder, args, Path(tmp) / f"{engine}-{round_}.json", plans))
+                runs[engine].append(
+                    _launch(engine, folder, args, Path(tmp) / f"{engine}-{round_}.json", plans)
+                )
                 print(f"round {round_} {engine}: {time.perf_counter() - t:.1f} s", flush=True)
     summary = {e: _summary(r) for e, r in runs.items()}
     report: dict[str, Any] = {
         "what": f"process start to exit: import, load, greedy generate {NEW_TOKENS} tokens from {PROMPT_TOKENS}",
-        "checkpoint": os.fspath(folder), "size": args.size, "tp": args.tp, "dtype": args.dtype,
-        "rounds": args.rounds, **_commit(), "versions": _versions(),
-        "machine": {"cores": os.cpu_count(), "platform": platform.platform(), "processor": platform.machine()},
-        # a shared machine: other jobs' load (1/5/15-minute averages) around the run
-        "load_average": {"start": load_start, "end": os.getloadavg()},
-        "started_unix": started, "engines": summary, "ratios": {},
+        "checkpoint": checkpoint_name(folder),
+        "size": args.size,
+        "tp": args.tp,
+        "dtype": args.dtype,
+        "rounds": args.rounds,
+        "engines": summary,
+        "ratios": {},
     }
     for engine in ("autotp_cold", "autotp_warm"):
         for base in ("transformers_tp", "one_process"):
             if engine in summary and base in summary:
-                report["ratios"][f"{engine}/{base}"] = summary[engine]["wall_s"]["median"] / summary[base]["wall_s"]["median"]
+                report["ratios"][f"{engine}/{base}"] = (
+                    summary[engine]["wall_s"]["median"] / summary[base]["wall_s"]["median"]
+                )
     report["same_greedy_tokens"] = len({tuple(s["tokens"]) for s in summary.values()}) == 1
-    Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    report = write_result(args.out, report, provenance)
     for e, s in summary.items():
         w = s["wall_s"]
-        print(f"{e:>16}: {w['median']:.1f} s median ({w['min']:.1f}-{w['max']:.1f}); import {s['import_s']['median']:.1f}"
-              f" load {s['load_s']['median']:.1f} generate {s['generate_s']['median']:.1f}")
-    print(json.dumps({"ratios": report["ratios"], "same_greedy_tokens": report["same_greedy_tokens"],
-                      "load_average": report["load_average"]}, indent=1))
+        print(
+            f"{e:>16}: {w['median']:.1f} s median ({w['min']:.1f}-{w['max']:.1f}); import {s['import_s']['median']:.1f}"
+            f" load {s['load_s']['median']:.1f} generate {s['generate_s']['median']:.1f}"
+        )
+    print(
+        json.dumps(
+            {
+                "ratios": report["ratios"],
+                "same_greedy_tokens": report["same_greedy_tokens"],
+                "load_average": report["provenance"]["machine"]["load_average"],
+            },
+            indent=1,
+        )
+    )
     if args.png:
         _plot(report, Path(args.png))
     return 0

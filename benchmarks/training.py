@@ -1,6 +1,6 @@
 """Training step speed and memory per rank: forward + backward + AdamW at tp = 1, 2, 4.
 
-    python benchmarks/training.py --cache /tmp/autotp-bench --tp 1,2,4 --batch 1 --seq 128 \\
+    python benchmarks/training.py --tp 1,2,4 --batch 1 --seq 128 \\
         --steps 3 --out training.json
 
 Same checkpoint as the other benchmarks (``benchmarks/_checkpoint.py``: 154M-parameter Llama
@@ -14,8 +14,8 @@ optimizer.zero_grad()`` on a ``batch x seq`` batch with a barrier before each.
 
 Reported per tp: ``tokens_per_s`` (batch * seq / median step time; every rank processes the same
 tokens, so this is the group's throughput), ``step_ms`` (median), and per rank the peak resident
-set (``VmHWM`` from ``/proc/self/status``; on CUDA ``torch.cuda.max_memory_allocated``), the
-resident set after loading, and the bytes of parameters + gradients + AdamW state this rank holds
+set (``VmHWM``, ``benchmarks/_record.py``: ``memory``; on CUDA ``torch.cuda.max_memory_allocated``),
+the anonymous resident memory at the end (``RssAnon``), the resident set after loading, and the bytes of parameters + gradients + AdamW state this rank holds
 (``state_bytes``: ideal 1/N of one process's, plus the replicated norms), and ``activation_bytes``:
 the distinct storages autograd saves for backward during one (untimed) training forward, counted
 with ``autotp.training.saved_activation_bytes``. ``--sequence-parallel`` adds, for every tp > 1,
@@ -30,8 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -40,21 +38,12 @@ from typing import Any
 
 sys.path.insert(0, os.fspath(Path(__file__).resolve().parent))
 
-
-def _memory() -> dict[str, int]:
-    """VmRSS / VmHWM of this process, in bytes (Linux)."""
-    out = {}
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key in ("VmRSS", "VmHWM"):
-                out[key] = int(value.split()[0]) * 1024
-    except OSError:
-        pass
-    return out
+from _record import Provenance, checkpoint_name, launch, memory, stats, write_result  # noqa: E402
 
 
-def _worker(folder: str, batch: int, seq: int, steps: int, result: str, sequence_parallel: bool = False) -> None:
+def _worker(
+    folder: str, batch: int, seq: int, steps: int, result: str, sequence_parallel: bool = False
+) -> None:
     """One launch: load, one warm-up step, ``steps`` timed steps; every rank reports, rank 0 writes."""
     import torch
     import torch.distributed as dist
@@ -69,7 +58,7 @@ def _worker(folder: str, batch: int, seq: int, steps: int, result: str, sequence
     model = parallelize_model(folder, progress=False, sequence_parallel=sequence_parallel)
     load_s = time.perf_counter() - t0
     rank, world = model.autotp.rank, model.autotp.world_size
-    after_load = _memory()
+    after_load = memory()
     device = next(model.parameters()).device
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
@@ -99,13 +88,23 @@ def _worker(folder: str, batch: int, seq: int, steps: int, result: str, sequence
     loss.backward()
     optimizer.zero_grad(set_to_none=False)
     state_bytes = sum(p.numel() * p.element_size() * 2 for p in model.parameters())  # value + grad
-    state_bytes += sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values()
-                       if isinstance(t, torch.Tensor))
+    state_bytes += sum(
+        t.numel() * t.element_size()
+        for s in optimizer.state.values()
+        for t in s.values()
+        if isinstance(t, torch.Tensor)
+    )
     record = {
-        "rank": rank, "step_s": times, "load_s": load_s, "warmup_s": warmup_s,
-        "peak_bytes": (torch.cuda.max_memory_allocated(device) if device.type == "cuda"
-                       else _memory().get("VmHWM")),
-        "rss_after_load_bytes": after_load.get("VmRSS"), "state_bytes": state_bytes,
+        "rank": rank,
+        "step_s": times,
+        "load_s": load_s,
+        "warmup_s": warmup_s,
+        "peak_bytes": (
+            torch.cuda.max_memory_allocated(device) if device.type == "cuda" else memory()["peak_rss"]
+        ),
+        "rss_anon_bytes": memory()["rss_anon"],
+        "rss_after_load_bytes": after_load["rss"],
+        "state_bytes": state_bytes,
         "activation_bytes": activation_bytes,
         "threads": torch.get_num_threads(),
     }
@@ -118,49 +117,81 @@ def _worker(folder: str, batch: int, seq: int, steps: int, result: str, sequence
         dist.destroy_process_group()
 
 
-def _launch(tp: int, folder: Path, args: argparse.Namespace, result: Path, sequence_parallel: bool = False
-            ) -> dict[str, Any]:
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", str(max((os.cpu_count() or 1) // tp, 1)))
-    worker = [os.fspath(Path(__file__).resolve()), "--worker", os.fspath(folder), str(args.batch), str(args.seq),
-              str(args.steps), os.fspath(result), str(int(sequence_parallel))]
-    if tp == 1:
-        cmd = [sys.executable, *worker]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={tp}", *worker]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"tp={tp}: exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+def _launch(
+    tp: int, folder: Path, args: argparse.Namespace, result: Path, sequence_parallel: bool = False
+) -> dict[str, Any]:
+    worker = [
+        os.fspath(Path(__file__).resolve()),
+        "--worker",
+        os.fspath(folder),
+        str(args.batch),
+        str(args.seq),
+        str(args.steps),
+        os.fspath(result),
+        str(int(sequence_parallel)),
+    ]
+    launch(tp, worker, label=f"tp={tp}")
     return json.loads(result.read_text())
 
 
 def _summary(run: dict[str, Any], tokens: int) -> dict[str, Any]:
     ranks = run["ranks"]
-    step = statistics.median(t for r in ranks for t in r["step_s"])
+    step_ms = stats([1000 * t for r in ranks for t in r["step_s"]])
+    step = step_ms["median"] / 1000
     return {
+        "step_ms_stats": {k: v for k, v in step_ms.items() if k != "all"},
         "tokens_per_s": tokens / step,
         "step_ms": 1000 * step,
         "warmup_s": max(r["warmup_s"] for r in ranks),
         "load_s": max(r["load_s"] for r in ranks),
         "threads_per_rank": ranks[0]["threads"],
-        "per_rank": [{k: r[k] for k in ("rank", "peak_bytes", "rss_after_load_bytes", "state_bytes",
-                                        "activation_bytes")}
-                     for r in ranks],
+        "per_rank": [
+            {
+                k: r[k]
+                for k in (
+                    "rank",
+                    "peak_bytes",
+                    "rss_anon_bytes",
+                    "rss_after_load_bytes",
+                    "state_bytes",
+                    "activation_bytes",
+                )
+            }
+            for r in ranks
+        ],
     }
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--worker", nargs=6, metavar=("FOLDER", "BATCH", "SEQ", "STEPS", "RESULT", "SP"),
-                        help=argparse.SUPPRESS)
-    parser.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "autotp-bench"),
-                        help="folder for the benchmark checkpoint (written once)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--worker",
+        nargs=6,
+        metavar=("FOLDER", "BATCH", "SEQ", "STEPS", "RESULT", "SP"),
+        help=argparse.SUPPRESS,
+    )
+    parser.add_argument(
+        "--cache",
+        default=os.path.join(tempfile.gettempdir(), "autotp-bench"),
+        help="folder for the benchmark checkpoint (written once)",
+    )
+    parser.add_argument(
+        "--size",
+        default="150m",
+        choices=("150m", "small"),
+        help="benchmark checkpoint size (small: a smoke run of the script)",
+    )
     parser.add_argument("--tp", default="1,2,4", help="comma-separated tp sizes")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--steps", type=int, default=3, help="timed steps per launch")
-    parser.add_argument("--sequence-parallel", action="store_true",
-                        help="also run every tp > 1 with sequence_parallel=True (reported as '<tp>+sp')")
+    parser.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        help="also run every tp > 1 with sequence_parallel=True (reported as '<tp>+sp')",
+    )
     parser.add_argument("--out", default="training.json")
     args = parser.parse_args(argv)
     if args.worker:
@@ -168,12 +199,18 @@ def main(argv: list[str] | None = None) -> int:
         _worker(folder, int(batch), int(seq), int(steps), result, sequence_parallel=sp == "1")
         return 0
 
+    provenance = Provenance.start(argv)
     import torch
     from _checkpoint import make_checkpoint
 
-    folder = make_checkpoint(args.cache, torch.float32)
-    report: dict[str, Any] = {"checkpoint": os.fspath(folder), "batch": args.batch, "seq": args.seq,
-                              "steps": args.steps, "cpu_count": os.cpu_count(), "tp": {}}
+    folder = make_checkpoint(args.cache, torch.float32, size=args.size)
+    report: dict[str, Any] = {
+        "checkpoint": checkpoint_name(folder),
+        "batch": args.batch,
+        "seq": args.seq,
+        "steps": args.steps,
+        "tp": {},
+    }
     with tempfile.TemporaryDirectory() as tmp:
         for tp in (int(t) for t in args.tp.split(",")):
             for sp in (False, True) if args.sequence_parallel and tp > 1 else (False,):
@@ -181,8 +218,7 @@ def main(argv: list[str] | None = None) -> int:
                 run = _launch(tp, folder, args, Path(tmp) / f"tp{key}.json", sequence_parallel=sp)
                 report["tp"][key] = _summary(run, args.batch * args.seq)
                 print(json.dumps({"tp": key, **report["tp"][key]}), flush=True)
-    Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
-    print(f"wrote {args.out}")
+    write_result(args.out, report, provenance)
     return 0
 
 

@@ -8,6 +8,7 @@ at a handful of plans (each compiles a 2-layer model once or twice).
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -43,9 +44,17 @@ def test_a_folder_with_only_config_json_is_planned_without_weights(report: PlanR
     assert report.collectives == FORWARD
     assert report.forward.input_shape == (1, 7)
     q = report.parameters["model.layers.0.self_attn.q_proj.weight"]
-    assert q == {"style": "colwise", "placement": "S(0)", "shard_dim": 0, "global_shape": [64, 64],
-                 "global_numel": 4096, "local_shape": [32, 64], "bytes_per_rank": 32 * 64 * 4, "tied_to": None,
-                 "used": True}
+    assert q == {
+        "style": "colwise",
+        "placement": "S(0)",
+        "shard_dim": 0,
+        "global_shape": [64, 64],
+        "global_numel": 4096,
+        "local_shape": [32, 64],
+        "bytes_per_rank": 32 * 64 * 4,
+        "tied_to": None,
+        "used": True,
+    }
     assert report.parameters["model.layers.1.mlp.down_proj.weight"]["local_shape"] == [64, 64]
     assert report.parameters["model.embed_tokens.weight"]["style"] == "vocab"
     assert report.parameters["model.norm.weight"]["style"] == "replicate"
@@ -95,7 +104,16 @@ def test_a_long_prefill_is_planned_with_the_placements_the_warm_up_fixed() -> No
 
 
 def test_timings_cover_trace_decompose_and_solve(report: PlanReport) -> None:
-    for key in ("build_s", "trace_s", "decompose_s", "solve_s", "warmup_s", "forward_s", "decode_s", "total_s"):
+    for key in (
+        "build_s",
+        "trace_s",
+        "decompose_s",
+        "solve_s",
+        "warmup_s",
+        "forward_s",
+        "decode_s",
+        "total_s",
+    ):
         assert report.timings[key] >= 0.0, key
     assert report.timings["solve_s"] > 0.0
 
@@ -129,7 +147,9 @@ def test_explain_shows_the_rule_chain_and_costs_the_rejected_alternatives(report
 def test_explain_of_an_unknown_name_says_so(report: PlanReport) -> None:
     from autotp.errors import AutoTPError
 
-    with pytest.raises(AutoTPError, match="no parameter 'down_proj.weight'.*model.layers.0.mlp.down_proj.weight"):
+    with pytest.raises(
+        AutoTPError, match="no parameter 'down_proj.weight'.*model.layers.0.mlp.down_proj.weight"
+    ):
         explain(report, "down_proj.weight")
 
 
@@ -145,11 +165,24 @@ def test_text_and_html_show_the_table_and_the_collectives(report: PlanReport, tm
     assert "<h3>model.layers.0</h3>" in page and "<h3>lm_head</h3>" in page
 
 
-def test_cli_json_from_a_config_only_folder(config_only: Path, tmp_path: Path,
-                                            capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_json_from_a_config_only_folder(
+    config_only: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     page = tmp_path / "plan.html"
-    code = main(["plan", str(config_only), "--tp", "2", "--json", "--no-decode", "--html", str(page),
-                 "--explain", "lm_head.weight"])
+    code = main(
+        [
+            "plan",
+            str(config_only),
+            "--tp",
+            "2",
+            "--json",
+            "--no-decode",
+            "--html",
+            str(page),
+            "--explain",
+            "lm_head.weight",
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0
     data = json.loads(out)
@@ -162,7 +195,9 @@ def test_cli_json_from_a_config_only_folder(config_only: Path, tmp_path: Path,
 
 
 def test_cli_override_and_tp_plan(config_only: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    code = main(["plan", str(config_only), "--tp", "2", "--tp-plan", "--no-decode", "--override", "lm_head=replicate"])
+    code = main(
+        ["plan", str(config_only), "--tp", "2", "--tp-plan", "--no-decode", "--override", "lm_head=replicate"]
+    )
     out = capsys.readouterr().out
     assert code == 0
     plan = json.loads(out)
@@ -173,7 +208,9 @@ def test_cli_override_and_tp_plan(config_only: Path, capsys: pytest.CaptureFixtu
     assert plan["model.layers.*.mlp.down_proj"] == "rowwise"
 
 
-def test_cli_bad_input_exits_2_without_a_traceback(config_only: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_bad_input_exits_2_without_a_traceback(
+    config_only: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert main(["plan", str(config_only), "--tp", "3"]) == 2
     err = capsys.readouterr().err
     assert "autotp: error: tp_size=3 does not divide" in err and "Traceback" not in err
@@ -193,8 +230,9 @@ def test_a_hub_id_needs_only_its_config_json(tmp_path: Path, monkeypatch: pytest
     assert config.model_type == "qwen2" and config.num_hidden_layers == 2
 
 
-def test_cli_refuses_a_fused_layout_transformers_cannot_spell(tmp_path: Path,
-                                                              capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_refuses_a_fused_layout_transformers_cannot_spell(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """Phi-3's q | k | v (64 | 32 | 32 rows under GQA) is stored strided; transformers' packed styles
     know two equal segments only, and plain colwise would split it contiguously."""
     tiny_config("phi3", pad_token_id=120).save_pretrained(tmp_path)
@@ -205,11 +243,14 @@ def test_cli_refuses_a_fused_layout_transformers_cannot_spell(tmp_path: Path,
 
 
 def test_explain_names_are_checked_before_planning_and_read_like_overrides(
-        config_only: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    config_only: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     import autotp.planner
 
     real = autotp.planner.compile_graph
-    monkeypatch.setattr(autotp.planner, "compile_graph", lambda *a, **k: pytest.fail("planned before checking"))
+    monkeypatch.setattr(
+        autotp.planner, "compile_graph", lambda *a, **k: pytest.fail("planned before checking")
+    )
     assert main(["plan", str(config_only), "--tp", "2", "--explain", "lm_haed"]) == 2
     err = capsys.readouterr().err
     assert "autotp: error: explain name(s) ['lm_haed'] match no parameter or module" in err
@@ -220,9 +261,13 @@ def test_explain_names_are_checked_before_planning_and_read_like_overrides(
     assert list(json.loads(capsys.readouterr().out)["explanations"]) == ["lm_head.weight"]
 
 
-def test_an_unwritable_html_path_is_refused_before_planning(config_only: Path, tmp_path: Path,
-                                                            capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["plan", str(config_only), "--tp", "2", "--html", str(tmp_path / "no" / "such" / "plan.html")]) == 2
+def test_an_unwritable_html_path_is_refused_before_planning(
+    config_only: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert (
+        main(["plan", str(config_only), "--tp", "2", "--html", str(tmp_path / "no" / "such" / "plan.html")])
+        == 2
+    )
     assert "does not exist" in capsys.readouterr().err
 
 
@@ -231,7 +276,47 @@ def test_the_report_carries_the_solvers_certificate(report: PlanReport) -> None:
     forward = report.forward
     assert forward.cost is not None and 0 < forward.lower_bound <= forward.cost
     assert forward.gap == pytest.approx(forward.cost - forward.lower_bound)
-    assert report.to_json()["solver"] == {"cost": forward.cost, "lower_bound": forward.lower_bound,
-                                          "gap": forward.gap}
+    assert report.to_json()["solver"] == {
+        "cost": forward.cost,
+        "lower_bound": forward.lower_bound,
+        "gap": forward.gap,
+    }
     line = next(x for x in render_text(report).splitlines() if x.strip().startswith("solver: cost"))
     assert ("proved optimal" in line) == (forward.gap == 0)
+
+
+def test_png_draws_the_plan_as_a_picture(config_only: Path, tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib", reason="autotp plan --png needs the [plot] extra")
+    picture = tmp_path / "plan.png"
+    assert main(["plan", str(config_only), "--tp", "2", "--no-decode", "--png", str(picture)]) == 0
+    data = picture.read_bytes()
+    assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 10_000
+
+
+def test_the_drawings_share_one_list_of_blocks_with_every_collective(report: PlanReport) -> None:
+    from autotp.render import CollectiveRow, ParamRow, plan_blocks
+
+    blocks = plan_blocks(report)
+    assert blocks[0].title == "model.embed_tokens" and blocks[-1].title == "lm_head"
+    assert [b.layers for b in blocks if b.layers] == [(0,), (1,)]
+    drawn = Counter(r.site["kind"] for b in blocks for r in b.rows if isinstance(r, CollectiveRow))
+    assert drawn == FORWARD  # every collective of the forward, each once
+    # each collective sits after the module whose output it moves: layer 0's after o_proj and down_proj
+    layer0 = next(b for b in blocks if b.layers == (0,))
+    names = [r.name if isinstance(r, ParamRow) else r.module for r in layer0.rows]
+    assert names.index("model.layers.0.self_attn.o_proj") == names.index("self_attn.o_proj.weight") + 1
+    assert names.index("model.layers.0.mlp.down_proj") == names.index("mlp.down_proj.weight") + 1
+
+
+def test_png_without_matplotlib_is_refused_before_planning(
+    config_only: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a)
+    )
+    assert main(["plan", str(config_only), "--tp", "2", "--png", str(tmp_path / "plan.png")]) == 2
+    err = capsys.readouterr().err
+    assert "needs matplotlib" in err and "autotp[plot]" in err and not (tmp_path / "plan.png").exists()

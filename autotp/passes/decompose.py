@@ -29,10 +29,9 @@ from typing import Any
 import torch
 import torch.fx
 from torch import Tensor
-from torch._decomp import core_aten_decompositions
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
-from torch.utils import _pytree as pytree
+
+from autotp.compat import FakeTensorMode, OpOverload, core_aten_decompositions, pytree
 
 
 @torch.library.custom_op("autotp::edge", mutates_args=())
@@ -286,7 +285,7 @@ def _trace_node(n: torch.fx.Node, flat: list[Any], spec: Any, fake_mode: FakeTen
     for m in graph.graph.nodes:
         if m.op == "call_function" and m.target is torch.ops.aten.copy_.default and m.args[0] in inputs:
             mutated.add(inputs.index(m.args[0]))  # functionalization writes the new value back
-        elif m.op == "call_function" and isinstance(m.target, torch._ops.OpOverload) and m.target._schema.is_mutable:
+        elif m.op == "call_function" and isinstance(m.target, OpOverload) and m.target._schema.is_mutable:
             raise NotNodeLocal(f"{n.format_node()} mutates through {m.target}")
     return _NodeTrace(graph=graph, spec=holder["spec"], values=holder["values"], mutated=frozenset(mutated))
 

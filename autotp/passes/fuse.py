@@ -48,9 +48,10 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
+from autotp.compat import linear_builtin
 from autotp.memory import trim_heap
 
-LINEAR_FUNCTIONS = {torch._C._nn.linear, F.linear}
+LINEAR_FUNCTIONS = {linear_builtin, F.linear}
 
 
 @dataclass
@@ -220,7 +221,7 @@ def _replace(gm: torch.fx.GraphModule, x: torch.fx.Node, members: list[tuple[tor
     with graph.inserting_before(first):
         w = graph.get_attr(w_name)
         b = graph.get_attr(b_name) if fused_b is not None else None
-        out = graph.call_function(torch._C._nn.linear, (x, w, b))  # (..., sum of out features)
+        out = graph.call_function(linear_builtin, (x, w, b))  # (..., sum of out features)
         pieces = graph.call_function(torch.split, (out, sizes, -1))
         taken = []
         for i, (lin, _, _) in enumerate(members):

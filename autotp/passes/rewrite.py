@@ -36,9 +36,9 @@ from typing import Any
 import torch
 import torch.fx
 import torch.nn.functional as F
-from torch.nn._reduction import legacy_get_string
 
 from autotp.collectives import Comm, kind_of
+from autotp.compat import legacy_get_string, linear_builtin
 from autotp.errors import PassError
 from autotp.layers import Redistribute, ShardedSoftmax, VocabGather, VocabParallelEmbedding, VocabParallelLoss
 from autotp.ops.elementwise import REPLICATED_SHARE
@@ -364,7 +364,7 @@ ADD_LIKE_METHODS = {"add", "sub", "add_", "sub_", "__add__", "__radd__", "__sub_
                     "__isub__"}
 #: Dynamo targets with one additive argument (position, keyword): a bias
 BIAS_ARGUMENT: dict[Any, tuple[int, str]] = {
-    F.linear: (2, "bias"), torch._C._nn.linear: (2, "bias"), torch.addmm: (0, "input"),
+    F.linear: (2, "bias"), linear_builtin: (2, "bias"), torch.addmm: (0, "input"),
     torch.baddbmm: (0, "input"), torch.Tensor.addmm: (0, "self"), "addmm": (0, "self"), "baddbmm": (0, "self"),
 }
 

@@ -11,7 +11,8 @@ import gc
 import torch
 import torch._dynamo.guards as dynamo_guards
 
-from autotp.memory import no_guard_latency_profile, release_free_memory
+from autotp.compat import no_guard_latency_profile
+from autotp.memory import release_free_memory
 
 
 class _Node:
