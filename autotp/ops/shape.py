@@ -35,24 +35,34 @@ from typing import Any
 
 from autotp.ops._common import P, R, aten_ops, out_spec, same, shift_after_removal
 from autotp.ops.registry import OWN, POINTWISE, Candidate, OpCall, register, register_local, reject
-from autotp.placement import Partial, Placement, Replicate, Shard, StridedShard, normalize_dim
+from autotp.placement import (
+    GroupedShard,
+    Partial,
+    Placement,
+    Replicate,
+    Shard,
+    StridedShard,
+    chunks,
+    normalize_dim,
+)
 
 
 def localize_sizes(sizes: Sequence[Any], out_placement: Any, world_size: int) -> list[Any]:
     """The per-rank size list of a view/reshape/expand whose output has ``out_placement``.
 
-    The size at the output's shard dim is divided by ``world_size``; a ``-1`` (inferred) stays
-    ``-1``; other placements leave the sizes unchanged. ``(2, 6, 8, 8)`` with ``S(2)`` over 2 ranks
-    becomes ``(2, 6, 4, 8)``. Raises ``ValueError`` when the size does not divide evenly.
+    The size at the output's shard dim is divided by the chunks the placement cuts
+    (``world_size``, or a grouped shard's groups); a ``-1`` (inferred) stays ``-1``; other
+    placements leave the sizes unchanged. ``(2, 6, 8, 8)`` with ``S(2)`` over 2 ranks becomes
+    ``(2, 6, 4, 8)``. Raises ``ValueError`` when the size does not divide evenly.
     """
     sizes = list(sizes)
-    if isinstance(out_placement, Shard):
-        d = out_placement.dim
+    if isinstance(out_placement, (Shard, GroupedShard)):
+        d, parts = out_placement.dim, chunks(out_placement, world_size)
         size = sizes[d]
         if not (isinstance(size, int) and size == -1):
-            if size % world_size != 0:
-                raise ValueError(f"size {size} at dim {d} does not divide by world size {world_size}")
-            sizes[d] = size // world_size
+            if size % parts != 0:
+                raise ValueError(f"size {size} at dim {d} does not divide by {parts} chunks")
+            sizes[d] = size // parts
     return sizes
 
 
