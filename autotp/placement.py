@@ -97,17 +97,24 @@ class GroupedShard:
     ``N / groups`` consecutive ranks holding the same chunk): a rule's reasoning about a shard over
     ``groups`` ranks holds for it unchanged (``autotp/ops/registry.py``). Rank ``r``'s chunk of a
     ``Shard(dim)`` over N lies inside its grouped chunk, at ``r % (N / groups)``, so narrowing to a
-    plain shard is local; gathering it whole is an all-gather that keeps one chunk per group."""
+    plain shard is local; gathering it whole is an all-gather that keeps one chunk per group.
+
+    ``inner``: the ranks of a group also split dim ``inner`` (``dim + 1``) among them, rank ``r``
+    holding chunk ``r % (N / groups)``. That is a kv head spread over its query heads,
+    ``(B, KV, 1, S, D) -> (B, KV, H/KV, S, D)`` with one kv head per group: merged into
+    ``(B, H, S, D)`` it is a plain ``Shard`` of the heads, each rank holding its query heads' copies
+    of its kv head (what attention with ``enable_gqa`` computes on each rank's shards)."""
 
     dim: int
     groups: int
+    inner: int | None = None
 
     def __post_init__(self) -> None:
         if self.dim < 0 or self.groups < 2:
             raise ValueError(f"GroupedShard needs dim >= 0 and groups >= 2, got {self.dim}, {self.groups}")
 
     def __str__(self) -> str:
-        return f"S({self.dim}/{self.groups})"
+        return f"S({self.dim}/{self.groups}{'' if self.inner is None else f':{self.inner}'})"
 
     __repr__ = __str__
 
@@ -144,7 +151,8 @@ def parse(text: str) -> Placement:
     if text.startswith("S(") and text.endswith(")"):
         if "/" in text:
             dim, _, groups = text[2:-1].partition("/")
-            return GroupedShard(int(dim), int(groups))
+            groups, _, inner = groups.partition(":")
+            return GroupedShard(int(dim), int(groups), int(inner) if inner else None)
         dim, _, segments = text[2:-1].partition("|")
         if segments:
             return StridedShard(int(dim), tuple(int(x) for x in segments.split("+")))
@@ -166,6 +174,8 @@ def local_shape(shape: tuple[int, ...], placement: Placement | None, world_size:
     if isinstance(placement, GroupedShard):
         out = list(shape)
         out[placement.dim] = shape[placement.dim] // placement.groups
+        if placement.inner is not None:
+            out[placement.inner] = shape[placement.inner] // (world_size // placement.groups)
         return tuple(out)
     return tuple(shape)
 

@@ -148,7 +148,7 @@ def register(*targets: Any, single_placements: bool = True, strided: str | None 
     :class:`~autotp.placement.StridedShard` input: ``None`` rejects it (the safe default: a rule
     that moves data along the sharded dim would silently mix up the segments), :data:`POINTWISE`
     or :data:`OWN`. ``grouped=OWN`` hands :class:`~autotp.placement.GroupedShard` inputs to the
-    rule as they are; otherwise the registry runs the rule over the groups (:func:`_over_groups`).
+    rule as they are; otherwise the registry runs the rule over the groups (:func:`over_groups`).
     The returned function is the rule itself, wrapped the same way.
     """
 
@@ -170,7 +170,7 @@ def _checked(fn: Rule, strided: str | None = None, grouped: str | None = None) -
             if not isinstance(p, (Replicate, Shard, Partial, GroupedShard)):
                 return reject(f"tensor input {i} has no single placement ({p!r})")
         if grouped != OWN and any(isinstance(p, GroupedShard) for p in inputs):
-            return _over_groups(fn, op, inputs)
+            return over_groups(fn, op, inputs)
         if strided != OWN and any(isinstance(p, StridedShard) for p in inputs):
             if strided != POINTWISE:
                 return reject(f"a fused (strided) shard reaches {op.target}, which moves data along "
@@ -215,7 +215,11 @@ def _pointwise_strided(fn: Rule, op: OpCall, inputs: Sequence[Placement]) -> lis
     return out if out else reject(f"a fused shard {segs} does not survive {op.target}")
 
 
-def _over_groups(fn: Rule, op: OpCall, inputs: Sequence[Placement]) -> list[Candidate]:
+#: ops that copy their one input unchanged: a spread grouped shard (``GroupedShard.inner``) passes
+_COPIES = {"aten.clone.default", "aten.alias.default", "aten.contiguous.default", "aten.detach.default"}
+
+
+def over_groups(fn: Rule, op: OpCall, inputs: Sequence[Placement]) -> list[Candidate]:
     """Run a rule on :class:`~autotp.placement.GroupedShard` inputs as on plain shards over the
     groups: ``groups`` virtual ranks, each a block of ranks holding the same chunk. Whatever the
     rule claims for a shard over ``groups`` ranks then holds chunk by chunk, so its ``Shard``
@@ -224,6 +228,11 @@ def _over_groups(fn: Rule, op: OpCall, inputs: Sequence[Placement]) -> list[Cand
     not a sum over the ranks); local rewrites other than ``shape`` (which divides by the chunks a
     placement cuts, :func:`autotp.placement.chunks`) and any that communicate (both use the
     rank and world size)."""
+    spread = [p for p in inputs if isinstance(p, GroupedShard) and p.inner is not None]
+    if spread:  # only a copy keeps it; views and expands handle it themselves (grouped=OWN)
+        if str(op.target) in _COPIES and len(inputs) == 1:
+            return [Candidate(spread[0])]
+        return reject(f"a spread grouped shard {spread[0]} reaches {op.target}")
     groups = {p.groups for p in inputs if isinstance(p, GroupedShard)}
     if len(groups) > 1 or any(isinstance(p, (Shard, Partial)) for p in inputs):
         return reject(f"grouped shards meet other shards or partial sums at {op.target}: {list(inputs)}")

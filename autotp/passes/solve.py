@@ -358,6 +358,8 @@ def edge_targets(p: Placement, spec: TensorSpec, world_size: int, kv_groups: tup
     if isinstance(p, StridedShard):  # a fused layout is consumed in place, never redistributed
         return out
     if isinstance(p, GroupedShard):  # kv heads: narrowed to a plain shard of their dim, or gathered
+        if p.inner is not None:  # spread over its query heads: merged by the next view, never moved
+            return out
         plain = Shard(p.dim)
         if spec.shape[p.dim] % world_size == 0 and spec.shardable(p.dim):
             out.append(plain)
