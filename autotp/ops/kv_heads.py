@@ -38,13 +38,30 @@ from autotp.placement import GroupedShard
 _EXPANDS = set(aten_ops("expand.default", "expand_copy.default"))
 _MERGES = set(aten_ops("view.default", "view_copy.default", "_unsafe_view.default", "reshape.default"))
 _PASS_TO_MERGE = set(aten_ops("clone.default", "contiguous.default", "alias.default"))
-_MATMULS = set(aten_ops("mm.default", "addmm.default", "bmm.default", "baddbmm.default", "matmul.default",
-                        "linear.default"))
+_MATMULS = set(
+    aten_ops(
+        "mm.default", "addmm.default", "bmm.default", "baddbmm.default", "matmul.default", "linear.default"
+    )
+)
 #: ops between a weight placeholder and its matmul (transposes, copies, the brackets)
-_WEIGHT_PATH = set(aten_ops("t.default", "t_copy.default", "permute.default", "permute_copy.default",
-                            "transpose.int", "transpose_copy.int", "clone.default", "view.default",
-                            "view_copy.default", "_unsafe_view.default", "alias.default", "_to_copy.default",
-                            "expand.default", "unsqueeze.default"))
+_WEIGHT_PATH = set(
+    aten_ops(
+        "t.default",
+        "t_copy.default",
+        "permute.default",
+        "permute_copy.default",
+        "transpose.int",
+        "transpose_copy.int",
+        "clone.default",
+        "view.default",
+        "view_copy.default",
+        "_unsafe_view.default",
+        "alias.default",
+        "_to_copy.default",
+        "expand.default",
+        "unsqueeze.default",
+    )
+)
 _ATTENTION = {op for name in LAYOUTS for op in aten_ops(name)}
 _WALK_LIMIT = 256  # nodes visited back from one key/value tensor
 
@@ -62,7 +79,9 @@ class KvHeads:
         (that is ``R``)."""
         if self.count < 2:
             return []
-        return [GroupedShard(d, self.count) for d, size in enumerate(shape) if size == self.count * self.head_dim]
+        return [
+            GroupedShard(d, self.count) for d, size in enumerate(shape) if size == self.count * self.head_dim
+        ]
 
 
 def _shape(node: object) -> tuple[int, ...] | None:
@@ -85,7 +104,11 @@ def _merges(n: torch.fx.Node, dim: int, depth: int = 4) -> bool:
             continue
         if u.target in _MERGES:
             out = _shape(u)
-            if shape and out is not None and out == shape[:dim - 1] + (shape[dim - 1] * shape[dim],) + shape[dim + 1:]:
+            if (
+                shape
+                and out is not None
+                and out == shape[: dim - 1] + (shape[dim - 1] * shape[dim],) + shape[dim + 1 :]
+            ):
                 return True
         elif u.target in _PASS_TO_MERGE or _is_bracket(u):
             if _merges(u, dim, depth - 1):

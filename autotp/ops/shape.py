@@ -34,7 +34,16 @@ from collections.abc import Sequence
 from typing import Any
 
 from autotp.ops._common import P, R, aten_ops, out_spec, same, shift_after_removal
-from autotp.ops.registry import OWN, POINTWISE, Candidate, OpCall, over_groups, register, register_local, reject
+from autotp.ops.registry import (
+    OWN,
+    POINTWISE,
+    Candidate,
+    OpCall,
+    over_groups,
+    register,
+    register_local,
+    reject,
+)
 from autotp.placement import (
     GroupedShard,
     Partial,
