@@ -837,6 +837,8 @@ def _one_chunk_per_group(gathered: Tensor, src: GroupedShard, world_size: int) -
     """Every rank's chunk along ``src.dim`` (N chunks, each group's repeated N/groups times) ->
     the whole tensor: the first rank of each group's chunk."""
     d = src.dim
+    if src.inner is not None:  # (.., N, c, ..): rank q holds kv head q // (N/groups), copies chunk q % (N/groups)
+        return gathered.unflatten(d, (src.groups, world_size // src.groups)).flatten(d + 1, d + 2).contiguous()
     per_rank = gathered.shape[d] // world_size
     # (..., N*c, ...) -> (..., groups, N/groups, c, ...): keep replica 0 of each group
     split = gathered.unflatten(d, (src.groups, world_size // src.groups, per_rank))
@@ -877,11 +879,11 @@ def is_supported(src: Placement, dst: Placement) -> bool:
 
 
 def _grouped_supported(src: Placement, dst: Placement) -> bool:
-    if src == dst or (isinstance(src, Replicate) and isinstance(dst, GroupedShard)):
+    if src == dst:
         return True
     if isinstance(src, GroupedShard):
-        return isinstance(dst, Replicate) or (type(dst) is Shard and dst.dim == src.dim)
-    return False
+        return isinstance(dst, Replicate) or (type(dst) is Shard and dst.dim == src.dim and src.inner is None)
+    return isinstance(dst, GroupedShard) and dst.inner is None and isinstance(src, Replicate)
 
 
 def kind_of(src: Placement, dst: Placement) -> str | None:

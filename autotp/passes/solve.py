@@ -3,7 +3,8 @@
 Formulation
 -----------
 Variables: the output placement of every ATen node, and the storage placement of every free
-parameter (``Replicate`` or ``Shard(d)`` for each dim that divides by the world size).
+parameter (``Replicate`` or ``Shard(d)`` for each dim that divides by the world size; a k/v
+projection whose heads the ranks outnumber: ``Replicate`` or its ``GroupedShard``).
 Constraints: each op node's placement is one of the candidates its rule returns for its inputs'
 placements (no rule: every input must be ``R`` and the output is ``R`` — the op is replicated, and
 the trace says so); marks copy their input; edges (tensors crossing a Dynamo-node boundary) may
@@ -31,6 +32,11 @@ less than one communicated byte per token: the plan never trades per-token commu
 KB of memory (it did: Gemma-2's widths got every norm weight sharded on the hidden dim and an
 all-gather before each consumer of the residual stream). Replicated bytes are a parameter's bytes
 x (N-1)/N; ``memory_weight`` scales tiers 1 and 3 (0: memory is free, everything replicates).
+A k/v projection with fewer heads than ranks (``ParamChoice.kv_heads``, ``autotp/ops/kv_heads.py``)
+cannot hold less than ``1/kv_heads`` of itself per rank without cutting a head that attention
+would gather back on every token, so its bytes up to that floor are tier 3 and only bytes beyond
+it tier 1 (:func:`head_floor`): a multi-query projection replicated, or one kv head per rank
+(``GroupedShard``), saves all that keeping heads whole can.
 
 ``C = sum(comm_bytes(edge) / tokens + latency)`` over the collectives (in a training graph,
 ``SolverOptions.backward``, those of the backward too: each redistribution's gradient collective), with ring-model bytes from
