@@ -130,13 +130,13 @@ def check_divisible(config: Any, tp_size: int) -> None:
     kv = kv if isinstance(kv, int) and kv > 0 else None
     if kv is not None and not _kv_heads_fit(kv, tp_size):
         problems.append(f"{KV_HEADS_FIELD}={kv} (key/value heads are split across ranks when tp divides "
-                        "them, or held by groups of ranks when they divide tp)")
+                        "them, or held one per group of ranks when they divide tp)")
     if problems:
         limit = min(sizes) if sizes else 64
         valid = [d for d in divisors_up_to(limit) if all(s % d == 0 for s in sizes)
                  and (kv is None or _kv_heads_fit(kv, d))]
         raise AutoTPError(
-            f"tp_size={tp_size} does not fit {', '.join(problems)}. "
+            f"tp_size={tp_size} does not divide {', '.join(problems)}. "
             f"Valid tp sizes for this model: {valid}."
         )
 
