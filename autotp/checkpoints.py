@@ -63,7 +63,7 @@ from safetensors import safe_open
 from autotp.collectives import Comm, barrier, redistribute
 from autotp.context import TPContext, meta_of
 from autotp.errors import AutoTPError, CheckpointError
-from autotp.placement import R, Shard, StridedShard
+from autotp.placement import GroupedShard, R, Shard, StridedShard
 from autotp.safetensors_writer import SafetensorsWriter
 from autotp.weights import ParameterMeta
 
@@ -297,6 +297,8 @@ def _load_optimizer(optimizer: torch.optim.Optimizer, f: Any, meta_json: dict[st
 def _full_tensor(local: torch.Tensor, meta: ParameterMeta, comm: Comm) -> torch.Tensor:
     """The whole parameter, on every rank, from the ranks' local shards."""
     placement = meta.placement
+    if isinstance(placement, GroupedShard):  # kv heads held per group of ranks: one chunk per group
+        return redistribute(local.detach(), placement, R, comm)
     if not isinstance(placement, Shard):
         return local.detach()
     dim, n = placement.dim, comm.world_size

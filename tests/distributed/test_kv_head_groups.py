@@ -120,3 +120,46 @@ def _rank_redistribute(rank: int, world: int) -> dict[str, bool]:
 def test_grouped_shards_narrow_locally_and_gather_one_chunk_per_group() -> None:
     for checks in run_ranks(_rank_redistribute, 4):
         assert checks == {name: True for name in checks}
+
+
+def _rank_masked(rank: int, world: int, folder: str, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    from autotp import parallelize_model
+
+    model = parallelize_model(folder, tp_size=world)
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+
+
+def test_grouped_kv_heads_generate_a_left_padded_batch_like_one_process(tmp_path: Path) -> None:
+    """With a padding mask transformers repeats each kv head over its query heads itself
+    (``repeat_kv``: an expand and a reshape the rewrite localizes), not inside attention."""
+    from transformers import AutoModelForCausalLM
+
+    folder = save_tiny("llama", tmp_path / "llama", pad_token_id=PAD_ID, num_key_value_heads=2)
+    ids = torch.tensor([[0, 0, 5, 17, 99, 3], [4, 8, 15, 16, 23, 42]])
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    ref = AutoModelForCausalLM.from_pretrained(folder).eval()
+    with torch.no_grad():
+        expected = ref.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    for tokens in run_ranks(_rank_masked, 4, str(folder), ids, mask):
+        assert torch.equal(tokens, expected)
+
+
+def _rank_train(rank: int, world: int, folder: str) -> str:
+    from autotp import AutoTPError, parallelize_model
+
+    model = parallelize_model(folder, tp_size=world)
+    model.train()
+    try:
+        model(input_ids=torch.tensor(PROMPT), labels=torch.tensor(PROMPT)).loss.backward()
+    except AutoTPError as e:
+        return str(e)
+    return "trained"
+
+
+def test_training_through_grouped_kv_heads_is_refused_not_silently_wrong(tmp_path: Path) -> None:
+    """Each rank of a group uses its own query heads' share of the kv head, so the kv projection's
+    gradient is partial over the group; no reduction is planned for it yet."""
+    folder = save_tiny("llama", tmp_path / "llama", pad_token_id=PAD_ID, num_key_value_heads=2)
+    for message in run_ranks(_rank_train, 4, str(folder)):
+        assert "kv heads" in message and "warmup=False" in message
