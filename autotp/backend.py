@@ -425,13 +425,6 @@ def _solve(gm: torch.fx.GraphModule, example_inputs: list[Any], param_inputs: di
     for ph, value in user_inputs:  # inputs are replicated, except KV-cache entries a graph left sharded
         shard = shard_of(value)
         fixed[aten_of[ph]] = shard[1] if shard else R
-    if backward and any(isinstance(p, GroupedShard) for p in fixed.values()):
-        raise AutoTPError(
-            "this graph trains through key/value heads held per group of ranks (tp_size exceeds the model's "
-            "kv heads, and an inference call placed them first): their gradients would need a reduction "
-            "within each group, which autotp does not do yet. Train with tp_size at most the number of kv "
-            "heads, or load with parallelize_model(..., warmup=False) so that the first (training) call "
-            "places them (sharded, then gathered for attention)")
     opts = SolverOptions(world_size=world, tokens=_tokens(user_inputs), memory_weight=ctx.config.memory_weight,
                          backward=backward, kv_groups=() if backward else tuple(sorted(
                              {h.count for h in kv_heads.values() if h.count >= 2})),

@@ -833,6 +833,30 @@ class GroupedRedistribute(torch.autograd.Function):
                           "for inference only")
 
 
+class RefuseGroupedGradient(torch.autograd.Function):
+    """Identity on a k/v projection held per group of ranks; its backward refuses. Each rank of a
+    group uses its own query heads' share of the kv head, so the projection's gradient is partial
+    over the group, and no reduction within groups is planned yet: a wrong gradient must not pass
+    silently. The rewrite puts it on such a parameter's use in every graph that may train."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> None:
+        raise AutoTPError(
+            "training through key/value heads held per group of ranks (tp_size exceeds the model's kv heads) "
+            "is not supported yet: their gradient needs a reduction within each group. Train with tp_size at "
+            "most the number of kv heads, or load with parallelize_model(..., warmup=False) so that the first, "
+            "training call places them (sharded, then gathered for attention)")
+
+
+def refuse_grouped_gradient(x: Tensor) -> Tensor:
+    """:class:`RefuseGroupedGradient` (a plain function, for an FX ``call_function`` node)."""
+    return RefuseGroupedGradient.apply(x)
+
+
 def _one_chunk_per_group(gathered: Tensor, src: GroupedShard, world_size: int) -> Tensor:
     """Every rank's chunk along ``src.dim`` (N chunks, each group's repeated N/groups times) ->
     the whole tensor: the first rank of each group's chunk."""

@@ -37,7 +37,8 @@ import torch.fx
 import torch.nn.functional as F
 from torch.nn._reduction import legacy_get_string
 
-from autotp.collectives import Comm, kind_of
+from autotp.collectives import Comm, kind_of, refuse_grouped_gradient
+from autotp.context import meta_of
 from autotp.errors import PassError
 from autotp.layers import Redistribute, ShardedSoftmax, VocabGather, VocabParallelEmbedding, VocabParallelLoss
 from autotp.ops.elementwise import REPLICATED_SHARE
@@ -48,6 +49,7 @@ from autotp.ops.shape import localize_sizes
 from autotp.passes.annotate import Annotation
 from autotp.passes.hosts import GATHER_FUNCTIONS, SOFTMAX_FUNCTIONS, SOFTMAX_METHODS
 from autotp.placement import GroupedShard, Replicate, Shard, chunks
+from autotp.plan import gradient_node
 from autotp.rng import RankStreamCall
 
 SHAPE_METHODS = {"view", "reshape", "expand", "new_empty", "new_zeros", "new_ones"}
@@ -94,7 +96,8 @@ def rewrite(gm: torch.fx.GraphModule, annotation: Annotation, params: dict[torch
     for ph, lp in params.items():
         requires_grad[ph] = lp.tensor.requires_grad
 
-    # 1. parameters -> get_attr of the local shard
+    # 1. parameters -> get_attr of the local shard (a grouped kv projection refuses a gradient)
+    trains = gradient_node(gm) is not None
     first_real = next(n for n in graph.nodes if n.op != "placeholder")
     attr_nodes: dict[torch.fx.Node, torch.fx.Node] = {}
     for ph, lp in params.items():
@@ -102,6 +105,8 @@ def rewrite(gm: torch.fx.GraphModule, annotation: Annotation, params: dict[torch
             gm.register_parameter(lp.attr, lp.tensor)
         with graph.inserting_before(first_real):
             attr_nodes[ph] = graph.get_attr(lp.attr)
+            if trains and isinstance(meta_of(lp.tensor).placement, GroupedShard):
+                attr_nodes[ph] = graph.call_function(refuse_grouped_gradient, (attr_nodes[ph],))
 
     # 2. edges -> Redistribute where the placement changes (or a partial gradient must be reduced)
     shared: dict[tuple, torch.fx.Node] = {}

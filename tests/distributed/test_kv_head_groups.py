@@ -162,4 +162,4 @@ def test_training_through_grouped_kv_heads_is_refused_not_silently_wrong(tmp_pat
     gradient is partial over the group; no reduction is planned for it yet."""
     folder = save_tiny("llama", tmp_path / "llama", pad_token_id=PAD_ID, num_key_value_heads=2)
     for message in run_ranks(_rank_train, 4, str(folder)):
-        assert "kv heads" in message and "warmup=False" in message
+        assert "kv heads" in message and "warmup=False" in message, message
