@@ -81,3 +81,25 @@ def test_more_ranks_than_kv_heads_plan_megatrons_collectives(case: str) -> None:
     assert (
         report.kv_cache_bytes_per_rank * kv_heads == report.kv_cache_bytes_total
     )  # one kv head of each layer's cache per rank
+
+
+def test_grouped_placements_print_parse_and_size_one_kv_head_per_rank() -> None:
+    from autotp.placement import GroupedShard, local_shape, parse
+
+    grouped, spread = GroupedShard(0, 2), GroupedShard(1, 2, 2)
+    assert (str(grouped), str(spread)) == ("S(0/2)", "S(1/2:2)")
+    assert parse(str(grouped)) == grouped and parse(str(spread)) == spread
+    assert local_shape((16, 64), grouped, 4) == (8, 64)  # one of 2 kv heads of 8 rows, on 2 ranks each
+    assert local_shape((1, 2, 4, 9, 8), spread, 4) == (1, 1, 2, 9, 8)  # its kv head, 2 of 4 copies
+    assert [grouped.group(r, 4) for r in range(4)] == [0, 0, 1, 1]
+
+
+def test_a_kv_projection_is_tier_one_only_beyond_one_kv_head_per_rank() -> None:
+    from autotp.passes.solve import head_floor
+
+    nbytes, tp = 1024.0, 8
+    replicated = nbytes * (tp - 1) / tp
+    assert head_floor(replicated, 0, tp) == 0.0  # not a k/v projection
+    assert head_floor(replicated, 8, tp) == 0.0  # as many kv heads as ranks: plain shards
+    assert head_floor(replicated, 2, tp) == nbytes * (1 / 2 - 1 / 8)  # a kv head is 1/2 of it
+    assert head_floor(replicated, 1, tp) == replicated  # multi-query: replicating it is the floor
