@@ -829,8 +829,7 @@ class GroupedRedistribute(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[None, None, None, None]:
-        raise AutoTPError(f"{ctx.src} -> {ctx.dst} has no backward: grouped kv-head shards are planned "
-                          "for inference only")
+        raise _grouped_gradient_error()
 
 
 class RefuseGroupedGradient(torch.autograd.Function):
@@ -845,11 +844,15 @@ class RefuseGroupedGradient(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> None:
-        raise AutoTPError(
-            "training through key/value heads held per group of ranks (tp_size exceeds the model's kv heads) "
-            "is not supported yet: their gradient needs a reduction within each group. Train with tp_size at "
-            "most the number of kv heads, or load with parallelize_model(..., warmup=False) so that the first, "
-            "training call places them (sharded, then gathered for attention)")
+        raise _grouped_gradient_error()
+
+
+def _grouped_gradient_error() -> AutoTPError:
+    return AutoTPError(
+        "training through key/value heads held per group of ranks (tp_size exceeds the model's kv heads) "
+        "is not supported yet: their gradient needs a reduction within each group. Train with tp_size at "
+        "most the number of kv heads, or load with parallelize_model(..., warmup=False) so that the first, "
+        "training call places them (sharded, then gathered for attention)")
 
 
 def refuse_grouped_gradient(x: Tensor) -> Tensor:
