@@ -240,24 +240,17 @@ def over_groups(fn: Rule, op: OpCall, inputs: Sequence[Placement]) -> list[Candi
     cands = fn(dataclasses.replace(op, world_size=g),
                [Shard(p.dim) if isinstance(p, GroupedShard) else p for p in inputs])
 
+    def leaves(p: Any) -> list[Any]:
+        return [q for x in p for q in leaves(x)] if isinstance(p, tuple) else [p]
+
     def regroup(p: Any) -> Any:
         if isinstance(p, tuple):
             return tuple(regroup(q) for q in p)
-        if isinstance(p, StridedShard):
-            raise ValueError("strided")
         return GroupedShard(p.dim, g) if isinstance(p, Shard) else p
 
-    def partial(p: Any) -> bool:
-        return any(partial(q) for q in p) if isinstance(p, tuple) else isinstance(p, Partial)
-
-    out: list[Candidate] = []
-    for c in cands:
-        if c.local not in (None, "shape") or c.collectives or partial(c.output):
-            continue
-        try:
-            out.append(dataclasses.replace(c, output=regroup(c.output)))
-        except ValueError:
-            continue
+    out = [dataclasses.replace(c, output=regroup(c.output)) for c in cands
+           if c.local in (None, "shape") and not c.collectives
+           and not any(isinstance(q, (Partial, StridedShard)) for q in leaves(c.output))]
     return out if out else reject(f"no candidate of {op.target} keeps the grouped shards of {list(inputs)}")
 
 
