@@ -163,3 +163,33 @@ def test_training_through_grouped_kv_heads_is_refused_not_silently_wrong(tmp_pat
     folder = save_tiny("llama", tmp_path / "llama", pad_token_id=PAD_ID, num_key_value_heads=2)
     for message in run_ranks(_rank_train, 4, str(folder)):
         assert "kv heads" in message and "warmup=False" in message, message
+
+
+def _rank_cached(rank: int, world: int, folder: str, cache_dir: str) -> dict[str, Any]:
+    import os
+
+    os.environ["AUTOTP_CACHE_DIR"] = cache_dir
+    from autotp import parallelize_model
+
+    model = parallelize_model(folder, tp_size=world)
+    ids = torch.tensor(PROMPT)
+    with torch.no_grad():
+        tokens = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=PAD_ID)
+    return {
+        "tokens": tokens[0].tolist(),
+        "plans": model.autotp.plans,
+        "cache": [o.as_dict()["status"] for o in model.autotp.context.plan_cache.outcomes],
+    }
+
+
+def test_a_second_job_reuses_the_grouped_plans_from_the_plan_cache(tmp_path: Path) -> None:
+    """Grouped placements (``S(0/2)``, ``S(1/2:2)``) are written to and read back from the cache."""
+    folder = save_tiny("llama", tmp_path / "llama", pad_token_id=PAD_ID, num_key_value_heads=2)
+    _, ref_tokens = _reference(folder)
+    cache = str(tmp_path / "cache")
+    first = run_ranks(_rank_cached, 4, str(folder), cache)
+    second = run_ranks(_rank_cached, 4, str(folder), cache)
+    for a, b in zip(first, second, strict=True):
+        assert set(a["cache"]) == {"miss"} and b["cache"] == ["hit"] * len(a["cache"])
+        assert b["plans"] == a["plans"]
+        assert a["tokens"] == b["tokens"] == ref_tokens
