@@ -49,10 +49,12 @@ from autotp.weights import (
 
 DIVISIBLE_FIELDS = (
     ("num_attention_heads", "attention heads are split across ranks"),
-    ("num_key_value_heads", "key/value heads are split across ranks (KV-head replication is not supported yet)"),
     ("hidden_size", "the hidden dimension of row-parallel weights is split across ranks"),
     ("intermediate_size", "the MLP's intermediate dimension is split across ranks"),
 )
+#: key/value heads: split across ranks when tp divides them, else each rank holds the one its query
+#: heads use (``GroupedShard``, autotp/ops/kv_heads.py), which needs their count to divide tp
+KV_HEADS_FIELD = "num_key_value_heads"
 
 
 @dataclass
@@ -122,8 +124,15 @@ def threads_per_rank(device: torch.device, environ: Mapping[str, str], world_siz
     return max(cores // max(local, 1), 1)
 
 
+def _kv_heads_fit(kv_heads: int, tp: int) -> bool:
+    """kv heads split across ``tp`` ranks (``tp`` divides them) or held per group of ranks (they divide ``tp``)."""
+    return kv_heads % tp == 0 or tp % kv_heads == 0
+
+
 def check_divisible(config: Any, tp_size: int) -> None:
-    """Refuse, before any weight is read, a tp size that does not divide the config's split dims."""
+    """Refuse, before any weight is read, a tp size the plan cannot split the config's dims by:
+    heads, hidden and intermediate sizes must divide by it; kv heads must divide by it or divide it
+    (past their count each rank holds the kv head its query heads use)."""
     problems, sizes = [], []
     for name, why in DIVISIBLE_FIELDS:
         value = getattr(config, name, None)
@@ -132,8 +141,15 @@ def check_divisible(config: Any, tp_size: int) -> None:
         sizes.append(value)
         if value % tp_size:
             problems.append(f"{name}={value} ({why})")
+    kv = getattr(config, KV_HEADS_FIELD, None)
+    kv = kv if isinstance(kv, int) and kv > 0 else None
+    if kv is not None and not _kv_heads_fit(kv, tp_size):
+        problems.append(f"{KV_HEADS_FIELD}={kv} (key/value heads are split across ranks when tp divides "
+                        "them, or held one per group of ranks when they divide tp)")
     if problems:
-        valid = [d for d in divisors_up_to(min(sizes)) if all(s % d == 0 for s in sizes)]
+        limit = min(sizes) if sizes else 64
+        valid = [d for d in divisors_up_to(limit) if all(s % d == 0 for s in sizes)
+                 and (kv is None or _kv_heads_fit(kv, d))]
         raise AutoTPError(
             f"tp_size={tp_size} does not divide {', '.join(problems)}. "
             f"Valid tp sizes for this model: {valid}."

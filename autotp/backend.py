@@ -32,6 +32,7 @@ from autotp.inner import inner_compile
 from autotp.memory import release_free_memory
 from autotp.mesh import check_layout
 from autotp.ops.fused import fused_segmentations, strided_candidates
+from autotp.ops.kv_heads import kv_projections
 from autotp.passes.annotate import annotate, replicated_annotation
 from autotp.passes.checkpoint import inline_checkpoints, outline_checkpoints
 from autotp.passes.decompose import decompose
@@ -41,7 +42,7 @@ from autotp.passes.pipeline import PassRunner
 from autotp.passes.rewrite import rewrite
 from autotp.passes.save_shards import save_input_shards
 from autotp.passes.solve import ParamChoice, Solution, SolverOptions, solve
-from autotp.placement import Placement, R, Shard, shard_candidates
+from autotp.placement import GroupedShard, Placement, R, Shard, shard_candidates
 from autotp.plan import build_plan, first_consumer, gradient_node, parameter_entry, style_of
 from autotp.plan_cache import Lookup
 from autotp.released import refuse_eager_calls
@@ -407,6 +408,8 @@ def _solve(gm: torch.fx.GraphModule, example_inputs: list[Any], param_inputs: di
         write_text(folder, "aten_graph.py", shadow.aten.code)
     aten_of = {dyn: aten for aten, dyn in shadow.placeholders}
     fused = fused_segmentations(shadow.aten.graph, world)
+    backward = gradient_node(gm) is not None
+    kv_heads = kv_projections(shadow.aten.graph, world)
     fixed, free = {}, {}
     aten_params: dict[torch.fx.Node, tuple] = {}
     for ph, value in param_inputs.items():
@@ -420,12 +423,17 @@ def _solve(gm: torch.fx.GraphModule, example_inputs: list[Any], param_inputs: di
             options = [(R, nbytes * (world - 1) / world)]
             options += [(s, 0.0) for s in shard_candidates(tuple(value.shape), world)]
             options += [(s, 0.0) for s in strided_candidates(tuple(value.shape), fused)]  # fused q|k|v
-            free[aten_of[ph]] = ParamChoice(options, tuple(value.shape))
+            heads = kv_heads.get(aten_of[ph]) if not backward else None  # grouped shards: forward only
+            if heads is not None:  # a k/v projection whose heads tp exceeds: kept whole, one head per rank
+                options = options[:1] + [(g, nbytes * (1 / g.groups - 1 / world))
+                                         for g in heads.placements(tuple(value.shape))]
+            free[aten_of[ph]] = ParamChoice(options, tuple(value.shape), kv_heads=heads.count if heads else 0)
     for ph, value in user_inputs:  # inputs are replicated, except KV-cache entries a graph left sharded
         shard = shard_of(value)
         fixed[aten_of[ph]] = shard[1] if shard else R
     opts = SolverOptions(world_size=world, tokens=_tokens(user_inputs), memory_weight=ctx.config.memory_weight,
-                         backward=gradient_node(gm) is not None,
+                         backward=backward, kv_groups=() if backward else tuple(sorted(
+                             {h.count for h in kv_heads.values() if h.count >= 2})),
                          beam_width=ctx.config.beam_width, sharded_outputs=ctx.sharded_outputs)
     overrides = dict(ctx.config.overrides or {})
     unconstrained = dict(free)
@@ -485,7 +493,7 @@ def _release_after_first_call(gm: torch.fx.GraphModule, param_inputs: dict[torch
     recompiled graph finds every placement pinned); the original module then refuses an eager call
     (:func:`~autotp.released.refuse_eager_calls`)."""
     full = [v for v in param_inputs.values() if not _is_standin(v)
-            and isinstance(meta_of(v).placement, Shard)]
+            and isinstance(meta_of(v).placement, (Shard, GroupedShard))]
     if not full:
         return forward
     state = {"released": False}
@@ -521,7 +529,7 @@ def _sharded_outputs(gm: torch.fx.GraphModule, annotation: Any) -> list[tuple[tu
             multi = isinstance(value, (tuple, list))
             for sub in range(len(value) if multi else 1):
                 e = edges.get((k, sub))
-                if e is not None and isinstance(e.dst, Shard):
+                if e is not None and isinstance(e.dst, (Shard, GroupedShard)):
                     found.append(((*path, sub) if multi else path, e.dst, k, sub))
 
     walk(output.args[0], ())

@@ -71,7 +71,7 @@ from torch.distributed.tensor import DTensor
 from autotp.collectives import Comm, barrier, redistribute
 from autotp.context import TPContext, meta_of
 from autotp.errors import AutoTPError, CheckpointError
-from autotp.placement import R, Shard, StridedShard
+from autotp.placement import GroupedShard, R, Shard, StridedShard
 from autotp.safetensors_writer import SafetensorsWriter
 from autotp.weights import Checkpoint, ParameterMeta
 
@@ -370,6 +370,8 @@ def _load_optimizer(optimizer: torch.optim.Optimizer, state: Checkpoint, index: 
 def _full_tensor(local: torch.Tensor, meta: ParameterMeta, comm: Comm) -> torch.Tensor:
     """The whole parameter, on every rank, from the ranks' local shards."""
     placement = meta.placement
+    if isinstance(placement, GroupedShard):  # kv heads held per group of ranks: one chunk per group
+        return redistribute(local.detach(), placement, R, comm)
     if not isinstance(placement, Shard):
         return local.detach()
     dim, n = placement.dim, comm.world_size

@@ -16,7 +16,14 @@ reverse all-to-all). All of them short-circuit at world size 1.
 ``S(a) -> S(b)``              all-to-all (gather a, split b)  all-to-all (gather b, split a)
 ``S(d) -> S(d)``, ``P -> P``  identity                        identity
 ``R -> P``, ``S -> P``        unsupported (``AutoTPError``)
+``R -> S(d/g)``               narrow to own group's chunk     unsupported (forward only)
+``S(d/g) -> S(d)``            narrow within the group chunk   unsupported (forward only)
+``S(d/g) -> R``               all-gather, one chunk a group   unsupported (forward only)
 ============================  ==============================  ================================================
+
+``S(d/g)`` is a :class:`~autotp.placement.GroupedShard` (kv heads when tp exceeds their count).
+Its redistributions are inference-only: the solver offers grouped placements in graphs without a
+backward, and their autograd Functions refuse a gradient.
 
 Why the backward is what it is: the gradient of a ``Replicate`` or ``Partial`` tensor is the full
 logical gradient on every rank (``Replicate``); the gradient of a ``Shard(d)`` tensor is the same
@@ -75,7 +82,7 @@ from torch import Tensor
 
 from autotp.errors import AutoTPError, ShardingError
 from autotp.health import RankHealth, rank_failure
-from autotp.placement import Partial, Placement, Replicate, Shard
+from autotp.placement import GroupedShard, Partial, Placement, Replicate, Shard
 
 __all__ = [
     "KINDS",
@@ -813,7 +820,83 @@ class AllToAllParallelRegion(torch.autograd.Function):
         return _all_to_all(grad, ctx.dst_dim, ctx.src_dim, ctx.comm, backward=True), None, None, None
 
 
+class GroupedRedistribute(torch.autograd.Function):
+    """To, from or out of a :class:`~autotp.placement.GroupedShard`: ``R -> S(d/g)`` and
+    ``S(d/g) -> S(d)`` narrow locally, ``S(d/g) -> R`` all-gathers over every rank and keeps one
+    chunk per group. Forward only: a gradient through it is refused (the solver offers grouped
+    placements in inference graphs only)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, src: Placement, dst: Placement, comm: Comm) -> Tensor:
+        ctx.src, ctx.dst = src, dst
+        if isinstance(src, GroupedShard) and isinstance(dst, Replicate):
+            gathered = _all_gather(x, src.dim, comm, backward=False)
+            return _one_chunk_per_group(gathered, src, comm.world_size)
+        return _grouped_narrow(x, src, dst, comm)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[None, None, None, None]:
+        raise _grouped_gradient_error()
+
+
+class RefuseGroupedGradient(torch.autograd.Function):
+    """Identity on a k/v projection held per group of ranks; its backward refuses. Each rank of a
+    group uses its own query heads' share of the kv head, so the projection's gradient is partial
+    over the group, and no reduction within groups is planned yet: a wrong gradient must not pass
+    silently. The rewrite puts it on such a parameter's use in every graph that may train."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> None:
+        raise _grouped_gradient_error()
+
+
+def _grouped_gradient_error() -> AutoTPError:
+    return AutoTPError(
+        "training through key/value heads held per group of ranks (tp_size exceeds the model's kv heads) "
+        "is not supported yet: their gradient needs a reduction within each group. Train with tp_size at "
+        "most the number of kv heads, or load with parallelize_model(..., warmup=False) so that the first, "
+        "training call places them (sharded, then gathered for attention)")
+
+
+def refuse_grouped_gradient(x: Tensor) -> Tensor:
+    """:class:`RefuseGroupedGradient` (a plain function, for an FX ``call_function`` node)."""
+    return RefuseGroupedGradient.apply(x)
+
+
+def _one_chunk_per_group(gathered: Tensor, src: GroupedShard, world_size: int) -> Tensor:
+    """Every rank's chunk along ``src.dim`` (N chunks, each group's repeated N/groups times) ->
+    the whole tensor: the first rank of each group's chunk."""
+    d = src.dim
+    if src.inner is not None:  # (.., N, c, ..): rank q holds kv head q // (N/groups), copies chunk q % (N/groups)
+        return gathered.unflatten(d, (src.groups, world_size // src.groups)).flatten(d + 1, d + 2).contiguous()
+    per_rank = gathered.shape[d] // world_size
+    # (..., N*c, ...) -> (..., groups, N/groups, c, ...): keep replica 0 of each group
+    split = gathered.unflatten(d, (src.groups, world_size // src.groups, per_rank))
+    return split.select(d + 1, 0).flatten(d, d + 1).contiguous()
+
+
+def _grouped_narrow(x: Tensor, src: Placement, dst: Placement, comm: Comm) -> Tensor:
+    """The local narrows: ``R -> S(d/g)`` keeps the group's chunk, ``S(d/g) -> S(d)`` this rank's
+    chunk inside its group's."""
+    n, r = comm.world_size, comm.rank
+    if isinstance(src, Replicate) and isinstance(dst, GroupedShard):
+        s = _check_even(x, dst.dim, dst.groups, "R -> grouped shard")
+        return x.narrow(dst.dim, dst.group(r, n) * s, s).contiguous()
+    if isinstance(src, GroupedShard) and type(dst) is Shard and dst.dim == src.dim:
+        per_group = n // src.groups
+        s = _check_even(x, dst.dim, per_group, "grouped shard -> shard")
+        return x.narrow(dst.dim, (r % per_group) * s, s).contiguous()
+    raise _unsupported(src, dst)
+
+
 def _unsupported(src: Placement, dst: Placement) -> AutoTPError:
+    if isinstance(src, GroupedShard) or isinstance(dst, GroupedShard):
+        return AutoTPError(f"redistribution {src} -> {dst} is not supported: a grouped shard comes from R "
+                           "by a narrow and goes to R or to a plain shard of its dim")
     return AutoTPError(
         f"redistribution {src} -> {dst} is not supported: a Partial value cannot be produced by "
         "communication (it is the output of a local op such as a row-parallel matmul); plan the "
@@ -822,8 +905,19 @@ def _unsupported(src: Placement, dst: Placement) -> AutoTPError:
 
 
 def is_supported(src: Placement, dst: Placement) -> bool:
-    """Whether :func:`redistribute` can turn ``src`` into ``dst`` (everything except ``R/S -> P``)."""
+    """Whether :func:`redistribute` can turn ``src`` into ``dst`` (everything except ``R/S -> P``;
+    a grouped shard only from ``R`` or itself, and only to itself, ``R`` or ``Shard`` of its dim)."""
+    if isinstance(src, GroupedShard) or isinstance(dst, GroupedShard):
+        return _grouped_supported(src, dst)
     return not (isinstance(dst, Partial) and not isinstance(src, Partial))
+
+
+def _grouped_supported(src: Placement, dst: Placement) -> bool:
+    if src == dst:
+        return True
+    if isinstance(src, GroupedShard):
+        return isinstance(dst, Replicate) or (type(dst) is Shard and dst.dim == src.dim and src.inner is None)
+    return isinstance(dst, GroupedShard) and dst.inner is None and isinstance(src, Replicate)
 
 
 def kind_of(src: Placement, dst: Placement) -> str | None:
@@ -831,6 +925,8 @@ def kind_of(src: Placement, dst: Placement) -> str | None:
     (identity or ``R -> S``). Raises :class:`AutoTPError` for unsupported pairs."""
     if not is_supported(src, dst):
         raise _unsupported(src, dst)
+    if isinstance(src, GroupedShard):
+        return "all_gather" if isinstance(dst, Replicate) else None
     if isinstance(src, Partial):
         if isinstance(dst, Replicate):
             return "all_reduce"
@@ -851,6 +947,8 @@ def backward_kind_of(src: Placement, dst: Placement, grad_partial: bool = False)
         raise _unsupported(src, dst)
     if grad_partial and not isinstance(dst, Replicate):
         raise AutoTPError(f"grad_partial applies to a Replicate destination only, got {src} -> {dst}")
+    if isinstance(src, GroupedShard) or isinstance(dst, GroupedShard):
+        return None  # forward only (see the module table): GroupedRedistribute refuses a gradient
     if isinstance(dst, Replicate):
         if not grad_partial:
             return None
@@ -881,6 +979,8 @@ def cost_bytes(src: Placement, dst: Placement, nbytes: float, world_size: int) -
     if n <= 1:
         return 0.0
     kind = kind_of(src, dst)
+    if isinstance(src, GroupedShard) and kind == "all_gather":
+        return (n - 1) / src.groups * nbytes  # every rank hands over its nbytes/groups
     if kind == "all_reduce":
         return 2.0 * (n - 1) / n * nbytes
     if kind in ("all_gather", "reduce_scatter"):
@@ -915,6 +1015,11 @@ def functional_redistribute(x: Tensor, src: Placement, dst: Placement, comm: Com
     if comm.simulated or comm.group is None:
         raise AutoTPError("functional_redistribute needs a real process group (not a simulated one)")
     n, group = comm.world_size, comm.group
+    if isinstance(src, GroupedShard) or isinstance(dst, GroupedShard):
+        if isinstance(src, GroupedShard) and isinstance(dst, Replicate):
+            gathered = funcol.wait_tensor(funcol.all_gather_tensor(x.contiguous(), src.dim, group))
+            return _one_chunk_per_group(gathered, src, n)
+        return _grouped_narrow(x, src, dst, comm)
     if isinstance(src, Replicate):
         assert isinstance(dst, Shard)
         s = _check_even(x, dst.dim, n, "R -> S")
@@ -960,6 +1065,8 @@ def redistribute(
             raise AutoTPError(f"{src} -> {dst} on a {x.dim()}-d tensor of shape {tuple(x.shape)}")
     if comm.world_size == 1 or (src == dst and not grad_partial):
         return x
+    if isinstance(src, GroupedShard) or isinstance(dst, GroupedShard):
+        return GroupedRedistribute.apply(x, src, dst, comm)
     if isinstance(src, Replicate):
         if isinstance(dst, Replicate):
             return CopyToParallelRegion.apply(x, comm)

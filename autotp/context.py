@@ -13,7 +13,7 @@ import torch
 from autotp.collectives import Comm
 from autotp.compat import grouped_mm_accepts_standins
 from autotp.config import AutoTPConfig
-from autotp.placement import Shard
+from autotp.placement import GroupedShard, Shard, chunks
 from autotp.plan_cache import PlanCache
 from autotp.weights import ParameterMeta
 
@@ -73,7 +73,7 @@ SHARD_ATTR = "_autotp_shard"
 OUTPUT_PATH_ATTR = "_autotp_output_path"
 
 
-def sharded_standin(local: torch.Tensor, placement: Shard, world_size: int,
+def sharded_standin(local: torch.Tensor, placement: Shard | GroupedShard, world_size: int,
                     output_path: tuple[int, ...] | None = None) -> torch.Tensor:
     """A value that leaves a compiled graph sharded (a KV-cache entry), as a global-shaped,
     NaN-filled, zero-memory tensor that carries this rank's shard.
@@ -83,7 +83,7 @@ def sharded_standin(local: torch.Tensor, placement: Shard, world_size: int,
     user would read. Eager code that reads the stand-in itself sees NaN, never plausible numbers.
     """
     shape = list(local.shape)
-    shape[placement.dim] *= world_size  # local (.., s/N, ..) -> global (.., s, ..)
+    shape[placement.dim] *= chunks(placement, world_size)  # local (.., s/N, ..) -> global (.., s, ..)
     # requires grad as the shard does: a later graph traced on the stand-in must plan the
     # backward of its input (a training graph after a graph break), though the gradient reaches
     # the shard it binds at run time, not this
@@ -95,7 +95,7 @@ def sharded_standin(local: torch.Tensor, placement: Shard, world_size: int,
     return out
 
 
-def shard_of(t: Any) -> tuple[torch.Tensor, Shard] | None:
+def shard_of(t: Any) -> tuple[torch.Tensor, Shard | GroupedShard] | None:
     """``(local shard, placement)`` of a :func:`sharded_standin`, else None."""
     return getattr(t, SHARD_ATTR, None) if isinstance(t, torch.Tensor) else None
 

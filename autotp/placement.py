@@ -8,6 +8,12 @@
   chunk ``r`` of each segment. Produced by parameters whose fused output is split later, and by
   merging a sharded dim behind other dims (eager attention's ``(B, heads) -> B*heads`` with heads
   sharded is ``B`` equal segments of ``heads``).
+* ``GroupedShard(dim, groups)`` — ``groups`` (a divisor of N, below N) chunks of ``dim``, each held
+  by ``N / groups`` consecutive ranks: rank ``r`` holds chunk ``r * groups // N``. The placement of
+  key/value heads when tp exceeds their count (grouped-query attention): each rank holds the kv
+  head its query heads use. Not a ``Shard`` (its local size is ``size / groups``, not ``size / N``),
+  so nothing that handles shards meets one by accident; rules see it through the registry only
+  (``autotp/ops/registry.py``).
 
 Placements are small frozen values: they hash, compare, and print as ``R``, ``S(1)``, ``P``.
 A multi-output op has a tuple of placements; a non-tensor value has ``None``.
@@ -83,7 +89,41 @@ class Partial:
     __repr__ = __str__
 
 
-Placement = Replicate | Shard | Partial
+@dataclass(frozen=True)
+class GroupedShard:
+    """``groups`` chunks of ``dim``, chunk ``g`` held by ranks ``[g * N/groups, (g+1) * N/groups)``.
+
+    Over N ranks it is a ``Shard(dim)`` over ``groups`` *virtual ranks* (each a block of
+    ``N / groups`` consecutive ranks holding the same chunk): a rule's reasoning about a shard over
+    ``groups`` ranks holds for it unchanged (``autotp/ops/registry.py``). Rank ``r``'s chunk of a
+    ``Shard(dim)`` over N lies inside its grouped chunk, at ``r % (N / groups)``, so narrowing to a
+    plain shard is local; gathering it whole is an all-gather that keeps one chunk per group.
+
+    ``inner``: the ranks of a group also split dim ``inner`` (``dim + 1``) among them, rank ``r``
+    holding chunk ``r % (N / groups)``. That is a kv head spread over its query heads,
+    ``(B, KV, 1, S, D) -> (B, KV, H/KV, S, D)`` with one kv head per group: merged into
+    ``(B, H, S, D)`` it is a plain ``Shard`` of the heads, each rank holding its query heads' copies
+    of its kv head (what attention with ``enable_gqa`` computes on each rank's shards)."""
+
+    dim: int
+    groups: int
+    inner: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.dim < 0 or self.groups < 2:
+            raise ValueError(f"GroupedShard needs dim >= 0 and groups >= 2, got {self.dim}, {self.groups}")
+
+    def __str__(self) -> str:
+        return f"S({self.dim}/{self.groups}{'' if self.inner is None else f':{self.inner}'})"
+
+    __repr__ = __str__
+
+    def group(self, rank: int, world_size: int) -> int:
+        """The chunk rank ``rank`` holds."""
+        return rank * self.groups // world_size
+
+
+Placement = Replicate | Shard | Partial | GroupedShard
 
 R = Replicate()
 P = Partial()
@@ -102,13 +142,17 @@ def normalize_dim(dim: int, ndim: int) -> int:
 
 
 def parse(text: str) -> Placement:
-    """Inverse of ``str``: ``"R"``, ``"P"``, ``"S(2)"`` or ``"S(2|64+32+32)"``."""
+    """Inverse of ``str``: ``"R"``, ``"P"``, ``"S(2)"``, ``"S(2|64+32+32)"`` or ``"S(1/2)"``."""
     text = text.strip()
     if text == "R":
         return R
     if text == "P":
         return P
     if text.startswith("S(") and text.endswith(")"):
+        if "/" in text:
+            dim, _, groups = text[2:-1].partition("/")
+            groups, _, inner = groups.partition(":")
+            return GroupedShard(int(dim), int(groups), int(inner) if inner else None)
         dim, _, segments = text[2:-1].partition("|")
         if segments:
             return StridedShard(int(dim), tuple(int(x) for x in segments.split("+")))
@@ -127,4 +171,15 @@ def local_shape(shape: tuple[int, ...], placement: Placement | None, world_size:
         out = list(shape)
         out[placement.dim] = shape[placement.dim] // world_size
         return tuple(out)
+    if isinstance(placement, GroupedShard):
+        out = list(shape)
+        out[placement.dim] = shape[placement.dim] // placement.groups
+        if placement.inner is not None:
+            out[placement.inner] = shape[placement.inner] // (world_size // placement.groups)
+        return tuple(out)
     return tuple(shape)
+
+
+def chunks(placement: Placement | None, world_size: int) -> int:
+    """How many distinct chunks of its dim a sharded placement cuts: N, or a grouped shard's groups."""
+    return placement.groups if isinstance(placement, GroupedShard) else world_size

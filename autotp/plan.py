@@ -16,7 +16,7 @@ import torch.fx
 import torch.nn.functional as F
 
 from autotp.compat import linear_builtin
-from autotp.placement import Placement, Replicate, Shard, local_shape
+from autotp.placement import GroupedShard, Placement, Replicate, Shard, local_shape
 
 LINEAR_LIKE = {F.linear, linear_builtin}
 MATMUL_LIKE = {torch.matmul, torch.mm, torch.bmm, torch.addmm, torch.Tensor.matmul, torch.einsum}
@@ -25,6 +25,8 @@ MATMUL_LIKE = {torch.matmul, torch.mm, torch.bmm, torch.addmm, torch.Tensor.matm
 def style_of(placement: Placement | None, consumer: torch.fx.Node | None, ndim: int) -> str:
     if placement is None or isinstance(placement, Replicate):
         return "replicate"
+    if isinstance(placement, GroupedShard):
+        return "kv_grouped"  # a k/v projection's heads, each held by a group of ranks (autotp/ops/kv_heads.py)
     if not isinstance(placement, Shard):
         return str(placement)
     target = consumer.target if consumer is not None else None
@@ -77,7 +79,7 @@ def parameter_entry(placement: Placement | None, consumer: torch.fx.Node | None,
     return {
         "style": style_of(placement, consumer, len(global_shape)),
         "placement": str(placement),
-        "shard_dim": placement.dim if isinstance(placement, Shard) else None,
+        "shard_dim": placement.dim if isinstance(placement, (Shard, GroupedShard)) else None,
         "global_shape": list(global_shape),
         "local_shape": list(local_shape(global_shape, placement, world_size)),
     }

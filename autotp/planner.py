@@ -57,7 +57,7 @@ from autotp.hf_config import read_config
 from autotp.kv_cache import cache_keyword, returned_cache
 from autotp.passes.decompose import EDGE, MARK
 from autotp.passes.solve import solve
-from autotp.placement import Placement, R, Shard, StridedShard, local_shape, parse
+from autotp.placement import GroupedShard, Placement, R, Shard, StridedShard, local_shape, parse
 from autotp.plan import style_of
 
 __all__ = ["GraphReport", "PlanReport", "check_names", "explain", "explain_matching", "load_config", "plan_model",
@@ -606,7 +606,7 @@ def _parameter_table(module: torch.nn.Module, tp: int, styles: Mapping[str, str]
         rows[fqn] = {
             "style": styles.get(meta.fqn, "replicate"),
             "placement": str(placement),
-            "shard_dim": placement.dim if isinstance(placement, Shard) else None,
+            "shard_dim": placement.dim if isinstance(placement, (Shard, GroupedShard)) else None,
             "global_shape": list(shape),
             "global_numel": _numel(shape),
             "local_shape": list(local),

@@ -23,7 +23,7 @@ import torch.fx
 
 from autotp.collectives import Comm, redistribute
 from autotp.errors import AutoTPError
-from autotp.placement import Partial, R, Replicate, Shard
+from autotp.placement import GroupedShard, Partial, R, Replicate, Shard
 
 #: (rtol, atol) relative to the reference tensor's largest magnitude, per dtype
 TOLERANCE = {torch.float32: (1e-4, 1e-5), torch.float64: (1e-9, 1e-10),
@@ -44,7 +44,7 @@ class _Recorder(torch.fx.Interpreter):
 
 
 def _full(local: torch.Tensor, placement: Any, comm: Comm) -> torch.Tensor:
-    if isinstance(placement, (Shard, Partial)):
+    if isinstance(placement, (Shard, Partial, GroupedShard)):
         return redistribute(local, placement, R, comm)
     return local
 

@@ -72,7 +72,7 @@ from autotp.checkpoint_keys import (
     stored_keys,
 )
 from autotp.errors import AutoTPError, CheckpointError, ShardingError
-from autotp.placement import Placement, Replicate, Shard, StridedShard
+from autotp.placement import GroupedShard, Placement, Replicate, Shard, StridedShard
 from autotp.weight_files import WeightFile, open_weight_file
 
 __all__ = [
@@ -806,7 +806,7 @@ class ParameterMeta:
         p = self.placement
         if p is None or isinstance(p, Replicate):
             return None
-        if isinstance(p, Shard):
+        if isinstance(p, (Shard, GroupedShard)):
             if p.dim >= len(self.global_shape):
                 raise ShardingError(
                     f"{self.fqn}: placement {p} names dim {p.dim} but the parameter has shape {self.global_shape}."
@@ -817,10 +817,13 @@ class ParameterMeta:
         )
 
     def index_range(self, rank: int, world_size: int) -> tuple[int, int] | None:
-        """``[start, stop)`` of this rank's chunk on :attr:`shard_dim` (torch.chunk), None if replicated."""
+        """``[start, stop)`` of this rank's chunk on :attr:`shard_dim` (torch.chunk), None if replicated;
+        a grouped shard's is its group's chunk (kv heads shared by ``N / groups`` ranks)."""
         dim = self.shard_dim
         if dim is None:
             return None
+        if isinstance(self.placement, GroupedShard):
+            return chunk_range(self.global_shape[dim], self.placement.group(rank, world_size), self.placement.groups)
         return chunk_range(self.global_shape[dim], rank, world_size)
 
     def local_shape(self, world_size: int, rank: int = 0) -> tuple[int, ...]:
@@ -828,7 +831,7 @@ class ParameterMeta:
         dim = self.shard_dim
         if dim is None:
             return self.global_shape
-        start, stop = chunk_range(self.global_shape[dim], rank, world_size)
+        start, stop = self.index_range(rank, world_size)
         shape = list(self.global_shape)
         shape[dim] = stop - start
         return tuple(shape)

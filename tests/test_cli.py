@@ -41,10 +41,11 @@ def test_bad_tp_exits_2_with_a_readable_message(capsys: pytest.CaptureFixture[st
 
 def test_tp_that_does_not_divide_the_model_exits_2_before_launching(capsys: pytest.CaptureFixture[str],
                                                                      tmp_path: Path) -> None:
-    # 8 heads / 4 kv heads: tp=3 is refused from the config alone, before a checkpoint is written.
+    # 8 heads / 4 kv heads: tp=3 is refused from the config alone, before a checkpoint is written
+    # (tp=8 is valid: each kv head is then held by 2 ranks).
     assert main(["demo", "--tp", "3", "--workdir", str(tmp_path)]) == 2
     err = capsys.readouterr().err
-    assert "tp_size=3 does not divide" in err and "Valid tp sizes for this model: [1, 2, 4]" in err
+    assert "tp_size=3 does not divide" in err and "Valid tp sizes for this model: [1, 2, 4, 8]" in err
     assert "Traceback" not in err
     assert not (tmp_path / "checkpoint").exists()
 

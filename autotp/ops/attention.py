@@ -9,6 +9,10 @@ q ``(B, Hq, L, E)``, k ``(B, Hk, S, E)``, v ``(B, Hk, S, Ev)``, optional mask br
   because both head counts divide by N (they are sharded);
 * multi-query (one kv head, ``Hk == 1``): q ``S(1)`` with k, v Replicate -> ``S(1)``: the kv
   projection is replicated (``tp > kv heads``) and each rank's query heads share the one kv head;
+* grouped-query with more ranks than kv heads (``N`` a multiple of ``Hk``): q ``S(1)`` with k, v
+  ``S(1/Hk)`` (:class:`~autotp.placement.GroupedShard`, one kv head per rank) -> ``S(1)``: rank r's
+  query heads ``[r*Hq/N, (r+1)*Hq/N)`` all use kv head ``r*Hk//N``, the one it holds, which
+  ``enable_gqa`` pairs with every local query head;
 * q, k, v all ``S(0)`` (batch) -> ``S(0)``;
 * the mask (and the math kernel's dropout mask) must be sharded like q where it has that dim at
   full size, and Replicate where it broadcasts (size 1 or missing);
@@ -27,8 +31,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from autotp.ops._common import R, aten_ops, out_spec, tensor_index
-from autotp.ops.registry import Candidate, OpCall, TensorSpec, register, reject
-from autotp.placement import Partial, Placement, Replicate, Shard
+from autotp.ops.registry import OWN, Candidate, OpCall, TensorSpec, register, reject
+from autotp.placement import GroupedShard, Partial, Placement, Replicate, Shard
 
 OUT, LSE, ATTN = "out", "lse", "attn"
 
@@ -75,7 +79,7 @@ def _result(op: OpCall, kind: str | None, index: int, q: TensorSpec, p: Placemen
     return None
 
 
-@register(*_BY_TARGET)
+@register(*_BY_TARGET, grouped=OWN)
 def sdpa_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate]:
     """Attention over heads or batch shards (see the module docstring)."""
     layout = _BY_TARGET[op.target]
@@ -89,6 +93,8 @@ def sdpa_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate]
             i = tensor_index(op, *where)
             if i is not None:
                 extras.append((name, i))
+    if isinstance(pq, GroupedShard):
+        return reject("q is a grouped shard: only k and v may hold their heads in groups")
     if isinstance(pq, Replicate):
         if all(isinstance(p, Replicate) for p in inputs):
             shard: Placement = R
@@ -98,8 +104,13 @@ def sdpa_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate]
         if q.ndim != 4 or pq.dim not in (0, 1):
             return reject(f"q sharded on dim {pq.dim}: only batch (0) or heads (1) shards are exact")
         single_kv = pq.dim == 1 and k.shape[1] == 1 and v.shape[1] == 1
+        one_per_rank = pq.dim == 1 and k.shape[1] >= 2 and GroupedShard(1, k.shape[1]) == pk == pv and k.shape[1] == v.shape[1] \
+            and op.world_size % k.shape[1] == 0 and q.shape[1] % op.world_size == 0
         if single_kv and isinstance(pk, Replicate) and isinstance(pv, Replicate):
             pass  # multi-query: the one kv head serves every rank's query heads (enable_gqa)
+        elif isinstance(pk, GroupedShard) or isinstance(pv, GroupedShard):
+            if not one_per_rank:
+                return reject(f"k, v {pk}, {pv} with q {pq}: a grouped k/v must hold one kv head per rank")
         elif pk != pq or pv != pq:
             return reject(f"q, k, v must be sharded alike, got {pq}, {pk}, {pv}")
         for name, i in extras:

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from autotp.placement import Partial, Placement, Replicate, Shard, StridedShard
+from autotp.placement import GroupedShard, Partial, Placement, Replicate, Shard, StridedShard
 
 PlacementOut = Placement | tuple[Placement | None, ...] | None
 
@@ -138,8 +138,8 @@ POINTWISE = "pointwise"
 OWN = "own"
 
 
-def register(*targets: Any, single_placements: bool = True, strided: str | None = None
-             ) -> Callable[[Rule], Rule]:
+def register(*targets: Any, single_placements: bool = True, strided: str | None = None,
+             grouped: str | None = None) -> Callable[[Rule], Rule]:
     """Register ``rule`` for each ATen overload in ``targets``; a second registration raises.
 
     With ``single_placements`` (the default) the registry rejects, before the rule runs, a call
@@ -147,11 +147,13 @@ def register(*targets: Any, single_placements: bool = True, strided: str | None 
     rules only ever see R / S / P. ``strided`` says how the rule meets a fused
     :class:`~autotp.placement.StridedShard` input: ``None`` rejects it (the safe default: a rule
     that moves data along the sharded dim would silently mix up the segments), :data:`POINTWISE`
-    or :data:`OWN`. The returned function is the rule itself, wrapped the same way.
+    or :data:`OWN`. ``grouped=OWN`` hands :class:`~autotp.placement.GroupedShard` inputs to the
+    rule as they are; otherwise the registry runs the rule over the groups (:func:`over_groups`).
+    The returned function is the rule itself, wrapped the same way.
     """
 
     def deco(fn: Rule) -> Rule:
-        rule = _checked(fn, strided) if single_placements else fn
+        rule = _checked(fn, strided, grouped) if single_placements else fn
         for t in targets:
             if t in _RULES:
                 raise ValueError(f"duplicate placement rule for {t}: {_RULES[t].__name__} and {fn.__name__}")
@@ -161,12 +163,14 @@ def register(*targets: Any, single_placements: bool = True, strided: str | None 
     return deco
 
 
-def _checked(fn: Rule, strided: str | None = None) -> Rule:
+def _checked(fn: Rule, strided: str | None = None, grouped: str | None = None) -> Rule:
     @functools.wraps(fn)
     def rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate]:
         for i, p in enumerate(inputs):
-            if not isinstance(p, (Replicate, Shard, Partial)):
+            if not isinstance(p, (Replicate, Shard, Partial, GroupedShard)):
                 return reject(f"tensor input {i} has no single placement ({p!r})")
+        if grouped != OWN and any(isinstance(p, GroupedShard) for p in inputs):
+            return over_groups(fn, op, inputs)
         if strided != OWN and any(isinstance(p, StridedShard) for p in inputs):
             if strided != POINTWISE:
                 return reject(f"a fused (strided) shard reaches {op.target}, which moves data along "
@@ -209,6 +213,45 @@ def _pointwise_strided(fn: Rule, op: OpCall, inputs: Sequence[Placement]) -> lis
                 continue
         out.append(dataclasses.replace(c, output=placed))
     return out if out else reject(f"a fused shard {segs} does not survive {op.target}")
+
+
+#: ops that copy their one input unchanged: a spread grouped shard (``GroupedShard.inner``) passes
+_COPIES = {"aten.clone.default", "aten.alias.default", "aten.contiguous.default", "aten.detach.default"}
+
+
+def over_groups(fn: Rule, op: OpCall, inputs: Sequence[Placement]) -> list[Candidate]:
+    """Run a rule on :class:`~autotp.placement.GroupedShard` inputs as on plain shards over the
+    groups: ``groups`` virtual ranks, each a block of ranks holding the same chunk. Whatever the
+    rule claims for a shard over ``groups`` ranks then holds chunk by chunk, so its ``Shard``
+    results are grouped shards of the same groups. Refused: inputs that mix the grouping with
+    plain shards, partial sums or another grouping; ``Partial`` results (a sum over the groups is
+    not a sum over the ranks); local rewrites other than ``shape`` (which divides by the chunks a
+    placement cuts, :func:`autotp.placement.chunks`) and any that communicate (both use the
+    rank and world size)."""
+    spread = [p for p in inputs if isinstance(p, GroupedShard) and p.inner is not None]
+    if spread:  # only a copy keeps it; views and expands handle it themselves (grouped=OWN)
+        if str(op.target) in _COPIES and len(inputs) == 1:
+            return [Candidate(spread[0])]
+        return reject(f"a spread grouped shard {spread[0]} reaches {op.target}")
+    groups = {p.groups for p in inputs if isinstance(p, GroupedShard)}
+    if len(groups) > 1 or any(isinstance(p, (Shard, Partial)) for p in inputs):
+        return reject(f"grouped shards meet other shards or partial sums at {op.target}: {list(inputs)}")
+    (g,) = groups
+    cands = fn(dataclasses.replace(op, world_size=g),
+               [Shard(p.dim) if isinstance(p, GroupedShard) else p for p in inputs])
+
+    def leaves(p: Any) -> list[Any]:
+        return [q for x in p for q in leaves(x)] if isinstance(p, tuple) else [p]
+
+    def regroup(p: Any) -> Any:
+        if isinstance(p, tuple):
+            return tuple(regroup(q) for q in p)
+        return GroupedShard(p.dim, g) if isinstance(p, Shard) else p
+
+    out = [dataclasses.replace(c, output=regroup(c.output)) for c in cands
+           if c.local in (None, "shape") and not c.collectives
+           and not any(isinstance(q, (Partial, StridedShard)) for q in leaves(c.output))]
+    return out if out else reject(f"no candidate of {op.target} keeps the grouped shards of {list(inputs)}")
 
 
 def register_local(name: str, *, across_ranks: bool = False) -> Callable[[LocalImpl], LocalImpl]:

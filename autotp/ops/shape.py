@@ -34,25 +34,46 @@ from collections.abc import Sequence
 from typing import Any
 
 from autotp.ops._common import P, R, aten_ops, out_spec, same, shift_after_removal
-from autotp.ops.registry import OWN, POINTWISE, Candidate, OpCall, register, register_local, reject
-from autotp.placement import Partial, Placement, Replicate, Shard, StridedShard, normalize_dim
+from autotp.ops.registry import (
+    OWN,
+    POINTWISE,
+    Candidate,
+    OpCall,
+    over_groups,
+    register,
+    register_local,
+    reject,
+)
+from autotp.placement import (
+    GroupedShard,
+    Partial,
+    Placement,
+    Replicate,
+    Shard,
+    StridedShard,
+    chunks,
+    normalize_dim,
+)
 
 
 def localize_sizes(sizes: Sequence[Any], out_placement: Any, world_size: int) -> list[Any]:
     """The per-rank size list of a view/reshape/expand whose output has ``out_placement``.
 
-    The size at the output's shard dim is divided by ``world_size``; a ``-1`` (inferred) stays
-    ``-1``; other placements leave the sizes unchanged. ``(2, 6, 8, 8)`` with ``S(2)`` over 2 ranks
-    becomes ``(2, 6, 4, 8)``. Raises ``ValueError`` when the size does not divide evenly.
+    The size at the output's shard dim is divided by the chunks the placement cuts
+    (``world_size``, or a grouped shard's groups); a ``-1`` (inferred) stays ``-1``; other
+    placements leave the sizes unchanged. ``(2, 6, 8, 8)`` with ``S(2)`` over 2 ranks becomes
+    ``(2, 6, 4, 8)``. Raises ``ValueError`` when the size does not divide evenly.
     """
     sizes = list(sizes)
-    if isinstance(out_placement, Shard):
-        d = out_placement.dim
+    if isinstance(out_placement, (Shard, GroupedShard)):
+        d, parts = out_placement.dim, chunks(out_placement, world_size)
         size = sizes[d]
         if not (isinstance(size, int) and size == -1):
-            if size % world_size != 0:
-                raise ValueError(f"size {size} at dim {d} does not divide by world size {world_size}")
-            sizes[d] = size // world_size
+            if size % parts != 0:
+                raise ValueError(f"size {size} at dim {d} does not divide by {parts} chunks")
+            sizes[d] = size // parts
+    if isinstance(out_placement, GroupedShard) and out_placement.inner is not None:
+        sizes[out_placement.inner] //= world_size // out_placement.groups  # a static spread of kv heads
     return sizes
 
 
@@ -90,11 +111,23 @@ for _t in VIEW_OPS:
     SIZE_ARG[_t] = (1, "shape" if "reshape" in str(_t) else "size")
 
 
-@register(*VIEW_OPS, strided=OWN)
+@register(*VIEW_OPS, strided=OWN, grouped=OWN)
 def view_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate]:
     """A reshape keeps R and P; a Shard survives if its dim is the outermost factor of an out dim,
-    and becomes strided if it is merged behind other dims (see the module docstring)."""
+    and becomes strided if it is merged behind other dims (see the module docstring). A grouped
+    shard is reasoned about over its groups; one spread over its inner dim merges into a Shard."""
     p = inputs[0]
+    if isinstance(p, GroupedShard):
+        if p.inner is None:
+            return over_groups(view_rule, op, inputs)
+        x = op.tensor_inputs[0]
+        out = _resolved_out_shape(op, x.numel, op.arg(1, "size", op.kwargs.get("shape")))
+        merged = x.shape[p.dim] * x.shape[p.inner]
+        for o in range(len(out)):
+            if out[o] == merged and math.prod(out[o:]) == math.prod(x.shape[p.dim:]) and out[o] % op.world_size == 0:
+                # (B, KV, H/KV, S, D) S(1/KV:2) -> (B, H, S, D) S(1): each rank its query heads' kv copies
+                return [Candidate(Shard(o), local="shape")]
+        return reject(f"a view of {x.shape} does not merge the spread kv heads {p} into one dim: {out}")
     if isinstance(p, (Replicate, Partial)):
         return same(p)
     x = op.tensor_inputs[0]
@@ -164,10 +197,27 @@ for _t in EXPAND_OPS:
     SIZE_ARG[_t] = (1, "size")
 
 
-@register(*EXPAND_OPS, strided=POINTWISE)
+@register(*EXPAND_OPS, strided=POINTWISE, grouped=OWN)
 def expand_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate]:
-    """Shard follows its dim (shifted by new leading dims); R may also shard a broadcast dim."""
+    """Shard follows its dim (shifted by new leading dims); R may also shard a broadcast dim. A
+    grouped shard follows its dim over the groups; holding one index per group (one kv head), it
+    may also spread over a broadcast dim right after it (``(B, KV, 1, S, D) -> (B, KV, H/KV, S, D)``:
+    ``S(1/KV:2)``, each rank its query heads' copies)."""
     p = inputs[0]
+    if isinstance(p, GroupedShard):
+        if p.inner is not None:
+            return reject(f"{p} is expanded again")
+        cands = over_groups(expand_rule, op, inputs)
+        x, spec = op.tensor_inputs[0], out_spec(op)
+        if spec is None:
+            return cands
+        off = spec.ndim - x.ndim
+        d, n = p.dim + off, op.world_size
+        inner = d + 1
+        if x.shape[p.dim] == p.groups and inner < spec.ndim and x.shape[p.dim + 1] == 1 \
+                and spec.shape[inner] % (n // p.groups) == 0:
+            cands = [*cands, Candidate(GroupedShard(d, p.groups, inner), local="shape")]
+        return cands
     x = op.tensor_inputs[0]
     spec = out_spec(op)
     sizes = list(op.arg(1, "size"))

@@ -37,8 +37,9 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
-from autotp.collectives import Comm, kind_of
+from autotp.collectives import Comm, kind_of, refuse_grouped_gradient
 from autotp.compat import legacy_get_string, linear_builtin
+from autotp.context import meta_of
 from autotp.errors import PassError
 from autotp.layers import Redistribute, ShardedSoftmax, VocabGather, VocabParallelEmbedding, VocabParallelLoss
 from autotp.ops.elementwise import REPLICATED_SHARE
@@ -49,7 +50,8 @@ from autotp.ops.reduction import SHARDED_MEAN
 from autotp.ops.shape import localize_sizes
 from autotp.passes.annotate import Annotation
 from autotp.passes.hosts import GATHER_FUNCTIONS, SOFTMAX_FUNCTIONS, SOFTMAX_METHODS
-from autotp.placement import Replicate, Shard
+from autotp.placement import GroupedShard, Replicate, Shard, chunks
+from autotp.plan import gradient_node
 from autotp.rng import RankStreamCall
 
 SHAPE_METHODS = {"view", "reshape", "expand", "new_empty", "new_zeros", "new_ones"}
@@ -96,7 +98,8 @@ def rewrite(gm: torch.fx.GraphModule, annotation: Annotation, params: dict[torch
     for ph, lp in params.items():
         requires_grad[ph] = lp.tensor.requires_grad
 
-    # 1. parameters -> get_attr of the local shard
+    # 1. parameters -> get_attr of the local shard (a grouped kv projection refuses a gradient)
+    trains = gradient_node(gm) is not None
     first_real = next(n for n in graph.nodes if n.op != "placeholder")
     attr_nodes: dict[torch.fx.Node, torch.fx.Node] = {}
     for ph, lp in params.items():
@@ -104,6 +107,8 @@ def rewrite(gm: torch.fx.GraphModule, annotation: Annotation, params: dict[torch
             gm.register_parameter(lp.attr, lp.tensor)
         with graph.inserting_before(first_real):
             attr_nodes[ph] = graph.get_attr(lp.attr)
+            if trains and isinstance(meta_of(lp.tensor).placement, GroupedShard):
+                attr_nodes[ph] = graph.call_function(refuse_grouped_gradient, (attr_nodes[ph],))
 
     # 2. edges -> Redistribute where the placement changes (or a partial gradient must be reduced)
     shared: dict[tuple, torch.fx.Node] = {}
@@ -256,7 +261,7 @@ def _apply_local(gm: torch.fx.GraphModule, n: torch.fx.Node, tag: str, out: Any,
                  params: dict[torch.fx.Node, LocalParam], attr_nodes: dict, comm: Comm,
                  report: RewriteReport) -> None:
     if tag == "shape":
-        if not isinstance(out, Shard):
+        if not isinstance(out, (Shard, GroupedShard)):
             return
         if n.op == "call_method" and n.target in SHAPE_METHODS or n.op == "call_function" and n.target in SHAPE_FUNCTIONS:
             _localize_shape_args(n, out, comm.world_size)
@@ -460,14 +465,15 @@ def _localize_segment_slice(n: torch.fx.Node, plan: Any, world_size: int) -> Non
     raise PassError(f"node {n.name}: could not find the fused dim {dim} in the index {index!r}")
 
 
-def _localize_shape_args(n: torch.fx.Node, out: Shard, world_size: int) -> None:
-    """Divide the size on the output's sharded dim: constants directly, a symbolic size (a Node
-    computed from global sizes, see :func:`_globalize_size_query`) by a floordiv node."""
+def _localize_shape_args(n: torch.fx.Node, out: Shard | GroupedShard, world_size: int) -> None:
+    """Divide the size on the output's sharded dim by the chunks it is cut in (N, or a grouped
+    shard's groups): constants directly, a symbolic size (a Node computed from global sizes, see
+    :func:`_globalize_size_query`) by a floordiv node."""
     args = list(n.args)
     if len(args) == 2 and isinstance(args[1], torch.fx.Node):
         # the whole size is one runtime value (``x.view(x.size()[:-1] + (nf,))``): divide it at run time
         with n.graph.inserting_before(n):
-            args[1] = n.graph.call_function(_divide_size_at, (args[1], out.dim, world_size))
+            args[1] = n.graph.call_function(_divide_size_at, (args[1], out.dim, chunks(out, world_size)))
         n.args = tuple(args)
         return
     packed = n.target in ("new_empty", "new_zeros", "new_ones") or (
@@ -475,7 +481,7 @@ def _localize_shape_args(n: torch.fx.Node, out: Shard, world_size: int) -> None:
     sizes = list(args[1]) if packed else args[1:]
     if isinstance(sizes[out.dim], torch.fx.Node):
         with n.graph.inserting_before(n):
-            sizes[out.dim] = n.graph.call_function(operator.floordiv, (sizes[out.dim], world_size))
+            sizes[out.dim] = n.graph.call_function(operator.floordiv, (sizes[out.dim], chunks(out, world_size)))
     else:
         sizes = localize_sizes(sizes, out, world_size)
     if packed:
@@ -507,9 +513,9 @@ def _globalize_size_query(n: torch.fx.Node, plan: Any, world_size: int) -> bool:
     if not (is_size or is_shape):
         return False
     edge = plan.edges.get((0, 0))
-    if edge is None or not isinstance(edge.dst, Shard):
+    if edge is None or not isinstance(edge.dst, (Shard, GroupedShard)):
         return False
-    d = edge.dst.dim
+    d, world_size = edge.dst.dim, chunks(edge.dst, world_size)
     graph = n.graph
     users = list(n.users)
     with graph.inserting_after(n):

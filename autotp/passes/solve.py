@@ -3,7 +3,8 @@
 Formulation
 -----------
 Variables: the output placement of every ATen node, and the storage placement of every free
-parameter (``Replicate`` or ``Shard(d)`` for each dim that divides by the world size).
+parameter (``Replicate`` or ``Shard(d)`` for each dim that divides by the world size; a k/v
+projection whose heads the ranks outnumber: ``Replicate`` or its ``GroupedShard``).
 Constraints: each op node's placement is one of the candidates its rule returns for its inputs'
 placements (no rule: every input must be ``R`` and the output is ``R`` — the op is replicated, and
 the trace says so); marks copy their input; edges (tensors crossing a Dynamo-node boundary) may
@@ -31,6 +32,11 @@ less than one communicated byte per token: the plan never trades per-token commu
 KB of memory (it did: Gemma-2's widths got every norm weight sharded on the hidden dim and an
 all-gather before each consumer of the residual stream). Replicated bytes are a parameter's bytes
 x (N-1)/N; ``memory_weight`` scales tiers 1 and 3 (0: memory is free, everything replicates).
+A k/v projection with fewer heads than ranks (``ParamChoice.kv_heads``, ``autotp/ops/kv_heads.py``)
+cannot hold less than ``1/kv_heads`` of itself per rank without cutting a head that attention
+would gather back on every token, so its bytes up to that floor are tier 3 and only bytes beyond
+it tier 1 (:func:`head_floor`): a multi-query projection replicated, or one kv head per rank
+(``GroupedShard``), saves all that keeping heads whole can.
 
 ``C = sum(comm_bytes(edge) / tokens + latency)`` over the collectives (in a training graph,
 ``SolverOptions.backward``, those of the backward too: each redistribution's gradient collective), with ring-model bytes from
@@ -117,7 +123,16 @@ from autotp.errors import SolverError
 from autotp.ops.registry import Candidate, OpCall, TensorSpec, lookup, reject
 from autotp.passes.decompose import EDGE, MARK, SYMBOLIC_DIMS, ShadowGraph
 from autotp.passes.hosts import hosted_tags, needs_host
-from autotp.placement import Partial, Placement, R, Replicate, Shard, StridedShard, shard_candidates
+from autotp.placement import (
+    GroupedShard,
+    Partial,
+    Placement,
+    R,
+    Replicate,
+    Shard,
+    StridedShard,
+    shard_candidates,
+)
 
 LATENCY_BYTES = 4096.0  # one collective's fixed cost, in byte-equivalents
 SMALL_ROWS = 1 / 16  # a parameter with at most this share of the widest one's rows is "small"
@@ -147,6 +162,9 @@ class SolverOptions:
     #: a parameter with at most this share of the widest parameter's rows is "small" (tier 3 of the
     #: objective, :func:`memory_tiers`); everything else is "large" (tier 1)
     small_rows: float = SMALL_ROWS
+    #: kv-head counts below the world size (``autotp/ops/kv_heads.py``): an ``R`` edge may narrow
+    #: to a grouped shard of that many groups
+    kv_groups: tuple[int, ...] = ()
     #: widen the beam until the certificate proves the plan optimal (gap 0), up to MAX_WIDENING x
     exact: bool = False
     #: a backward pass follows (a training graph): each redistribution also costs the collective
@@ -165,10 +183,14 @@ class ParamChoice:
     #: the bytes it fails to save if replicated (what prices the tiers, whatever options an override
     #: leaves); 0: the largest option's
     replicated: float = 0.0
+    #: a k/v projection with fewer heads than ranks (``autotp/ops/kv_heads.py``): no plan that keeps
+    #: heads whole holds less than ``1/kv_heads`` of it per rank, so only bytes beyond that are tier 1
+    kv_heads: int = 0
 
     def narrowed(self, options: list[tuple[Placement, float]]) -> ParamChoice:
         """The same parameter with fewer options (an override); it keeps its tier and prices."""
-        return ParamChoice(options, self.shape, self.replicated or max((m for _, m in self.options), default=0.0))
+        return ParamChoice(options, self.shape, self.replicated or max((m for _, m in self.options), default=0.0),
+                           self.kv_heads)
 
 
 def rows(shape: tuple[int, ...]) -> int:
@@ -208,17 +230,39 @@ def _comm_upper_bound(steps: list[_Step], opts: SolverOptions) -> float:
     return total
 
 
+def head_floor(replicated: float, kv_heads: int, world_size: int) -> float:
+    """Of a parameter's unsaved bytes, those no plan keeping its kv heads whole can save: a k/v
+    projection of ``kv_heads < N`` heads holds ``1/kv_heads`` of its bytes per rank at the least,
+    ``nbytes * (1/kv_heads - 1/N)`` more than a shard (0 for other parameters)."""
+    if not kv_heads or kv_heads >= world_size or world_size < 2:
+        return 0.0
+    nbytes = replicated * world_size / (world_size - 1)
+    return nbytes * (1.0 / kv_heads - 1.0 / world_size)
+
+
 def _price_memory(free: dict[int, ParamChoice], steps: list[_Step], opts: SolverOptions) -> dict[int, ParamChoice]:
-    """Turn each option's unsaved bytes into the objective's tiers (see the module docstring)."""
+    """Turn each option's unsaved bytes into the objective's tiers (see the module docstring). A
+    k/v projection's bytes up to its head floor (:func:`head_floor`) are tier 3, whatever its size:
+    replicating a multi-query projection, or holding one kv head of a grouped-query one, saves all
+    that keeping heads whole can, and sharding it finer would gather it back on every token."""
     replicated = {j: c.replicated or max((m for _, m in c.options), default=0.0) for j, c in free.items()}
     if not opts.memory_weight or not any(replicated.values()):
-        return {j: ParamChoice([(p, 0.0) for p, _ in c.options], c.shape, replicated[j]) for j, c in free.items()}
+        return {j: ParamChoice([(p, 0.0) for p, _ in c.options], c.shape, replicated[j], c.kv_heads)
+                for j, c in free.items()}
+    floor = {j: head_floor(replicated[j], c.kv_heads, opts.world_size) for j, c in free.items()}
     small = memory_tiers({j: c.shape for j, c in free.items()}, opts.small_rows)
-    large = [m for j, m in replicated.items() if j not in small and m > 0]
+    large = [m - floor[j] for j, m in replicated.items() if j not in small and m - floor[j] > 0]
     weight = (_comm_upper_bound(steps, opts) + 1.0) / min(large) if large else 0.0
-    epsilon = 1.0 / (sum(m for j, m in replicated.items() if j in small) + 1.0)
-    return {j: ParamChoice([(p, opts.memory_weight * m * (epsilon if j in small else weight)) for p, m in c.options],
-                           c.shape, replicated[j]) for j, c in free.items()}
+    epsilon = 1.0 / (sum(m if j in small else floor[j] for j, m in replicated.items()) + 1.0)
+
+    def price(j: int, m: float) -> float:
+        if j in small:
+            return m * epsilon
+        above = max(m - floor[j], 0.0)
+        return above * weight + (m - above) * epsilon
+
+    return {j: ParamChoice([(p, opts.memory_weight * price(j, m)) for p, m in c.options],
+                           c.shape, replicated[j], c.kv_heads) for j, c in free.items()}
 
 
 @dataclass
@@ -294,6 +338,8 @@ def _shards_symbolic_dim(out: Any, spec: Any) -> bool:
     """True if placement ``out`` shards a dim that ``spec`` marks symbolic."""
     if isinstance(out, tuple) and isinstance(spec, tuple):
         return any(_shards_symbolic_dim(o, s) for o, s in zip(out, spec, strict=False))
+    if isinstance(out, GroupedShard):
+        return isinstance(spec, TensorSpec) and out.dim in spec.symbolic
     return isinstance(out, Shard) and isinstance(spec, TensorSpec) and not spec.shardable(out.dim, out)
 
 
@@ -319,12 +365,21 @@ def _tensor_input_nodes(n: torch.fx.Node) -> list[torch.fx.Node]:
     return out
 
 
-def edge_targets(p: Placement, spec: TensorSpec, world_size: int) -> list[Placement]:
+def edge_targets(p: Placement, spec: TensorSpec, world_size: int, kv_groups: tuple[int, ...] = ()
+                 ) -> list[Placement]:
     """Placements an edge may move a tensor to from ``p`` (identity first); never a shard of a
-    symbolic dim (``TensorSpec.symbolic``)."""
+    symbolic dim (``TensorSpec.symbolic``). ``R`` may also narrow to a grouped shard of the graph's
+    kv-head groups (an empty KV cache meeting this call's grouped keys)."""
     out: list[Placement] = [p]
     if isinstance(p, StridedShard):  # a fused layout is consumed in place, never redistributed
         return out
+    if isinstance(p, GroupedShard):  # kv heads: narrowed to a plain shard of their dim, or gathered
+        if p.inner is not None:  # spread over its query heads: merged by the next view, never moved
+            return out
+        plain = Shard(p.dim)
+        if spec.shape[p.dim] % world_size == 0 and spec.shardable(p.dim):
+            out.append(plain)
+        return [*out, R]
     floating = spec.dtype.is_floating_point or spec.dtype.is_complex
     shards = [s for s in shard_candidates(spec.shape, world_size) if spec.shardable(s.dim)]
     if isinstance(p, Partial):
@@ -332,6 +387,8 @@ def edge_targets(p: Placement, spec: TensorSpec, world_size: int) -> list[Placem
         out.extend(s for s in shards if floating)
     elif isinstance(p, Replicate):
         out.extend(shards)
+        out.extend(GroupedShard(d, g) for g in kv_groups for d, size in enumerate(spec.shape)
+                   if size % g == 0 and size >= g and spec.shardable(d))
     elif isinstance(p, Shard):
         out.append(R)
         out.extend(s for s in shards if s != p)
@@ -822,7 +879,7 @@ class _Search:
         if not isinstance(spec, TensorSpec) or not isinstance(src_a, Placement) or not isinstance(src_b, Placement):
             total = float("inf")
         else:
-            reach_a = set(edge_targets(src_a, spec, self.opts.world_size))
+            reach_a = set(edge_targets(src_a, spec, self.opts.world_size, self.opts.kv_groups))
 
             def cost_a(q: Placement) -> float:
                 if q in free_a:
@@ -832,7 +889,7 @@ class _Search:
             def cost_b(q: Placement) -> float:
                 return 0.0 if q in free_b else edge_cost(src_b, q, spec, self.opts)
 
-            targets = set(edge_targets(src_b, spec, self.opts.world_size)) | free_b
+            targets = set(edge_targets(src_b, spec, self.opts.world_size, self.opts.kv_groups)) | free_b
             total = sum(max(0.0, cost_a(q) - cost_b(q)) for q in targets)
         self.conversions[key] = total
         return total
@@ -874,7 +931,7 @@ class _Search:
             j = step.inputs[0]
             src = self.placement(live, j)
             if isinstance(src, Pending):  # a node that is the identity in ATen
-                qs = edge_targets(src.src, self.spec_of[j], self.opts.world_size)
+                qs = edge_targets(src.src, self.spec_of[j], self.opts.world_size, self.opts.kv_groups)
                 return [_Option(q, cost=self.resolve_cost(j, src, q), resolved=((j, q),)) for q in qs], None
             return [_Option(src)], None
         if step.kind == "getitem":
@@ -900,7 +957,7 @@ class _Search:
             if isinstance(src, StridedShard):
                 return []  # a fused layout cannot be gathered in order
             gathered = _Option(R, cost=0.0 if R in paid else edge_cost(src, R, step.spec, self.opts))
-            if self.opts.sharded_outputs and isinstance(src, Shard):
+            if self.opts.sharded_outputs and isinstance(src, (Shard, GroupedShard)):
                 return [_Option(src), gathered]
             return [gathered]
         if step.spec is None or not self.alive_after(step.index, here):
@@ -918,7 +975,7 @@ class _Search:
             return [_Option(c.output, cost=self.internal_cost(c), mem=self.activation_cost(step, c.output),
                             local=c.local) for c in cands], getattr(cands, "reason", None)
         full = [[(q, self.resolve_cost(j, live[j], q))
-                 for q in edge_targets(live[j].src, self.spec_of[j], self.opts.world_size)] for j in pending]
+                 for q in edge_targets(live[j].src, self.spec_of[j], self.opts.world_size, self.opts.kv_groups)] for j in pending]
         return self.combos(step, ins, pending, full, skip=None)
 
     def combos(self, step: _Step, ins: list, pending: list[int], choices: list[list[tuple[Placement, float]]],

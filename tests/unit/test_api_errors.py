@@ -23,7 +23,7 @@ def test_a_tp_size_that_does_not_divide_the_heads_is_refused_before_any_weight_i
         parallelize_model(folder, tp_size=3)
     message = str(err.value)
     assert "num_attention_heads=8" in message and "num_key_value_heads=4" in message
-    assert "Valid tp sizes for this model: [1, 2, 4]" in message
+    assert "Valid tp sizes for this model: [1, 2, 4, 8]" in message  # 8: 2 ranks per kv head
 
 
 def test_a_tp_size_other_than_the_world_size_says_how_to_launch(tmp_path: Path) -> None:

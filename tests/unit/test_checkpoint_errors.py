@@ -138,16 +138,23 @@ def test_a_remote_config_class_is_refused_without_trust_remote_code(tmp_path, ll
     ("sizes", "tp", "named", "valid"),
     [
         (dict(num_attention_heads=6, num_key_value_heads=6, hidden_size=48), 4, ["num_attention_heads=6"], [1, 2]),
-        (dict(num_key_value_heads=2), 4, ["num_key_value_heads=2"], [1, 2]),
+        (dict(num_key_value_heads=3, num_attention_heads=6, hidden_size=48, intermediate_size=96), 2, ["num_key_value_heads=3"], [1, 3, 6]),
+        (dict(num_key_value_heads=4), 16, ["num_attention_heads=8"], [1, 2, 4, 8]),
         (dict(num_key_value_heads=8, intermediate_size=100), 8, ["intermediate_size=100"], [1, 2, 4]),
     ],
 )
 def test_split_sizes_that_do_not_divide_list_the_valid_tp_sizes(sizes, tp, named, valid):
+    """Heads, hidden and intermediate sizes divide by tp; kv heads divide by it or divide it."""
     with pytest.raises(AutoTPError) as err:
         check_divisible(tiny_config("llama", **sizes), tp)
     for field in named:
         assert field in str(err.value)
     assert f"Valid tp sizes for this model: {valid}." in str(err.value)
+
+
+@pytest.mark.parametrize(("kv_heads", "tp"), [(2, 4), (1, 2), (1, 8), (4, 8)])
+def test_kv_heads_that_divide_tp_are_accepted(kv_heads, tp):
+    check_divisible(tiny_config("llama", num_key_value_heads=kv_heads), tp)  # no error: grouped kv heads
 
 
 def test_a_timeout_must_be_a_positive_number_of_seconds(llama_dir):

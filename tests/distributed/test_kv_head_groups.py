@@ -1,0 +1,195 @@
+"""More ranks than key/value heads: each rank holds the kv head its query heads use.
+
+Tiny Llama checkpoints (``tests/_tiny.py``: hidden 64, 8 heads, 2 layers) with fewer kv heads than
+ranks, loaded with ``parallelize_model`` on gloo ranks and compared with one plain transformers
+process: 2 kv heads at tp=4 (each kv head held by 2 ranks: ``GroupedShard`` ``S(0/2)``) and one kv
+head at tp=2 (multi-query: k/v replicated). Logits of one forward and the tokens of a greedy
+``generate`` must equal one process; the plan must be Megatron's (q and o sharded, 2 all-reduces
+per block, no all-gather inside a block), and each rank's KV cache holds only its own kv head.
+
+Tolerance: atol 1e-5, rtol 1e-4 (fp32), as in tests/distributed/test_parallelize.py (row-parallel
+partial sums reorder fp32 additions).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests._dist import run_ranks
+from tests._tiny import save_tiny
+
+pytestmark = pytest.mark.dist
+
+PAD_ID = 120
+PROMPT = [[5, 17, 99, 3, 64, 12, 7]]
+NEW_TOKENS = 8
+ATOL, RTOL = 1e-5, 1e-4
+LAYERS = 2
+
+
+def _reference(folder: Path) -> tuple[torch.Tensor, list[int]]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    ids = torch.tensor(PROMPT)
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+        tokens = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=PAD_ID)
+    return logits, tokens[0].tolist()
+
+
+def _rank(rank: int, world: int, folder: str) -> dict[str, Any]:
+    from autotp import parallelize_model
+    from autotp.context import shard_of
+
+    model = parallelize_model(folder, tp_size=world)
+    ids = torch.tensor(PROMPT)
+    with torch.no_grad():
+        out = model(input_ids=ids, use_cache=True)
+        tokens = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=PAD_ID)
+    cache = out.past_key_values
+    local_kv_heads = []
+    for layer in cache.layers:
+        for entry in (layer.keys, layer.values):
+            shard = shard_of(entry)
+            local_kv_heads.append(shard[0].shape[1] if shard is not None else entry.shape[1])
+    return {
+        "logits": out.logits,
+        "tokens": tokens[0].tolist(),
+        "plan": model.autotp.plan,
+        "local_kv_heads": local_kv_heads,
+    }
+
+
+@pytest.mark.parametrize(
+    ("kv_heads", "world", "kv_placement", "kv_rows"),
+    [
+        (2, 4, "S(0/2)", 8),  # one kv head of 8 rows per rank, each held by 2 ranks
+        (1, 2, "R", 8),  # multi-query: the one kv head on every rank
+    ],
+)
+def test_fewer_kv_heads_than_ranks_match_one_process_with_megatrons_plan(
+    tmp_path: Path, kv_heads: int, world: int, kv_placement: str, kv_rows: int
+) -> None:
+    folder = save_tiny("llama", tmp_path / "llama", pad_token_id=PAD_ID, num_key_value_heads=kv_heads)
+    ref_logits, ref_tokens = _reference(folder)
+    results = run_ranks(_rank, world, str(folder))
+    for r in results:
+        torch.testing.assert_close(r["logits"], ref_logits, atol=ATOL, rtol=RTOL)
+        assert r["tokens"] == ref_tokens
+        assert r["local_kv_heads"] == [1] * (2 * LAYERS)  # the cache holds this rank's kv head only
+        params = r["plan"]["parameters"]
+        for i in range(LAYERS):
+            attn = f"model.layers.{i}.self_attn."
+            assert params[attn + "q_proj.weight"]["style"] == "colwise"
+            assert params[attn + "o_proj.weight"]["style"] == "rowwise"
+            for name in ("k_proj.weight", "v_proj.weight"):
+                assert params[attn + name]["placement"] == kv_placement
+                assert params[attn + name]["local_shape"] == [kv_rows, 64]
+        # 2 all-reduces per block + the vocab-parallel embedding's; no all-gather in the graph
+        # (the logits leave it sharded and are gathered at the model boundary)
+        assert r["plan"]["collectives"] == {"all_reduce": 2 * LAYERS + 1}
+
+
+def _rank_redistribute(rank: int, world: int) -> dict[str, bool]:
+    from autotp.collectives import Comm, redistribute
+    from autotp.placement import GroupedShard, R, Shard
+
+    comm = Comm.from_default_group()
+    full = torch.arange(2 * 8 * 3, dtype=torch.float32).reshape(2, 8, 3)  # (B, heads, D)
+    grouped = GroupedShard(1, 2)  # 2 chunks of 4 heads, each on 2 ranks
+    mine = full[:, (rank // 2) * 4 : (rank // 2 + 1) * 4]
+    spread_full = full[:, :2].unsqueeze(2).expand(2, 2, 4, 3)  # (B, KV=2, 4 copies, D)
+    spread_mine = spread_full[:, rank // 2 : rank // 2 + 1, (rank % 2) * 2 : (rank % 2 + 1) * 2]
+    return {
+        "narrowed from R": torch.equal(redistribute(full, R, grouped, comm), mine),
+        "narrowed to a plain shard": torch.equal(
+            redistribute(mine, grouped, Shard(1), comm), full[:, rank * 2 : (rank + 1) * 2]
+        ),
+        "gathered": torch.equal(redistribute(mine, grouped, R, comm), full),
+        "spread gathered": torch.equal(
+            redistribute(spread_mine.contiguous(), GroupedShard(1, 2, 2), R, comm), spread_full
+        ),
+    }
+
+
+def test_grouped_shards_narrow_locally_and_gather_one_chunk_per_group() -> None:
+    for checks in run_ranks(_rank_redistribute, 4):
+        assert checks == {name: True for name in checks}
+
+
+def _rank_masked(rank: int, world: int, folder: str, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    from autotp import parallelize_model
+
+    model = parallelize_model(folder, tp_size=world)
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+
+
+def test_grouped_kv_heads_generate_a_left_padded_batch_like_one_process(tmp_path: Path) -> None:
+    """With a padding mask transformers repeats each kv head over its query heads itself
+    (``repeat_kv``: an expand and a reshape the rewrite localizes), not inside attention."""
+    from transformers import AutoModelForCausalLM
+
+    folder = save_tiny("llama", tmp_path / "llama", pad_token_id=PAD_ID, num_key_value_heads=2)
+    ids = torch.tensor([[0, 0, 5, 17, 99, 3], [4, 8, 15, 16, 23, 42]])
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    ref = AutoModelForCausalLM.from_pretrained(folder).eval()
+    with torch.no_grad():
+        expected = ref.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    for tokens in run_ranks(_rank_masked, 4, str(folder), ids, mask):
+        assert torch.equal(tokens, expected)
+
+
+def _rank_train(rank: int, world: int, folder: str) -> str:
+    from autotp import AutoTPError, parallelize_model
+
+    model = parallelize_model(folder, tp_size=world)
+    model.train()
+    try:
+        model(input_ids=torch.tensor(PROMPT), labels=torch.tensor(PROMPT)).loss.backward()
+    except AutoTPError as e:
+        return str(e)
+    return "trained"
+
+
+def test_training_through_grouped_kv_heads_is_refused_not_silently_wrong(tmp_path: Path) -> None:
+    """Each rank of a group uses its own query heads' share of the kv head, so the kv projection's
+    gradient is partial over the group; no reduction is planned for it yet."""
+    folder = save_tiny("llama", tmp_path / "llama", pad_token_id=PAD_ID, num_key_value_heads=2)
+    for message in run_ranks(_rank_train, 4, str(folder)):
+        assert "kv heads" in message and "warmup=False" in message, message
+
+
+def _rank_cached(rank: int, world: int, folder: str, cache_dir: str) -> dict[str, Any]:
+    import os
+
+    os.environ["AUTOTP_CACHE_DIR"] = cache_dir
+    from autotp import parallelize_model
+
+    model = parallelize_model(folder, tp_size=world)
+    ids = torch.tensor(PROMPT)
+    with torch.no_grad():
+        tokens = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=PAD_ID)
+    return {
+        "tokens": tokens[0].tolist(),
+        "plans": model.autotp.plans,
+        "cache": [o.as_dict()["status"] for o in model.autotp.context.plan_cache.outcomes],
+    }
+
+
+def test_a_second_job_reuses_the_grouped_plans_from_the_plan_cache(tmp_path: Path) -> None:
+    """Grouped placements (``S(0/2)``, ``S(1/2:2)``) are written to and read back from the cache."""
+    folder = save_tiny("llama", tmp_path / "llama", pad_token_id=PAD_ID, num_key_value_heads=2)
+    _, ref_tokens = _reference(folder)
+    cache = str(tmp_path / "cache")
+    first = run_ranks(_rank_cached, 4, str(folder), cache)
+    second = run_ranks(_rank_cached, 4, str(folder), cache)
+    for a, b in zip(first, second, strict=True):
+        assert set(a["cache"]) == {"miss"} and b["cache"] == ["hit"] * len(a["cache"])
+        assert b["plans"] == a["plans"]
+        assert a["tokens"] == b["tokens"] == ref_tokens
