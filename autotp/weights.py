@@ -72,7 +72,8 @@ from autotp.checkpoint_keys import (
     stored_keys,
 )
 from autotp.errors import AutoTPError, CheckpointError, ShardingError
-from autotp.placement import Placement, Replicate, Shard, StridedShard
+from autotp.placement import Placement, Replicate, Shard, StridedShard, chunk_range
+from autotp.placement import local_shape as shard_shape
 from autotp.weight_files import WeightFile, open_weight_file
 
 __all__ = [
@@ -740,21 +741,6 @@ def tied_groups(model: torch.nn.Module) -> list[list[str]]:
 # --------------------------------------------------------------------------------------------------
 
 
-def chunk_range(size: int, rank: int, world_size: int) -> tuple[int, int]:
-    """``[start, stop)`` of chunk ``rank`` of ``torch.chunk`` over a dim of ``size`` into ``world_size``.
-
-    Chunk size is ``ceil(size / world_size)``; trailing ranks get a short chunk, or an empty range
-    ``(size, size)`` where ``torch.chunk`` returns fewer than ``world_size`` chunks.
-    """
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank {rank} out of range for world_size {world_size}")
-    step = -(-size // world_size)
-    start = min(rank * step, size)
-    return start, min(start + step, size)
-
-
 def _config_hint(fqn: str) -> str:
     """Which config fields set the dimensions of a parameter, guessed from its name."""
     name = fqn.lower()
@@ -826,12 +812,7 @@ class ParameterMeta:
     def local_shape(self, world_size: int, rank: int = 0) -> tuple[int, ...]:
         """Shape of ``rank``'s shard (ranks differ only when the dim does not divide evenly)."""
         dim = self.shard_dim
-        if dim is None:
-            return self.global_shape
-        start, stop = chunk_range(self.global_shape[dim], rank, world_size)
-        shape = list(self.global_shape)
-        shape[dim] = stop - start
-        return tuple(shape)
+        return self.global_shape if dim is None else shard_shape(self.global_shape, Shard(dim), world_size, rank)
 
     def _cut(self, rank: int, world_size: int) -> tuple[int | None, int, int]:
         rng = self.index_range(rank, world_size)

@@ -35,24 +35,23 @@ from typing import Any
 
 from autotp.ops._common import P, R, aten_ops, out_spec, same, shift_after_removal
 from autotp.ops.registry import OWN, POINTWISE, Candidate, OpCall, register, register_local, reject
-from autotp.placement import Partial, Placement, Replicate, Shard, StridedShard, normalize_dim
+from autotp.placement import Partial, Placement, Replicate, Shard, StridedShard, local_size, normalize_dim
 
 
-def localize_sizes(sizes: Sequence[Any], out_placement: Any, world_size: int) -> list[Any]:
+def localize_sizes(sizes: Sequence[Any], out_placement: Any, world_size: int, rank: int = 0) -> list[Any]:
     """The per-rank size list of a view/reshape/expand whose output has ``out_placement``.
 
-    The size at the output's shard dim is divided by ``world_size``; a ``-1`` (inferred) stays
-    ``-1``; other placements leave the sizes unchanged. ``(2, 6, 8, 8)`` with ``S(2)`` over 2 ranks
-    becomes ``(2, 6, 4, 8)``. Raises ``ValueError`` when the size does not divide evenly.
+    The size at the output's shard dim becomes rank ``rank``'s chunk of it
+    (:func:`autotp.placement.local_size`: ``size / N``, or a short last chunk of a dim split
+    unevenly); a ``-1`` (inferred) stays ``-1``; other placements leave the sizes unchanged.
+    ``(2, 6, 8, 8)`` with ``S(2)`` over 2 ranks becomes ``(2, 6, 4, 8)``.
     """
     sizes = list(sizes)
     if isinstance(out_placement, Shard):
         d = out_placement.dim
         size = sizes[d]
         if not (isinstance(size, int) and size == -1):
-            if size % world_size != 0:
-                raise ValueError(f"size {size} at dim {d} does not divide by world size {world_size}")
-            sizes[d] = size // world_size
+            sizes[d] = local_size(size, rank, world_size) if isinstance(size, int) else size // world_size
     return sizes
 
 
@@ -68,9 +67,9 @@ def shape_local(target: Any, args: tuple, kwargs: dict, in_placements: Sequence[
     args = list(args)
     kwargs = dict(kwargs)
     if index < len(args):
-        args[index] = localize_sizes(args[index], out_placement, world_size)
+        args[index] = localize_sizes(args[index], out_placement, world_size, rank)
     else:
-        kwargs[name] = localize_sizes(kwargs[name], out_placement, world_size)
+        kwargs[name] = localize_sizes(kwargs[name], out_placement, world_size, rank)
     return target(*args, **kwargs)
 
 
@@ -118,6 +117,10 @@ def view_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate]
     for o in range(len(out)):
         if math.prod(out[o:]) == suffix and out[o] >= n and out[o] % n == 0:
             # e.g. (B, S, H) S(2) -> (B, S, heads, D) S(2): local sizes (B, S, heads/N, D)
+            return [Candidate(Shard(o), local="shape")]
+        if math.prod(out[o:]) == suffix and out[o] == x.shape[p.dim]:
+            # the sharded dim carried whole, though N may not divide it (vocabulary logits
+            # (B, S, V) S(2) -> (B*S, V) S(1)): each rank's chunk is the same rows on both sides
             return [Candidate(Shard(o), local="shape")]
     merged = _merged_behind(x.shape[p.dim:], out, n)
     if merged is not None and _static_segment(op, x.shape[p.dim + 1:], out, merged.dim):

@@ -110,7 +110,7 @@ from autotp.errors import SolverError
 from autotp.ops.registry import Candidate, OpCall, TensorSpec, lookup, reject
 from autotp.passes.decompose import EDGE, MARK, SYMBOLIC_DIMS, ShadowGraph
 from autotp.passes.hosts import hosted_tags, needs_host
-from autotp.placement import Partial, Placement, R, Replicate, Shard, StridedShard, shard_candidates
+from autotp.placement import Partial, Placement, R, Replicate, Shard, StridedShard, is_uneven, shard_candidates
 
 LATENCY_BYTES = 4096.0  # one collective's fixed cost, in byte-equivalents
 SMALL_ROWS = 1 / 16  # a parameter with at most this share of the widest one's rows is "small"
@@ -324,7 +324,8 @@ def edge_targets(p: Placement, spec: TensorSpec, world_size: int) -> list[Placem
         out.extend(shards)
     elif isinstance(p, Shard):
         out.append(R)
-        out.extend(s for s in shards if s != p)
+        if not is_uneven(spec.shape[p.dim], world_size):  # an uneven shard (a vocabulary) is only gathered
+            out.extend(s for s in shards if s != p)
     return out
 
 
