@@ -110,7 +110,16 @@ from autotp.errors import SolverError
 from autotp.ops.registry import Candidate, OpCall, TensorSpec, lookup, reject
 from autotp.passes.decompose import EDGE, MARK, SYMBOLIC_DIMS, ShadowGraph
 from autotp.passes.hosts import hosted_tags, needs_host
-from autotp.placement import Partial, Placement, R, Replicate, Shard, StridedShard, is_uneven, shard_candidates
+from autotp.placement import (
+    Partial,
+    Placement,
+    R,
+    Replicate,
+    Shard,
+    StridedShard,
+    is_uneven,
+    shard_candidates,
+)
 
 LATENCY_BYTES = 4096.0  # one collective's fixed cost, in byte-equivalents
 SMALL_ROWS = 1 / 16  # a parameter with at most this share of the widest one's rows is "small"

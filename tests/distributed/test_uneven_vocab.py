@@ -1,0 +1,90 @@
+"""A vocabulary that tp does not divide is split unevenly (``torch.chunk``'s chunks) and the user
+never sees it: logits, loss and greedy ``generate`` equal one plain transformers process.
+
+The tiny GPT-2 (tied ``lm_head``) has 16383 entries, odd, so at tp=2 rank 0 holds rows
+[0, 8192) and rank 1 rows [8192, 16383). The vocabulary is large enough that the solver keeps the
+logits sharded through the cross-entropy (three all-reduces of per-row statistics cost less than
+gathering 16383 logits per token, see ``test_vocab_parallel_loss.py``), so the vocab-parallel loss
+runs on uneven chunks too. Tolerances: fp32 logits and loss atol 1e-5 / rtol 1e-4 (the ranks'
+partial sums reorder fp32 additions); greedy tokens exactly.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests._dist import run_ranks
+from tests._tiny import save_tiny
+
+pytestmark = pytest.mark.dist
+
+VOCAB = 16383
+IDS = torch.tensor([[5, 17, 16382, 3, 8191, 8192, 7, 9], [8, 1, 2, 3, 16000, 77, 31, 40]])
+LABELS = torch.where(torch.arange(8) < 2, -100, IDS)  # the first two positions are ignored
+NEW_TOKENS = 6
+ATOL, RTOL = 1e-5, 1e-4
+
+
+def _rank(rank: int, world: int, folder: str) -> dict:
+    from autotp import parallelize_model
+    from autotp.context import meta_of
+
+    model = parallelize_model(folder, tp_size=world)
+    comm = model.autotp.context.comm
+    with torch.no_grad():
+        logits = model(input_ids=IDS).logits
+        tokens = model.generate(IDS[:1, :4], max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+    model.train()
+    comm.reset_counts()
+    loss = model(input_ids=IDS, labels=LABELS).loss
+    loss_counts = dict(comm.counts)
+    loss.backward()
+    table = model.transformer.wte.weight
+    return {
+        "logits": logits,
+        "loss": float(loss),
+        "loss_counts": loss_counts,
+        "tokens": tokens[0].tolist(),
+        "table_rows": tuple(table.shape),
+        "table_placement": str(meta_of(table).placement),
+        "table_grad": table.grad.clone(),
+        "tied": model.lm_head.weight is table,
+    }
+
+
+def test_gpt2_with_a_vocabulary_tp_does_not_divide_matches_one_process(tmp_path: Path) -> None:
+    from transformers import GPT2LMHeadModel
+
+    folder = save_tiny(
+        "gpt2", tmp_path / "gpt2", seed=0, vocab_size=VOCAB, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0
+    )  # train mode without dropout
+    ref = GPT2LMHeadModel.from_pretrained(folder).eval()
+    with torch.no_grad():
+        ref_logits = ref(input_ids=IDS).logits
+        ref_tokens = ref.generate(IDS[:1, :4], max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)[
+            0
+        ].tolist()
+    ref.train()
+    ref_loss = ref(input_ids=IDS, labels=LABELS).loss
+    ref_loss.backward()
+
+    results = run_ranks(_rank, 2, str(folder))
+
+    assert [r["table_rows"] for r in results] == [(8192, 64), (8191, 64)]  # torch.chunk's chunks
+    for r in results:
+        assert r["table_placement"] == "S(0)" and r["tied"]
+        assert r["logits"].shape == ref_logits.shape == (2, 8, VOCAB)
+        torch.testing.assert_close(r["logits"], ref_logits, atol=ATOL, rtol=RTOL)
+        assert r["tokens"] == ref_tokens
+        assert r["loss"] == pytest.approx(float(ref_loss.detach()), rel=RTOL, abs=ATOL)
+        # 2 all-reduces per block, 1 for the embedding, 3 for the vocab-parallel loss (row max,
+        # sum-exp, the loss itself); the one all-gather is the logits' for the user, at the boundary
+        assert r["loss_counts"] == {"all_reduce": 2 * 2 + 1 + 3, "all_gather": 1}
+    # the tied table's gradient (embedding and lm_head) is the rank's rows of one process's
+    for rank, r in enumerate(results):
+        torch.testing.assert_close(
+            r["table_grad"], ref.transformer.wte.weight.grad.chunk(2, 0)[rank], atol=ATOL, rtol=RTOL
+        )
