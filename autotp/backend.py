@@ -209,7 +209,8 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: list[Any], ctx: TPCo
         write_json(folder, "fusion.json", gm.autotp_fusion or {"disabled": True})
     if solver_trace is not None:
         write_solver_trace(folder, solver_trace, {**summary, "plan_cache": lookup.outcome.status,
-                                                  "local_rewrites": dict(report.local_rewrites)})
+                                                  "local_rewrites": dict(report.local_rewrites),
+                                                  "uneven_shards": plan.get("uneven", {})})
     if ctx.on_plan is not None:
         ctx.on_plan(plan)
     forward, inner_info = inner_compile(gm, ctx.config.compile_inner, ctx.comm)

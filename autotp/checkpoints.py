@@ -300,7 +300,8 @@ def _full_tensor(local: torch.Tensor, meta: ParameterMeta, comm: Comm) -> torch.
     if not isinstance(placement, Shard):
         return local.detach()
     dim, n = placement.dim, comm.world_size
-    gathered = redistribute(local.detach(), Shard(dim), R, comm)  # rank-major: (.., N * local_d, ..)
+    # rank-major: (.., N * local_d, ..), or the vocabulary's uneven chunks end to end
+    gathered = redistribute(local.detach(), Shard(dim), R, comm, size=meta.global_shape[dim])
     if not isinstance(placement, StridedShard):
         return gathered
     # rank r holds chunk r of each segment: (.., [seg_0 / N | seg_1 / N | ...] x N ranks, ..)

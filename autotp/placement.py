@@ -152,6 +152,22 @@ def is_uneven(size: int, world_size: int) -> bool:
     return size % world_size != 0
 
 
+def uneven_rows(shape: tuple[int, ...], placement: Placement | None, world_size: int) -> list[int] | None:
+    """Every rank's share of the sharded dim when the ranks carry unequal work, else None."""
+    if isinstance(placement, Shard) and not isinstance(placement, StridedShard) \
+            and is_uneven(shape[placement.dim], world_size):
+        return chunk_sizes(shape[placement.dim], world_size)
+    return None
+
+
+def uneven_note(shape: tuple[int, ...], placement: Placement | None, world_size: int) -> str | None:
+    """Where ranks carry unequal work, in words: ``"dim 0 of 50257 over tp=2: rows 25129/25128"``."""
+    rows = uneven_rows(shape, placement, world_size)
+    if rows is None:
+        return None
+    return f"dim {placement.dim} of {shape[placement.dim]} over tp={world_size}: rows {'/'.join(map(str, rows))}"
+
+
 def shard_candidates(shape: tuple[int, ...], world_size: int, uneven_sizes: frozenset[int] = frozenset()
                      ) -> list[Shard]:
     """The Shard placements a tensor of ``shape`` can take: dims whose size divides evenly, and dims

@@ -57,7 +57,7 @@ from autotp.hf_config import read_config
 from autotp.kv_cache import cache_keyword, returned_cache
 from autotp.passes.decompose import EDGE, MARK
 from autotp.passes.solve import solve
-from autotp.placement import Placement, R, Shard, StridedShard, local_shape, parse
+from autotp.placement import Placement, R, Shard, StridedShard, local_shape, parse, uneven_note, uneven_rows
 from autotp.plan import style_of
 
 __all__ = ["GraphReport", "PlanReport", "check_names", "explain", "explain_matching", "load_config", "plan_model",
@@ -609,10 +609,12 @@ def _parameter_table(module: torch.nn.Module, tp: int, styles: Mapping[str, str]
             "shard_dim": placement.dim if isinstance(placement, Shard) else None,
             "global_shape": list(shape),
             "global_numel": _numel(shape),
-            "local_shape": list(local),
+            "local_shape": list(local),  # rank 0's: the largest chunk where the split is uneven
             "bytes_per_rank": nbytes,
             "tied_to": meta.fqn if meta.fqn != fqn else None,
             "used": meta.placement is not None,
+            "rows_per_rank": uneven_rows(shape, placement, tp),  # where ranks carry unequal work
+            "uneven": uneven_note(shape, placement, tp),
         }
         if id(meta) not in counted:
             counted.add(id(meta))

@@ -43,8 +43,11 @@ class _Recorder(torch.fx.Interpreter):
         return out
 
 
-def _full(local: torch.Tensor, placement: Any, comm: Comm) -> torch.Tensor:
-    if isinstance(placement, (Shard, Partial)):
+def _full(local: torch.Tensor, placement: Any, comm: Comm, shape: tuple[int, ...]) -> torch.Tensor:
+    """The whole value (global ``shape``: a shard may be uneven) from this rank's piece."""
+    if isinstance(placement, Shard):
+        return redistribute(local, placement, R, comm, size=shape[placement.dim])
+    if isinstance(placement, Partial):
         return redistribute(local, placement, R, comm)
     return local
 
@@ -105,7 +108,7 @@ def _compare(reference: torch.fx.GraphModule, ref_values: dict[str, Any], local_
         for k, (r, lo, p) in enumerate(pairs):
             if not isinstance(r, torch.Tensor) or not isinstance(lo, torch.Tensor):
                 continue
-            full = _full(lo, p if p is not None else R, comm)
+            full = _full(lo, p if p is not None else R, comm, tuple(r.shape))
             diff = _differs(full, r)
             if diff is not None:
                 where = f"{n.name}" + (f"[{k}]" if len(pairs) > 1 else "")
