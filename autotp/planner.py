@@ -613,9 +613,10 @@ def _parameter_table(module: torch.nn.Module, tp: int, styles: Mapping[str, str]
             "bytes_per_rank": nbytes,
             "tied_to": meta.fqn if meta.fqn != fqn else None,
             "used": meta.placement is not None,
-            "rows_per_rank": uneven_rows(shape, placement, tp),  # where ranks carry unequal work
-            "uneven": uneven_note(shape, placement, tp),
         }
+        uneven = uneven_rows(shape, placement, tp)
+        if uneven is not None:  # ranks carry unequal work (a vocabulary no tp divides)
+            rows[fqn].update(rows_per_rank=uneven, uneven=uneven_note(shape, placement, tp))
         if id(meta) not in counted:
             counted.add(id(meta))
             per_rank += nbytes
