@@ -291,9 +291,7 @@ def _loss_with_sharded_rows(n: torch.fx.Node, plan: Any) -> bool:
         return False
     x = n.args[0] if n.args else n.kwargs.get("input")
     placement = _arrival(n, plan, x)
-    while isinstance(x, torch.fx.Node) and x.op == "call_module" and str(x.target).startswith("autotp_redistribute"):
-        x = x.args[0]  # the value before the inserted collective, which carries Dynamo's example value
-    value = x.meta.get("example_value") if isinstance(x, torch.fx.Node) else None
+    value = _example_value(x)
     class_dim = 0 if isinstance(value, torch.Tensor) and value.dim() == 1 else 1
     return isinstance(placement, Shard) and placement.dim != class_dim
 

@@ -28,6 +28,41 @@ NEW_TOKENS = 6
 ATOL, RTOL = 1e-5, 1e-4
 
 
+def _uneven_collectives_rank(rank: int, world: int, full: torch.Tensor, grad: torch.Tensor) -> dict:
+    from autotp.collectives import Comm, redistribute
+    from autotp.placement import R, Shard, chunk_range
+
+    comm = Comm.from_default_group()
+    start, stop = chunk_range(full.shape[1], rank, world)
+    out = {}
+    for grad_partial in (False, True):  # backward: own chunk, or (partial gradient) a padded reduce-scatter
+        local = full[:, start:stop].clone().requires_grad_()
+        gathered = redistribute(local, Shard(1), R, comm, grad_partial, size=full.shape[1])
+        gathered.backward(grad * (rank + 1) if grad_partial else grad)
+        out[grad_partial] = (gathered.detach(), local.grad)
+    whole = full.clone().requires_grad_()
+    chunk = redistribute(whole, R, Shard(1), comm)  # narrow; backward: padded all-gather
+    chunk.backward(grad[:, start:stop])
+    return {"gather": out, "narrow": chunk.detach(), "narrow_grad": whole.grad}
+
+
+def test_uneven_collectives_gather_narrow_and_reduce_scatter_by_torch_chunk() -> None:
+    """7 columns over 2 ranks (4 + 3): the padded all-gather returns the whole tensor and its
+    backward each rank's columns (summed over ranks where the gradient is partial), exactly."""
+    g = torch.Generator().manual_seed(0)
+    full, grad = torch.randn(3, 7, generator=g), torch.randn(3, 7, generator=g)
+    results = run_ranks(_uneven_collectives_rank, 2, full, grad)
+    for rank, r in enumerate(results):
+        mine = full.chunk(2, 1)[rank]
+        for grad_partial, (gathered, local_grad) in r["gather"].items():
+            torch.testing.assert_close(gathered, full, atol=0, rtol=0)
+            expected = (grad * 3 if grad_partial else grad).chunk(2, 1)[rank]  # 1x + 2x from the ranks
+            torch.testing.assert_close(local_grad, expected, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(r["narrow"], mine, atol=0, rtol=0)
+        # the narrow's backward gathers every rank's chunk of the gradient: the whole of it
+        torch.testing.assert_close(r["narrow_grad"], grad, atol=0, rtol=0)
+
+
 def _rank(rank: int, world: int, folder: str) -> dict:
     from autotp import parallelize_model
     from autotp.context import meta_of
