@@ -129,3 +129,31 @@ def test_a_bert_vocabulary_of_30522_is_split_over_four_ranks() -> None:
     assert rows["bert.embeddings.word_embeddings.weight"] == [7631, 7631, 7631, 7629]
     assert all(r == [7631, 7631, 7631, 7629] for r in rows.values()), rows
     assert collectives_per_block(report.forward.sites) == {layer: {"all_reduce": 2} for layer in range(2)}
+
+
+def test_an_untied_lm_head_over_a_vocabulary_with_one_added_token_is_split_like_its_table() -> None:
+    """Mistral-7B's widths with one token added (32001, odd): the table and the separate lm_head
+    both hold 16001 / 16000 rows, and only the logits are gathered."""
+    _, cls, fields, _ = REAL_WIDTHS["mistral"]
+    config = getattr(transformers, cls)(**{**fields, "vocab_size": 32001}, num_hidden_layers=2)
+    report = plan_model(config, 2, decode=False)
+
+    assert _vocabulary_rows(report) == {"model.embed_tokens.weight": [16001, 16000], "lm_head.weight": [16001, 16000]}
+    assert collectives_per_block(report.forward.sites) == {layer: {"all_reduce": 2} for layer in range(2)}
+    assert [s["origin"] for s in report.forward.sites if s["kind"] == "all_gather"] == ["lm_head"]
+
+
+@pytest.mark.parametrize(("cls", "fields", "tp", "named", "valid"), [
+    ("Qwen2Config", REAL_WIDTHS["qwen2"][2], 8, "num_attention_heads=28", "[1, 2, 4]"),  # Qwen2.5-7B at tp=8
+    ("FalconConfig", dict(hidden_size=4544, num_attention_heads=71, vocab_size=65024), 2,
+     "num_attention_heads=71", "[1]"),  # Falcon-7B
+], ids=["qwen2.5-7b-tp8", "falcon-7b-tp2"])
+def test_a_head_count_no_tp_divides_is_refused_with_the_valid_tps(cls: str, fields: dict, tp: int, named: str,
+                                                                   valid: str) -> None:
+    """Heads are not split unevenly (yet): the refusal names the count and lists the tps that work."""
+    from autotp.errors import AutoTPError
+
+    config = getattr(transformers, cls)(**fields, num_hidden_layers=2)
+    with pytest.raises(AutoTPError, match=re.escape(named)) as refused:
+        plan_model(config, tp, decode=False)
+    assert f"Valid tp sizes for this model: {valid}" in str(refused.value)
