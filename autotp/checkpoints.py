@@ -60,10 +60,10 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from autotp.collectives import Comm, barrier, redistribute
+from autotp.collectives import Comm, barrier, full_tensor
 from autotp.context import TPContext, meta_of
 from autotp.errors import AutoTPError, CheckpointError
-from autotp.placement import R, Shard, StridedShard
+from autotp.placement import Shard
 from autotp.safetensors_writer import SafetensorsWriter
 from autotp.weights import ParameterMeta
 
@@ -299,14 +299,7 @@ def _full_tensor(local: torch.Tensor, meta: ParameterMeta, comm: Comm) -> torch.
     placement = meta.placement
     if not isinstance(placement, Shard):
         return local.detach()
-    dim, n = placement.dim, comm.world_size
-    # rank-major: (.., N * local_d, ..), or the vocabulary's uneven chunks end to end
-    gathered = redistribute(local.detach(), Shard(dim), R, comm, size=meta.global_shape[dim])
-    if not isinstance(placement, StridedShard):
-        return gathered
-    # rank r holds chunk r of each segment: (.., [seg_0 / N | seg_1 / N | ...] x N ranks, ..)
-    per_rank = [chunk.split([s // n for s in placement.segments], dim) for chunk in gathered.chunk(n, dim)]
-    return torch.cat([per_rank[r][s] for s in range(len(placement.segments)) for r in range(n)], dim)
+    return full_tensor(local.detach(), placement, comm, size=meta.global_shape[placement.dim])
 
 
 def save_pretrained(model: torch.nn.Module, folder: str | os.PathLike, *,

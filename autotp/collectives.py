@@ -79,7 +79,7 @@ from torch import Tensor
 
 from autotp.errors import AutoTPError, ShardingError
 from autotp.health import RankHealth, rank_failure
-from autotp.placement import Partial, Placement, Replicate, Shard, chunk_range
+from autotp.placement import Partial, Placement, R, Replicate, Shard, StridedShard, chunk_range
 
 __all__ = [
     "KINDS",
@@ -960,6 +960,18 @@ def functional_redistribute(x: Tensor, src: Placement, dst: Placement, comm: Com
     moved = out.unflatten(0, (n, inp.shape[1])).movedim(0, src.dim)  # (..., N, A/N, ...)
     shape = inp.shape[1:]
     return moved.reshape(*shape[: src.dim], -1, *shape[src.dim + 1 :])
+
+
+def full_tensor(local: Tensor, placement: Placement, comm: Comm, size: int | None = None) -> Tensor:
+    """The whole logical tensor, on every rank, from this rank's piece: ``redistribute(-> R)``, and
+    for a fused layout (``StridedShard``: rank ``r`` holds chunk ``r`` of each segment) the gathered
+    rank-major pieces put back in segment order. ``size`` as for :func:`redistribute`."""
+    if not isinstance(placement, StridedShard):
+        return redistribute(local, placement, R, comm, size=size)
+    n, dim = comm.world_size, placement.dim
+    gathered = redistribute(local, Shard(dim), R, comm)  # (.., [seg_0 / N | seg_1 / N | ...] x N ranks, ..)
+    per_rank = [chunk.split([s // n for s in placement.segments], dim) for chunk in gathered.chunk(n, dim)]
+    return torch.cat([per_rank[r][s] for s in range(len(placement.segments)) for r in range(n)], dim)
 
 
 def redistribute(

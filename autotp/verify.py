@@ -21,9 +21,9 @@ from typing import Any
 import torch
 import torch.fx
 
-from autotp.collectives import Comm, redistribute
+from autotp.collectives import Comm, full_tensor
 from autotp.errors import AutoTPError
-from autotp.placement import Partial, R, Replicate, Shard
+from autotp.placement import R, Replicate, Shard
 
 #: (rtol, atol) relative to the reference tensor's largest magnitude, per dtype
 TOLERANCE = {torch.float32: (1e-4, 1e-5), torch.float64: (1e-9, 1e-10),
@@ -45,11 +45,7 @@ class _Recorder(torch.fx.Interpreter):
 
 def _full(local: torch.Tensor, placement: Any, comm: Comm, shape: tuple[int, ...]) -> torch.Tensor:
     """The whole value (global ``shape``: a shard may be uneven) from this rank's piece."""
-    if isinstance(placement, Shard):
-        return redistribute(local, placement, R, comm, size=shape[placement.dim])
-    if isinstance(placement, Partial):
-        return redistribute(local, placement, R, comm)
-    return local
+    return full_tensor(local, placement, comm, size=shape[placement.dim] if isinstance(placement, Shard) else None)
 
 
 def _differs(full: torch.Tensor, ref: torch.Tensor) -> float | None:

@@ -63,16 +63,19 @@ def test_uneven_collectives_gather_narrow_and_reduce_scatter_by_torch_chunk() ->
         torch.testing.assert_close(r["narrow_grad"], grad, atol=0, rtol=0)
 
 
-def _rank(rank: int, world: int, folder: str) -> dict:
-    from autotp import parallelize_model
+def _rank(rank: int, world: int, folder: str, export: str) -> dict:
+    from autotp import parallelize_model, save_pretrained
     from autotp.context import meta_of
 
-    model = parallelize_model(folder, tp_size=world)
+    # verify=True: the first call also runs the unsharded graph and compares every value, gathered
+    model = parallelize_model(folder, tp_size=world, verify=True)
     comm = model.autotp.context.comm
     with torch.no_grad():
         logits = model(input_ids=IDS).logits
         tokens = model.generate(IDS[:1, :4], max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+    save_pretrained(model, export)  # the uneven shards gathered back into the whole table
     model.train()
+    model(input_ids=IDS, labels=LABELS)  # compiles (and verifies) the training graph: not counted
     comm.reset_counts()
     loss = model(input_ids=IDS, labels=LABELS).loss
     loss_counts = dict(comm.counts)
@@ -99,14 +102,13 @@ def test_gpt2_with_a_vocabulary_tp_does_not_divide_matches_one_process(tmp_path:
     ref = GPT2LMHeadModel.from_pretrained(folder).eval()
     with torch.no_grad():
         ref_logits = ref(input_ids=IDS).logits
-        ref_tokens = ref.generate(IDS[:1, :4], max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)[
-            0
-        ].tolist()
+        ref_tokens = ref.generate(IDS[:1, :4], max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+    ref_tokens = ref_tokens[0].tolist()
     ref.train()
     ref_loss = ref(input_ids=IDS, labels=LABELS).loss
     ref_loss.backward()
 
-    results = run_ranks(_rank, 2, str(folder))
+    results = run_ranks(_rank, 2, str(folder), str(tmp_path / "export"))
 
     assert [r["table_rows"] for r in results] == [(8192, 64), (8191, 64)]  # torch.chunk's chunks
     for r in results:
@@ -118,6 +120,13 @@ def test_gpt2_with_a_vocabulary_tp_does_not_divide_matches_one_process(tmp_path:
         # 2 all-reduces per block, 1 for the embedding, 3 for the vocab-parallel loss (row max,
         # sum-exp, the loss itself); the one all-gather is the logits' for the user, at the boundary
         assert r["loss_counts"] == {"all_reduce": 2 * 2 + 1 + 3, "all_gather": 1}
+    exported = GPT2LMHeadModel.from_pretrained(tmp_path / "export")
+    torch.testing.assert_close(
+        exported.transformer.wte.weight,
+        GPT2LMHeadModel.from_pretrained(folder).transformer.wte.weight,
+        atol=0,
+        rtol=0,
+    )
     # the tied table's gradient (embedding and lm_head) is the rank's rows of one process's
     for rank, r in enumerate(results):
         torch.testing.assert_close(
