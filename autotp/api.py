@@ -261,7 +261,7 @@ def gather_user_values(value: Any, comm: Comm, *, logits_with_loss: bool = True)
     shard = shard_of(value)
     if shard is not None:
         local, placement = shard
-        return redistribute(local, placement, R, comm)
+        return redistribute(local, placement, R, comm, size=value.shape[placement.dim])
     if isinstance(value, dict):  # ModelOutput too: item assignment keeps its attributes in sync
         for key in list(value.keys()):
             value[key] = gather_user_values(value[key], comm)

@@ -31,6 +31,7 @@ from autotp.errors import AutoTPError, SolverError
 from autotp.inner import inner_compile
 from autotp.memory import release_free_memory
 from autotp.mesh import check_layout
+from autotp.ops.embedding import vocabulary_sizes
 from autotp.ops.fused import fused_segmentations, strided_candidates
 from autotp.ops.kv_heads import kv_projections
 from autotp.passes.annotate import annotate, replicated_annotation
@@ -215,7 +216,8 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: list[Any], ctx: TPCo
             write_json(folder, "save_shards.json", gm.autotp_save_shards)
     if solver_trace is not None:
         write_solver_trace(folder, solver_trace, {**summary, "plan_cache": lookup.outcome.status,
-                                                  "local_rewrites": dict(report.local_rewrites)})
+                                                  "local_rewrites": dict(report.local_rewrites),
+                                                  "uneven_shards": plan.get("uneven", {})})
     if ctx.on_plan is not None:
         ctx.on_plan(plan)
     forward, inner_info = inner_compile(gm, ctx.config.compile_inner, ctx.comm)
@@ -410,6 +412,7 @@ def _solve(gm: torch.fx.GraphModule, example_inputs: list[Any], param_inputs: di
     fused = fused_segmentations(shadow.aten.graph, world)
     backward = gradient_node(gm) is not None
     kv_heads = kv_projections(shadow.aten.graph, world)
+    vocabularies = vocabulary_sizes(shadow.aten.graph, world)  # dims that may be split unevenly
     fixed, free = {}, {}
     aten_params: dict[torch.fx.Node, tuple] = {}
     for ph, value in param_inputs.items():
@@ -421,7 +424,7 @@ def _solve(gm: torch.fx.GraphModule, example_inputs: list[Any], param_inputs: di
         else:
             nbytes = value.numel() * value.element_size()
             options = [(R, nbytes * (world - 1) / world)]
-            options += [(s, 0.0) for s in shard_candidates(tuple(value.shape), world)]
+            options += [(s, 0.0) for s in shard_candidates(tuple(value.shape), world, vocabularies)]
             options += [(s, 0.0) for s in strided_candidates(tuple(value.shape), fused)]  # fused q|k|v
             heads = kv_heads.get(aten_of[ph]) if not backward else None  # grouped shards: forward only
             if heads is not None:  # a k/v projection whose heads tp exceeds: kept whole, one head per rank
@@ -511,12 +514,13 @@ def _release_after_first_call(gm: torch.fx.GraphModule, param_inputs: dict[torch
     return run
 
 
-def _sharded_outputs(gm: torch.fx.GraphModule, annotation: Any) -> list[tuple[tuple[int, ...], Shard, int, int]]:
+def _sharded_outputs(gm: torch.fx.GraphModule, annotation: Any
+                     ) -> list[tuple[tuple[int, ...], Shard, int, int, int | None]]:
     """Where the graph's result leaves values sharded: (index path into the result, placement,
-    and the output edge's leaf and sub)."""
+    the output edge's leaf and sub, and the global size of the sharded dim when it is static)."""
     output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     edges = annotation.plans[output].edges if output in annotation.plans else {}
-    found: list[tuple[tuple[int, ...], Shard, int, int]] = []
+    found: list[tuple[tuple[int, ...], Shard, int, int, int | None]] = []
     leaf = iter(range(1 << 30))
 
     def walk(arg: Any, path: tuple[int, ...]) -> None:
@@ -530,13 +534,16 @@ def _sharded_outputs(gm: torch.fx.GraphModule, annotation: Any) -> list[tuple[tu
             for sub in range(len(value) if multi else 1):
                 e = edges.get((k, sub))
                 if e is not None and isinstance(e.dst, (Shard, GroupedShard)):
-                    found.append(((*path, sub) if multi else path, e.dst, k, sub))
+                    item = value[sub] if multi else value
+                    size = item.shape[e.dst.dim] if isinstance(item, torch.Tensor) else None
+                    found.append(((*path, sub) if multi else path, e.dst, k, sub,
+                                  size if isinstance(size, int) else None))
 
     walk(output.args[0], ())
     return found
 
 
-def _bind_sharded_values(run: Callable[..., Any], wraps: list[tuple[tuple[int, ...], Shard, int, int]],
+def _bind_sharded_values(run: Callable[..., Any], wraps: list[tuple[tuple[int, ...], Shard, int, int, int | None]],
                          example_inputs: list[Any], world: int) -> Callable[..., Any]:
     """Values that cross graphs sharded (KV-cache entries, see ``TPContext.sharded_outputs``):
     a sharded input arrives as a :func:`~autotp.context.sharded_standin` and the graph gets its
@@ -557,8 +564,8 @@ def _bind_sharded_values(run: Callable[..., Any], wraps: list[tuple[tuple[int, .
                     "use_cache=False")
             args[i] = shard[0]
         out = run(*args)
-        for path, placement, _, _ in wraps:
-            out = _replace_at(out, path, lambda local, p=placement, at=path: sharded_standin(local, p, world, at))
+        for path, placement, _, _, size in wraps:
+            out = _replace_at(out, path, lambda local, p=placement, at=path, n=size: sharded_standin(local, p, world, at, n))
         return out
 
     return call

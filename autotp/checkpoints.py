@@ -68,10 +68,10 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from autotp.collectives import Comm, barrier, redistribute
+from autotp.collectives import Comm, barrier, full_tensor
 from autotp.context import TPContext, meta_of
 from autotp.errors import AutoTPError, CheckpointError
-from autotp.placement import GroupedShard, R, Shard, StridedShard
+from autotp.placement import GroupedShard, Shard
 from autotp.safetensors_writer import SafetensorsWriter
 from autotp.weights import Checkpoint, ParameterMeta
 
@@ -371,16 +371,10 @@ def _full_tensor(local: torch.Tensor, meta: ParameterMeta, comm: Comm) -> torch.
     """The whole parameter, on every rank, from the ranks' local shards."""
     placement = meta.placement
     if isinstance(placement, GroupedShard):  # kv heads held per group of ranks: one chunk per group
-        return redistribute(local.detach(), placement, R, comm)
+        return full_tensor(local.detach(), placement, comm)
     if not isinstance(placement, Shard):
         return local.detach()
-    dim, n = placement.dim, comm.world_size
-    gathered = redistribute(local.detach(), Shard(dim), R, comm)  # rank-major: (.., N * local_d, ..)
-    if not isinstance(placement, StridedShard):
-        return gathered
-    # rank r holds chunk r of each segment: (.., [seg_0 / N | seg_1 / N | ...] x N ranks, ..)
-    per_rank = [chunk.split([s // n for s in placement.segments], dim) for chunk in gathered.chunk(n, dim)]
-    return torch.cat([per_rank[r][s] for s in range(len(placement.segments)) for r in range(n)], dim)
+    return full_tensor(local.detach(), placement, comm, size=meta.global_shape[placement.dim])
 
 
 def save_pretrained(model: torch.nn.Module, folder: str | os.PathLike, *,

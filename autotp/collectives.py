@@ -31,9 +31,13 @@ shard of the logical gradient. ``grad_partial=True`` says that the gradient *arr
 ``Replicate`` output is itself a partial sum (its consumer produced a sharded or partial output,
 e.g. the input of a column-parallel matmul), so it must be summed over the ranks on the way back.
 
-Shards follow ``torch.chunk`` semantics and must be even: the sharded dim's size must be divisible
-by the world size (the solver only proposes such shards, see
-:func:`autotp.placement.shard_candidates`); an uneven split raises :class:`ShardingError`.
+Shards follow ``torch.chunk`` semantics (:func:`autotp.placement.chunk_range`). An uneven shard (a
+vocabulary no tp divides: 50257 rows over 2 ranks are 25129 + 25128) is moved by the padded forms
+only: ``S(d) -> R`` pads each rank's chunk to ``ceil(size / N)``, all-gathers, and trims the tail
+(it needs the global ``size``, which the caller passes: a rank's chunk does not determine it);
+``R -> S(d)`` narrows to the rank's chunk; a reduce-scatter pads the input to ``N * ceil(size /
+N)`` and trims its output. The solver only offers uneven shards of vocabulary dims and never an
+all-to-all onto or off one (which raises :class:`ShardingError`).
 
 Backend support. NCCL runs every collective natively. On the torch 2.13 CPU build, gloo also
 supports ``all_gather_single``, ``reduce_scatter_single`` and ``all_to_all_single`` natively
@@ -82,7 +86,7 @@ from torch import Tensor
 
 from autotp.errors import AutoTPError, ShardingError
 from autotp.health import RankHealth, rank_failure
-from autotp.placement import GroupedShard, Partial, Placement, Replicate, Shard
+from autotp.placement import GroupedShard, Partial, Placement, R, Replicate, Shard, StridedShard, chunk_range
 
 __all__ = [
     "KINDS",
@@ -653,15 +657,30 @@ def _gather_raw(x: Tensor, comm: Comm) -> Tensor:
     return out
 
 
-def _all_gather(x: Tensor, dim: int, comm: Comm, backward: bool) -> Tensor:
-    """Concatenate every rank's ``x`` along ``dim``, in rank order."""
+def _pad_to(x: Tensor, dim: int, length: int) -> Tensor:
+    """``x`` with zeros appended along ``dim`` up to ``length`` (``x`` itself when long enough)."""
+    missing = length - x.shape[dim]
+    if missing <= 0:
+        return x
+    return torch.cat([x, x.new_zeros((*x.shape[:dim], missing, *x.shape[dim + 1 :]))], dim)
+
+
+def _all_gather(x: Tensor, dim: int, comm: Comm, backward: bool, size: int | None = None) -> Tensor:
+    """Concatenate every rank's ``x`` along ``dim``, in rank order. ``size`` is the global size of
+    ``dim`` when the chunks may be uneven: each rank's chunk is padded to ``ceil(size / N)``, and
+    the padding (all at the tail, since only trailing chunks are short) is trimmed after."""
     if dim >= x.dim():
         raise AutoTPError(f"all_gather along dim {dim} of a {x.dim()}-d tensor")
+    n = comm.world_size
+    padded = size is not None and size % n != 0
+    if padded:
+        x = _pad_to(x, dim, -(-size // n))  # (..., ceil(size/N), ...)
     comm._record("all_gather", x, backward)
     stacked = _gather_raw(x.contiguous(), comm)  # (N, *local)
     # (N, ..., s_d, ...) -> (..., N, s_d, ...) -> (..., N*s_d, ...): rank r's rows land at r*s_d.
     moved = stacked.movedim(0, dim)
-    return moved.reshape(*x.shape[:dim], -1, *x.shape[dim + 1 :]).contiguous()
+    out = moved.reshape(*x.shape[:dim], -1, *x.shape[dim + 1 :])
+    return (out.narrow(dim, 0, size) if padded else out).contiguous()
 
 
 def regather(x: Tensor, dim: int, comm: Comm) -> Tensor:
@@ -672,14 +691,22 @@ def regather(x: Tensor, dim: int, comm: Comm) -> Tensor:
 
 
 def _own_chunk(x: Tensor, dim: int, comm: Comm, what: str) -> Tensor:
-    """This rank's chunk of ``x`` along ``dim`` (``torch.chunk`` semantics, even), contiguous."""
-    s = _check_even(x, dim, comm.world_size, what)
-    return x.narrow(dim, comm.rank * s, s).contiguous()
+    """This rank's chunk of ``x`` along ``dim`` (``torch.chunk`` semantics, uneven allowed), contiguous."""
+    if dim >= x.dim():
+        raise AutoTPError(f"{what}: Shard({dim}) of a {x.dim()}-d tensor of shape {tuple(x.shape)}")
+    start, stop = chunk_range(x.shape[dim], comm.rank, comm.world_size)
+    return x.narrow(dim, start, stop - start).contiguous()
 
 
 def _reduce_scatter(x: Tensor, dim: int, comm: Comm, backward: bool) -> Tensor:
-    """Sum over ranks, keep this rank's chunk along ``dim``."""
+    """Sum over ranks, keep this rank's chunk along ``dim`` (an uneven dim is padded to ``N`` equal
+    blocks first and this rank's block trimmed to its chunk)."""
     n = comm.world_size
+    if dim < x.dim() and x.shape[dim] % n:
+        size = x.shape[dim]
+        out = _reduce_scatter(_pad_to(x, dim, n * -(-size // n)), dim, comm, backward)
+        start, stop = chunk_range(size, comm.rank, n)
+        return out.narrow(dim, 0, stop - start).contiguous()
     s = _check_even(x, dim, n, "reduce_scatter")
     comm._record("reduce_scatter", x, backward)
     if comm.simulated:
@@ -770,12 +797,12 @@ class ScatterToParallelRegion(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, dim: int, comm: Comm) -> Tensor:
-        ctx.comm, ctx.dim = comm, dim
+        ctx.comm, ctx.dim, ctx.size = comm, dim, x.shape[dim]
         return _own_chunk(x, dim, comm, "R -> S")
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
-        return _all_gather(grad, ctx.dim, ctx.comm, backward=True), None, None
+        return _all_gather(grad, ctx.dim, ctx.comm, backward=True, size=ctx.size), None, None
 
 
 class GatherFromParallelRegion(torch.autograd.Function):
@@ -783,15 +810,15 @@ class GatherFromParallelRegion(torch.autograd.Function):
     ``d`` if the grad is partial."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, dim: int, comm: Comm, grad_partial: bool) -> Tensor:
+    def forward(ctx: Any, x: Tensor, dim: int, comm: Comm, grad_partial: bool, size: int | None) -> Tensor:
         ctx.comm, ctx.dim, ctx.grad_partial = comm, dim, grad_partial
-        return _all_gather(x, dim, comm, backward=False)
+        return _all_gather(x, dim, comm, backward=False, size=size)
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None, None]:
         if ctx.grad_partial:
-            return _reduce_scatter(grad, ctx.dim, ctx.comm, backward=True), None, None, None
-        return _own_chunk(grad, ctx.dim, ctx.comm, "S -> R backward"), None, None, None
+            return _reduce_scatter(grad, ctx.dim, ctx.comm, backward=True), None, None, None, None
+        return _own_chunk(grad, ctx.dim, ctx.comm, "S -> R backward"), None, None, None, None
 
 
 class ReduceScatterToParallelRegion(torch.autograd.Function):
@@ -799,12 +826,12 @@ class ReduceScatterToParallelRegion(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, dim: int, comm: Comm) -> Tensor:
-        ctx.comm, ctx.dim = comm, dim
+        ctx.comm, ctx.dim, ctx.size = comm, dim, x.shape[dim]
         return _reduce_scatter(x, dim, comm, backward=False)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
-        return _all_gather(grad, ctx.dim, ctx.comm, backward=True), None, None
+        return _all_gather(grad, ctx.dim, ctx.comm, backward=True, size=ctx.size), None, None
 
 
 class AllToAllParallelRegion(torch.autograd.Function):
@@ -995,7 +1022,8 @@ def cost_bytes(src: Placement, dst: Placement, nbytes: float, world_size: int) -
 # --------------------------------------------------------------------------------------------------
 
 
-def functional_redistribute(x: Tensor, src: Placement, dst: Placement, comm: Comm) -> Tensor:
+def functional_redistribute(x: Tensor, src: Placement, dst: Placement, comm: Comm, size: int | None = None
+                            ) -> Tensor:
     """:func:`redistribute` through ``torch.distributed._functional_collectives`` (out of place,
     then ``wait_tensor``), so Dynamo / inductor trace each collective as a graph op
     (``_c10d_functional.all_reduce`` ...) instead of an opaque in-place call. Forward only (the
@@ -1003,6 +1031,8 @@ def functional_redistribute(x: Tensor, src: Placement, dst: Placement, comm: Com
     the plan's collectives per call), and never simulated.
 
     ``S(a) -> S(b)`` is an all-to-all over the concatenated layout, as in :func:`_all_to_all`.
+    An uneven ``S(d) -> R`` (``size`` given, see :func:`redistribute`) is padded and trimmed as in
+    :func:`_all_gather`.
     """
     from autotp.compat import functional_collectives
 
@@ -1022,8 +1052,8 @@ def functional_redistribute(x: Tensor, src: Placement, dst: Placement, comm: Com
         return _grouped_narrow(x, src, dst, comm)
     if isinstance(src, Replicate):
         assert isinstance(dst, Shard)
-        s = _check_even(x, dst.dim, n, "R -> S")
-        return x.narrow(dst.dim, comm.rank * s, s)
+        start, stop = chunk_range(x.shape[dst.dim], comm.rank, n)
+        return x.narrow(dst.dim, start, stop - start)
     if isinstance(src, Partial):
         if isinstance(dst, Replicate):
             return funcol.wait_tensor(funcol.all_reduce(x.contiguous(), "sum", group))
@@ -1032,6 +1062,9 @@ def functional_redistribute(x: Tensor, src: Placement, dst: Placement, comm: Com
         return funcol.wait_tensor(funcol.reduce_scatter_tensor(x.contiguous(), "sum", dst.dim, group))
     assert isinstance(src, Shard)
     if isinstance(dst, Replicate):
+        if size is not None and size % n:
+            padded = _pad_to(x, src.dim, -(-size // n)).contiguous()
+            return funcol.wait_tensor(funcol.all_gather_tensor(padded, src.dim, group)).narrow(src.dim, 0, size)
         return funcol.wait_tensor(funcol.all_gather_tensor(x.contiguous(), src.dim, group))
     assert isinstance(dst, Shard)
     s = _check_even(x, dst.dim, n, "all_to_all")
@@ -1043,15 +1076,28 @@ def functional_redistribute(x: Tensor, src: Placement, dst: Placement, comm: Com
     return moved.reshape(*shape[: src.dim], -1, *shape[src.dim + 1 :])
 
 
+def full_tensor(local: Tensor, placement: Placement, comm: Comm, size: int | None = None) -> Tensor:
+    """The whole logical tensor, on every rank, from this rank's piece: ``redistribute(-> R)``, and
+    for a fused layout (``StridedShard``: rank ``r`` holds chunk ``r`` of each segment) the gathered
+    rank-major pieces put back in segment order. ``size`` as for :func:`redistribute`."""
+    if not isinstance(placement, StridedShard):
+        return redistribute(local, placement, R, comm, size=size)
+    n, dim = comm.world_size, placement.dim
+    gathered = redistribute(local, Shard(dim), R, comm)  # (.., [seg_0 / N | seg_1 / N | ...] x N ranks, ..)
+    per_rank = [chunk.split([s // n for s in placement.segments], dim) for chunk in gathered.chunk(n, dim)]
+    return torch.cat([per_rank[r][s] for s in range(len(placement.segments)) for r in range(n)], dim)
+
+
 def redistribute(
-    x: Tensor, src: Placement, dst: Placement, comm: Comm, grad_partial: bool = False
+    x: Tensor, src: Placement, dst: Placement, comm: Comm, grad_partial: bool = False, size: int | None = None
 ) -> Tensor:
     """Turn this rank's piece ``x`` of a logical tensor placed as ``src`` into its piece under ``dst``.
 
     Differentiable; see the module docstring for the forward/backward pairs. ``grad_partial=True``
     (``dst`` must be ``R``) says the gradient arriving at the output is a partial sum, so backward
     all-reduces it (``R -> R``, ``P -> R``) or reduce-scatters it (``S -> R``). At world size 1
-    every supported pair returns ``x`` itself and nothing is counted.
+    every supported pair returns ``x`` itself and nothing is counted. ``size`` is the global size of
+    ``src``'s sharded dim; it is needed (and used) only where the ranks' chunks are uneven.
     """
     if not is_supported(src, dst):
         raise _unsupported(src, dst)
@@ -1079,6 +1125,9 @@ def redistribute(
         return ReduceScatterToParallelRegion.apply(x, dst.dim, comm)
     assert isinstance(src, Shard)
     if isinstance(dst, Replicate):
-        return GatherFromParallelRegion.apply(x, src.dim, comm, grad_partial)
+        return GatherFromParallelRegion.apply(x, src.dim, comm, grad_partial, size)
     assert isinstance(dst, Shard)
+    if size is not None and size % comm.world_size:
+        raise ShardingError(f"{src} -> {dst}: dim {src.dim} is split unevenly ({size} over {comm.world_size} "
+                            "ranks), which no all-to-all moves; gather it (-> R) first")
     return AllToAllParallelRegion.apply(x, src.dim, dst.dim, comm)

@@ -74,16 +74,19 @@ OUTPUT_PATH_ATTR = "_autotp_output_path"
 
 
 def sharded_standin(local: torch.Tensor, placement: Shard | GroupedShard, world_size: int,
-                    output_path: tuple[int, ...] | None = None) -> torch.Tensor:
+                    output_path: tuple[int, ...] | None = None, size: int | None = None) -> torch.Tensor:
     """A value that leaves a compiled graph sharded (a KV-cache entry), as a global-shaped,
     NaN-filled, zero-memory tensor that carries this rank's shard.
 
     Dynamo traces and guards the global shape; a later compiled graph that receives it binds the
     shard (see ``backend.compile_graph``), and ``parallelize_model`` gathers any such value the
     user would read. Eager code that reads the stand-in itself sees NaN, never plausible numbers.
+    ``size`` is the global size of the sharded dim (needed where the ranks' chunks are uneven:
+    vocabulary logits); else it is the local size times N.
     """
     shape = list(local.shape)
-    shape[placement.dim] *= chunks(placement, world_size)  # local (.., s/N, ..) -> global (.., s, ..)
+    # local (.., s/N, ..) -> global (.., s, ..); an uneven split names its global size
+    shape[placement.dim] = size if size is not None else shape[placement.dim] * chunks(placement, world_size)
     # requires grad as the shard does: a later graph traced on the stand-in must plan the
     # backward of its input (a training graph after a graph break), though the gradient reaches
     # the shard it binds at run time, not this

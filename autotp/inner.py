@@ -50,12 +50,12 @@ class FunctionalRedistribute(nn.Module):
     """:class:`~autotp.layers.Redistribute` for a traced inner graph: forward only, through
     functional collectives."""
 
-    def __init__(self, src: Placement, dst: Placement, comm: Comm) -> None:
+    def __init__(self, src: Placement, dst: Placement, comm: Comm, size: int | None = None) -> None:
         super().__init__()
-        self.src, self.dst, self.comm = src, dst, comm
+        self.src, self.dst, self.comm, self.size = src, dst, comm, size
 
     def forward(self, x: Tensor) -> Tensor:
-        return functional_redistribute(x, self.src, self.dst, self.comm)
+        return functional_redistribute(x, self.src, self.dst, self.comm, self.size)
 
     def extra_repr(self) -> str:
         return f"{self.src} -> {self.dst}, {kind_of(self.src, self.dst) or 'local'} (functional)"
@@ -89,7 +89,7 @@ def functional_copy(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, col
         module = inner.get_submodule(str(n.target))
         if isinstance(module, Redistribute):
             name = f"{n.target}_functional"
-            inner.add_submodule(name, FunctionalRedistribute(module.src, module.dst, module.comm))
+            inner.add_submodule(name, FunctionalRedistribute(module.src, module.dst, module.comm, module.size))
             n.target = name
             kind = kind_of(module.src, module.dst)
             if kind:

@@ -35,10 +35,13 @@ from torch import Tensor, nn
 from autotp import collectives
 from autotp.collectives import Comm
 from autotp.errors import AutoTPError
-from autotp.placement import Placement
+from autotp.placement import Placement, Shard, chunk_range, chunk_sizes
 
 __all__ = ["LinearOnGatheredInput", "Redistribute", "ShardedSoftmax", "VocabGather", "VocabParallelEmbedding", "VocabParallelLoss",
            "vocab_range"]
+
+#: rows ``[start, stop)`` of a table that a rank holds (``torch.chunk`` semantics, uneven allowed)
+vocab_range = chunk_range
 
 
 class Redistribute(nn.Module):
@@ -48,7 +51,8 @@ class Redistribute(nn.Module):
     shows up by name in the rewritten graph (``print(gm)`` lists e.g. ``S(2) -> R, all_gather``).
     """
 
-    def __init__(self, src: Placement, dst: Placement, comm: Comm, grad_partial: bool = False) -> None:
+    def __init__(self, src: Placement, dst: Placement, comm: Comm, grad_partial: bool = False,
+                 size: int | None = None) -> None:
         super().__init__()
         # Validate now rather than at the first forward: raises AutoTPError for R/S -> P and for
         # grad_partial with a non-Replicate destination.
@@ -57,9 +61,11 @@ class Redistribute(nn.Module):
         self.dst = dst
         self.comm = comm
         self.grad_partial = grad_partial
+        #: the global size of the source's sharded dim, when ranks may hold unequal chunks of it
+        self.size = size
 
     def forward(self, x: Tensor) -> Tensor:
-        return collectives.redistribute(x, self.src, self.dst, self.comm, self.grad_partial)
+        return collectives.redistribute(x, self.src, self.dst, self.comm, self.grad_partial, self.size)
 
     def extra_repr(self) -> str:
         kind = collectives.kind_of(self.src, self.dst)
@@ -68,6 +74,8 @@ class Redistribute(nn.Module):
         text = f"{self.src} -> {self.dst}, {kind}"
         if self.grad_partial:
             text += f", backward {collectives.backward_kind_of(self.src, self.dst, True)}"
+        if self.size is not None and isinstance(self.src, Shard) and self.size % self.comm.world_size:
+            text += f", uneven {self.size} ({'/'.join(map(str, chunk_sizes(self.size, self.comm.world_size)))})"
         return text
 
 
@@ -116,19 +124,6 @@ class LinearOnGatheredInput(nn.Module):
 
     def extra_repr(self) -> str:
         return f"input saved as S({self.dim}), all-gathered again in backward"
-
-
-def vocab_range(num_embeddings: int, rank: int, world_size: int) -> tuple[int, int]:
-    """Rows ``[start, end)`` of a ``num_embeddings``-row table that ``rank`` holds.
-
-    ``torch.chunk`` semantics: chunks of ``ceil(V / N)`` rows, the last ones shorter or empty. The
-    vocabulary need not divide evenly: the output is Partial either way.
-    """
-    if world_size < 1 or not 0 <= rank < world_size:
-        raise AutoTPError(f"invalid rank {rank} for world size {world_size}")
-    chunk = -(-num_embeddings // world_size)
-    start = min(rank * chunk, num_embeddings)
-    return start, min(start + chunk, num_embeddings)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -247,24 +242,26 @@ class ShardedSoftmax(nn.Module):
 
 
 class VocabGather(nn.Module):
-    """``gather(x, dim, index)`` with ``x`` split evenly along ``dim``: output ``P`` (this rank's
-    picks, zeros where the index falls on another rank)."""
+    """``gather(x, dim, index)`` with ``x`` split along ``dim`` (``size`` indices in all, chunks by
+    :func:`~autotp.placement.chunk_range`): output ``P`` (this rank's picks, zeros where the index
+    falls on another rank)."""
 
-    def __init__(self, dim: int, rank: int) -> None:
+    def __init__(self, dim: int, size: int, comm: Comm) -> None:
         super().__init__()
-        self.dim, self.rank = dim, rank
+        self.dim, self.size = dim, size
+        self.start = chunk_range(size, comm.rank, comm.world_size)[0]
 
     def forward(self, x: Tensor, index: Tensor) -> Tensor:
         from autotp.ops.indexing import vocab_gather
 
-        dim = self.dim % x.dim()
-        return vocab_gather(x, dim, index, self.rank * x.shape[dim])
+        return vocab_gather(x, self.dim % x.dim(), index, self.start)
 
 
 class VocabParallelLoss(nn.Module):
     """This rank's summand of ``F.cross_entropy`` / ``F.nll_loss`` over class-sharded scores.
 
-    ``input`` is this rank's chunk of the classes: logits for cross-entropy (normalized here by
+    ``input`` is this rank's chunk of the ``classes`` (:func:`~autotp.placement.chunk_range`, so
+    ranks may hold unequal chunks): logits for cross-entropy (normalized here by
     :class:`ShardedSoftmax`) or log-probabilities for ``nll_loss`` (``from_logits=False``). Class
     indices, ``ignore_index``, class ``weight`` (whole, Replicate), ``label_smoothing``, class
     probabilities as targets (sharded like ``input``) and every ``reduction`` follow torch's
@@ -280,9 +277,9 @@ class VocabParallelLoss(nn.Module):
     divides by the number of valid targets, a partial sum the solver never plans to divide by.
     """
 
-    def __init__(self, comm: Comm, *, from_logits: bool, ignore_index: int = -100, reduction: str = "mean",
-                 label_smoothing: float = 0.0, weight_sharded: bool = False, classes_sharded: bool = True,
-                 rows_per_rank: int = 1) -> None:
+    def __init__(self, comm: Comm, *, classes: int, from_logits: bool, ignore_index: int = -100,
+                 reduction: str = "mean", label_smoothing: float = 0.0, weight_sharded: bool = False,
+                 classes_sharded: bool = True, rows_per_rank: int = 1) -> None:
         super().__init__()
         if reduction not in ("mean", "sum", "none"):
             raise AutoTPError(f"cross_entropy reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
@@ -293,6 +290,8 @@ class VocabParallelLoss(nn.Module):
         self.comm, self.from_logits = comm, from_logits
         self.ignore_index, self.reduction, self.label_smoothing = ignore_index, reduction, label_smoothing
         self.weight_sharded, self.classes_sharded, self.rows_per_rank = weight_sharded, classes_sharded, rows_per_rank
+        #: the global number of classes; a rank holds its chunk of them (uneven when N does not divide it)
+        self.classes = classes
 
     def forward(self, input: Tensor, target: Tensor, weight: Tensor | None = None) -> Tensor:
         class_dim = 0 if input.dim() == 1 else 1
@@ -300,17 +299,17 @@ class VocabParallelLoss(nn.Module):
             return self._rows_sharded(input, target, weight, class_dim)
         logp = _ShardedSoftmaxFunction.apply(input, class_dim, True, self.comm) if self.from_logits else input
         local_classes = input.shape[class_dim]
-        start = self.comm.rank * local_classes
+        start = chunk_range(self.classes, self.comm.rank, self.comm.world_size)[0]
         if target.is_floating_point():
             return self._probability_targets(logp, target, weight, class_dim, start)
         valid = target != self.ignore_index
         safe_target = target.masked_fill(~valid, 0)
         # (N, C/n, ...) -> (N, ...): this rank's log-probability of each target it holds, else 0
-        picked = VocabGather(class_dim, self.comm.rank)(logp, safe_target.unsqueeze(class_dim)).squeeze(class_dim)
+        picked = VocabGather(class_dim, self.classes, self.comm)(logp, safe_target.unsqueeze(class_dim)).squeeze(class_dim)
         if weight is None:
             target_weight = valid.to(logp.dtype)
         elif self.weight_sharded:  # this rank's targets' weights (zeros elsewhere, where picked is 0 too)
-            target_weight = VocabGather(0, self.comm.rank)(weight, safe_target.flatten()).view_as(safe_target) * valid
+            target_weight = VocabGather(0, self.classes, self.comm)(weight, safe_target.flatten()).view_as(safe_target) * valid
         else:
             target_weight = weight[safe_target] * valid
         nll = -picked * target_weight
@@ -331,8 +330,7 @@ class VocabParallelLoss(nn.Module):
             smooth = smooth.sum() / (target_weight.sum() if weight is not None else valid.sum())
         elif self.reduction == "sum":
             smooth = smooth.sum()
-        classes = local_classes * self.comm.world_size
-        return (1 - self.label_smoothing) * nll + smooth * (self.label_smoothing / classes)
+        return (1 - self.label_smoothing) * nll + smooth * (self.label_smoothing / self.classes)
 
     def _rows_sharded(self, input: Tensor, target: Tensor, weight: Tensor | None, class_dim: int) -> Tensor:
         """Rows split across ranks, classes whole: the local loss, with a global row count."""
@@ -350,9 +348,8 @@ class VocabParallelLoss(nn.Module):
                              start: int) -> Tensor:
         """Class probabilities as targets (sharded like ``logp``): ``-sum_c w_c t_c log p_c``."""
         local_classes = logp.shape[class_dim]
-        classes = local_classes * self.comm.world_size if self.classes_sharded else local_classes
         if self.label_smoothing:
-            target = target * (1 - self.label_smoothing) + self.label_smoothing / classes
+            target = target * (1 - self.label_smoothing) + self.label_smoothing / self.classes
         terms = logp * target
         if weight is not None:
             shape = [1] * logp.dim()

@@ -2,7 +2,11 @@
 
 * ``Replicate()`` — every rank holds the whole tensor.
 * ``Shard(dim)`` — rank ``r`` holds chunk ``r`` of ``torch.chunk(t, N, dim)``; ``dim`` is a *tensor*
-  dimension (never called an axis: "axis" is reserved for the device mesh).
+  dimension (never called an axis: "axis" is reserved for the device mesh). Chunks are
+  ``ceil(size / N)`` long and the trailing ones shorter when ``N`` does not divide the size (GPT-2's
+  50257-entry vocabulary at tp=2: rows 25129 / 25128), as in DTensor's uneven sharding. The chunk
+  arithmetic lives here only (:func:`chunk_range`, :func:`local_size`, :func:`local_shape`):
+  planning, weight loading, the rewrite and the collectives all ask these functions.
 * ``Partial()`` — every rank holds a summand; the logical tensor is the sum over ranks.
 * ``StridedShard(dim, segments)`` — a ``Shard(dim)`` of a fused tensor (q | k | v): rank ``r`` holds
   chunk ``r`` of each segment. Produced by parameters whose fused output is split later, and by
@@ -160,16 +164,70 @@ def parse(text: str) -> Placement:
     raise ValueError(f"not a placement: {text!r}")
 
 
-def shard_candidates(shape: tuple[int, ...], world_size: int) -> list[Shard]:
-    """The Shard placements a tensor of ``shape`` can take: dims whose size divides evenly."""
-    return [Shard(d) for d, size in enumerate(shape) if size >= world_size and size % world_size == 0]
+def chunk_range(size: int, rank: int, world_size: int) -> tuple[int, int]:
+    """``[start, stop)`` of chunk ``rank`` of ``torch.chunk`` over a dim of ``size`` into ``world_size``.
+
+    Chunk size is ``ceil(size / world_size)``; trailing ranks get a short chunk, or an empty range
+    ``(size, size)`` where ``torch.chunk`` returns fewer than ``world_size`` chunks. The one place
+    shard bounds are computed (DTensor's uneven sharding follows the same rule).
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} out of range for world_size {world_size}")
+    step = -(-size // world_size)
+    start = min(rank * step, size)
+    return start, min(start + step, size)
 
 
-def local_shape(shape: tuple[int, ...], placement: Placement | None, world_size: int) -> tuple[int, ...]:
-    """The shape one rank holds of a tensor with global ``shape`` under ``placement``."""
+def local_size(size: int, rank: int, world_size: int) -> int:
+    """How many indices of a dim of ``size`` rank ``rank`` holds under a Shard of that dim."""
+    start, stop = chunk_range(size, rank, world_size)
+    return stop - start
+
+
+def chunk_sizes(size: int, world_size: int) -> list[int]:
+    """Every rank's share of a dim of ``size``: ``[25129, 25128]`` for 50257 over 2 ranks."""
+    return [local_size(size, r, world_size) for r in range(world_size)]
+
+
+def is_uneven(size: int, world_size: int) -> bool:
+    """Whether a Shard of a dim of ``size`` gives the ranks unequal chunks."""
+    return size % world_size != 0
+
+
+def uneven_rows(shape: tuple[int, ...], placement: Placement | None, world_size: int) -> list[int] | None:
+    """Every rank's share of the sharded dim when the ranks carry unequal work, else None."""
+    if isinstance(placement, Shard) and not isinstance(placement, StridedShard) \
+            and is_uneven(shape[placement.dim], world_size):
+        return chunk_sizes(shape[placement.dim], world_size)
+    return None
+
+
+def uneven_note(shape: tuple[int, ...], placement: Placement | None, world_size: int) -> str | None:
+    """Where ranks carry unequal work, in words: ``"dim 0 of 50257 over tp=2: rows 25129/25128"``."""
+    rows = uneven_rows(shape, placement, world_size)
+    if rows is None:
+        return None
+    return f"dim {placement.dim} of {shape[placement.dim]} over tp={world_size}: rows {'/'.join(map(str, rows))}"
+
+
+def shard_candidates(shape: tuple[int, ...], world_size: int, uneven_sizes: frozenset[int] = frozenset()
+                     ) -> list[Shard]:
+    """The Shard placements a tensor of ``shape`` can take: dims whose size divides evenly, and dims
+    whose size is in ``uneven_sizes`` (vocabularies, see ``autotp.ops.embedding.vocabulary_sizes``)
+    when every rank still gets at least one index."""
+    return [Shard(d) for d, size in enumerate(shape)
+            if size >= world_size and (size % world_size == 0 or size in uneven_sizes and min(chunk_sizes(size, world_size)) > 0)]
+
+
+def local_shape(shape: tuple[int, ...], placement: Placement | None, world_size: int, rank: int = 0
+                ) -> tuple[int, ...]:
+    """The shape rank ``rank`` holds of a tensor with global ``shape`` under ``placement`` (rank 0
+    holds the largest chunk of an uneven shard)."""
     if isinstance(placement, Shard):
         out = list(shape)
-        out[placement.dim] = shape[placement.dim] // world_size
+        out[placement.dim] = local_size(shape[placement.dim], rank, world_size)
         return tuple(out)
     if isinstance(placement, GroupedShard):
         out = list(shape)

@@ -16,7 +16,7 @@ import torch.fx
 import torch.nn.functional as F
 
 from autotp.compat import linear_builtin
-from autotp.placement import GroupedShard, Placement, Replicate, Shard, local_shape
+from autotp.placement import GroupedShard, Placement, Replicate, Shard, local_shape, uneven_note, uneven_rows
 
 LINEAR_LIKE = {F.linear, linear_builtin}
 MATMUL_LIKE = {torch.matmul, torch.mm, torch.bmm, torch.addmm, torch.Tensor.matmul, torch.einsum}
@@ -65,21 +65,33 @@ def build_plan(world_size: int, params: dict[str, dict[str, Any]], collectives: 
                sharded_outputs: int = 0) -> dict[str, Any]:
     """``collectives`` are those inside the graph; ``sharded_outputs`` counts results that leave
     it sharded: ``parallelize_model`` gathers the ones the user reads (one all-gather each, at the
-    model boundary) and keeps KV-cache entries sharded."""
-    return {
+    model boundary) and keeps KV-cache entries sharded. ``uneven`` (only when some parameter is
+    split unevenly, a vocabulary no tp divides) says where ranks carry unequal work."""
+    plan = {
         "world_size": world_size,
         "parameters": dict(sorted(params.items())),
         "collectives": dict(sorted(collectives.items())),
         "sharded_outputs": sharded_outputs,
     }
+    uneven = {fqn: e["uneven"] for fqn, e in plan["parameters"].items() if e.get("uneven")}
+    if uneven:
+        plan["uneven"] = uneven
+    return plan
 
 
 def parameter_entry(placement: Placement | None, consumer: torch.fx.Node | None,
                     global_shape: tuple[int, ...], world_size: int) -> dict[str, Any]:
-    return {
+    """One parameter of the plan; ``local_shape`` is rank 0's (the largest chunk). A parameter split
+    unevenly also carries ``rows_per_rank`` and the ``uneven`` note."""
+    entry = {
         "style": style_of(placement, consumer, len(global_shape)),
         "placement": str(placement),
         "shard_dim": placement.dim if isinstance(placement, (Shard, GroupedShard)) else None,
         "global_shape": list(global_shape),
         "local_shape": list(local_shape(global_shape, placement, world_size)),
     }
+    rows = uneven_rows(global_shape, placement, world_size)
+    if rows is not None:
+        entry["rows_per_rank"] = rows
+        entry["uneven"] = uneven_note(global_shape, placement, world_size)
+    return entry

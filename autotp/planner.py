@@ -57,7 +57,17 @@ from autotp.hf_config import read_config
 from autotp.kv_cache import cache_keyword, returned_cache
 from autotp.passes.decompose import EDGE, MARK
 from autotp.passes.solve import solve
-from autotp.placement import GroupedShard, Placement, R, Shard, StridedShard, local_shape, parse
+from autotp.placement import (
+    GroupedShard,
+    Placement,
+    R,
+    Shard,
+    StridedShard,
+    local_shape,
+    parse,
+    uneven_note,
+    uneven_rows,
+)
 from autotp.plan import style_of
 
 __all__ = ["GraphReport", "PlanReport", "check_names", "explain", "explain_matching", "load_config", "plan_model",
@@ -541,7 +551,7 @@ def _boundary_sites(gm: torch.fx.GraphModule, record: SolveRecord, result: Any) 
     shadow, placements = record.shadow, record.solution.placements
     output_index = len(shadow.dynamo_nodes) - 1
     out = []
-    for path, placement, leaf, sub in getattr(gm, "autotp_sharded_outputs", []):
+    for path, placement, leaf, sub, _ in getattr(gm, "autotp_sharded_outputs", []):
         if path in kept:
             continue
         edge = shadow.edges.get((output_index, leaf, sub))
@@ -609,11 +619,14 @@ def _parameter_table(module: torch.nn.Module, tp: int, styles: Mapping[str, str]
             "shard_dim": placement.dim if isinstance(placement, (Shard, GroupedShard)) else None,
             "global_shape": list(shape),
             "global_numel": _numel(shape),
-            "local_shape": list(local),
+            "local_shape": list(local),  # rank 0's: the largest chunk where the split is uneven
             "bytes_per_rank": nbytes,
             "tied_to": meta.fqn if meta.fqn != fqn else None,
             "used": meta.placement is not None,
         }
+        uneven = uneven_rows(shape, placement, tp)
+        if uneven is not None:  # ranks carry unequal work (a vocabulary no tp divides)
+            rows[fqn].update(rows_per_rank=uneven, uneven=uneven_note(shape, placement, tp))
         if id(meta) not in counted:
             counted.add(id(meta))
             per_rank += nbytes

@@ -465,7 +465,14 @@ def render_text(report: PlanReport) -> str:
         lines.append(f"collectives per generated token: not available: {report.decode_note}")
     lines.append(
         f"parameter bytes per rank: {_human(report.param_bytes_per_rank)} of {_human(report.param_bytes_total)}"
+        + (" (rank 0, which holds the largest chunks)" if any(e.get("uneven") for e in params.values()) else "")
     )
+    uneven: dict[str, list[str]] = {}
+    for fqn, e in params.items():
+        if e.get("uneven") and not e.get("tied_to"):
+            uneven.setdefault(e["uneven"], []).append(fqn)
+    for note, names in uneven.items():
+        lines.append(f"ranks carry unequal work: {note} ({', '.join(names)})")
     if report.kv_cache_bytes_total is not None:
         lines.append(
             f"KV-cache bytes per rank (batch {report.batch}, {report.seq_len} positions): "

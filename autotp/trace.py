@@ -4,7 +4,10 @@ Contents: ``dynamo_graph.py`` (what Dynamo gave us), ``aten_graph.py`` (the brac
 graph), ``decisions.jsonl`` (each ATen op: owner Dynamo node, input placements, the chosen output,
 every candidate the rule offered, the local rewrite, notes such as "no rule: replicated"),
 ``backtracks.json`` (partial plans abandoned and why), ``summary.json`` (cost, states, pruning,
-reused nodes, unknown ops, timings), ``rewritten_graph.py`` (this rank's program) and ``plan.json``.
+reused nodes, unknown ops, timings, ``uneven_shards``: each parameter split unevenly, e.g.
+``"dim 0 of 50257 over tp=2: rows 25129/25128"``), ``rewritten_graph.py`` (this rank's program; an
+uneven gather's ``Redistribute`` says ``uneven 50257 (25129/25128)``) and ``plan.json`` (the same
+notes under ``uneven``).
 """
 
 from __future__ import annotations

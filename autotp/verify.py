@@ -21,9 +21,9 @@ from typing import Any
 import torch
 import torch.fx
 
-from autotp.collectives import Comm, redistribute
+from autotp.collectives import Comm, full_tensor
 from autotp.errors import AutoTPError
-from autotp.placement import GroupedShard, Partial, R, Replicate, Shard
+from autotp.placement import R, Replicate, Shard
 
 #: (rtol, atol) relative to the reference tensor's largest magnitude, per dtype
 TOLERANCE = {torch.float32: (1e-4, 1e-5), torch.float64: (1e-9, 1e-10),
@@ -43,10 +43,9 @@ class _Recorder(torch.fx.Interpreter):
         return out
 
 
-def _full(local: torch.Tensor, placement: Any, comm: Comm) -> torch.Tensor:
-    if isinstance(placement, (Shard, Partial, GroupedShard)):
-        return redistribute(local, placement, R, comm)
-    return local
+def _full(local: torch.Tensor, placement: Any, comm: Comm, shape: tuple[int, ...]) -> torch.Tensor:
+    """The whole value (global ``shape``: a shard may be uneven) from this rank's piece."""
+    return full_tensor(local, placement, comm, size=shape[placement.dim] if isinstance(placement, Shard) else None)
 
 
 def _differs(full: torch.Tensor, ref: torch.Tensor) -> float | None:
@@ -105,7 +104,7 @@ def _compare(reference: torch.fx.GraphModule, ref_values: dict[str, Any], local_
         for k, (r, lo, p) in enumerate(pairs):
             if not isinstance(r, torch.Tensor) or not isinstance(lo, torch.Tensor):
                 continue
-            full = _full(lo, p if p is not None else R, comm)
+            full = _full(lo, p if p is not None else R, comm, tuple(r.shape))
             diff = _differs(full, r)
             if diff is not None:
                 where = f"{n.name}" + (f"[{k}]" if len(pairs) > 1 else "")

@@ -72,7 +72,7 @@ from autotp.checkpoint_keys import (
     stored_keys,
 )
 from autotp.errors import AutoTPError, CheckpointError, ShardingError
-from autotp.placement import GroupedShard, Placement, Replicate, Shard, StridedShard
+from autotp.placement import GroupedShard, Placement, Replicate, Shard, StridedShard, chunk_range
 from autotp.weight_files import WeightFile, open_weight_file
 
 __all__ = [
@@ -738,21 +738,6 @@ def tied_groups(model: torch.nn.Module) -> list[list[str]]:
 # --------------------------------------------------------------------------------------------------
 # ParameterMeta
 # --------------------------------------------------------------------------------------------------
-
-
-def chunk_range(size: int, rank: int, world_size: int) -> tuple[int, int]:
-    """``[start, stop)`` of chunk ``rank`` of ``torch.chunk`` over a dim of ``size`` into ``world_size``.
-
-    Chunk size is ``ceil(size / world_size)``; trailing ranks get a short chunk, or an empty range
-    ``(size, size)`` where ``torch.chunk`` returns fewer than ``world_size`` chunks.
-    """
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank {rank} out of range for world_size {world_size}")
-    step = -(-size // world_size)
-    start = min(rank * step, size)
-    return start, min(start + step, size)
 
 
 def _config_hint(fqn: str) -> str:

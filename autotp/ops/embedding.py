@@ -13,6 +13,13 @@
 * weight P, indices R -> P (the lookup is linear in the weight).
 
 Indices are integers and are never Partial.
+
+A vocabulary that the world size does not divide (GPT-2's 50257 at tp=2) is still split by rows:
+:func:`vocabulary_sizes` names the table sizes found in a graph, and the backend offers parameters
+a Shard of dims of those sizes even when uneven (``placement.shard_candidates``), with
+``torch.chunk``'s chunks (rows 25129 / 25128). The lookup masks ids outside each rank's rows as
+for an even split; the logits of a tied or untied ``lm_head`` come out sharded the same way and are
+gathered with the padded all-gather of :mod:`autotp.collectives`.
 """
 
 from __future__ import annotations
@@ -28,6 +35,20 @@ from autotp.ops.registry import Candidate, OpCall, register, register_local, rej
 from autotp.placement import Partial, Placement, Replicate, Shard
 
 VOCAB_PARALLEL = "vocab_parallel"
+
+
+def vocabulary_sizes(graph: torch.fx.Graph, world_size: int) -> frozenset[int]:
+    """The row counts of the tables ``aten.embedding`` looks up in ``graph`` that ``world_size``
+    does not divide: the dims that may be split unevenly (embedding rows, a tied or untied
+    ``lm_head``'s rows, a decoder bias, the logits' class dim all have this size)."""
+    found = set()
+    for n in graph.nodes:
+        if n.op == "call_function" and n.target is torch.ops.aten.embedding.default and n.args:
+            value = n.args[0].meta.get("val") if isinstance(n.args[0], torch.fx.Node) else None
+            if isinstance(value, torch.Tensor) and value.dim() == 2 and isinstance(value.shape[0], int) \
+                    and value.shape[0] % world_size:
+                found.add(int(value.shape[0]))
+    return frozenset(found)
 
 
 def vocab_parallel_embedding(indices: torch.Tensor, weight_local: torch.Tensor, vocab_start: int,
@@ -55,7 +76,7 @@ def vocab_parallel_local(target: Any, args: tuple, kwargs: dict, in_placements: 
     """``aten.embedding(weight_local, indices, padding_idx=-1, ...)`` on a vocab-sharded weight."""
     weight, indices = args[0], args[1]
     padding_idx = args[2] if len(args) > 2 else kwargs.get("padding_idx", -1)
-    return vocab_parallel_embedding(indices, weight, rank * weight.shape[0],
+    return vocab_parallel_embedding(indices, weight, rank * weight.shape[0],  # (ground truth: even shards)
                                     padding_idx if padding_idx is not None and padding_idx >= 0 else None)
 
 

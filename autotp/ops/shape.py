@@ -52,28 +52,35 @@ from autotp.placement import (
     Shard,
     StridedShard,
     chunks,
+    local_size,
     normalize_dim,
 )
 
 
-def localize_sizes(sizes: Sequence[Any], out_placement: Any, world_size: int) -> list[Any]:
+def localize_sizes(sizes: Sequence[Any], out_placement: Any, world_size: int, rank: int = 0) -> list[Any]:
     """The per-rank size list of a view/reshape/expand whose output has ``out_placement``.
 
-    The size at the output's shard dim is divided by the chunks the placement cuts
-    (``world_size``, or a grouped shard's groups); a ``-1`` (inferred) stays ``-1``; other
-    placements leave the sizes unchanged. ``(2, 6, 8, 8)`` with ``S(2)`` over 2 ranks becomes
-    ``(2, 6, 4, 8)``. Raises ``ValueError`` when the size does not divide evenly.
+    The size at the output's shard dim becomes rank ``rank``'s chunk of it
+    (:func:`autotp.placement.local_size`: ``size / N``, or a short last chunk of a dim split
+    unevenly), or, for a grouped shard, the size divided by its groups (raising ``ValueError``
+    when it does not divide); a ``-1`` (inferred) stays ``-1``; other placements leave the sizes
+    unchanged. ``(2, 6, 8, 8)`` with ``S(2)`` over 2 ranks becomes ``(2, 6, 4, 8)``.
     """
     sizes = list(sizes)
-    if isinstance(out_placement, (Shard, GroupedShard)):
+    if isinstance(out_placement, GroupedShard):
         d, parts = out_placement.dim, chunks(out_placement, world_size)
         size = sizes[d]
         if not (isinstance(size, int) and size == -1):
-            if size % parts != 0:
+            if isinstance(size, int) and size % parts != 0:
                 raise ValueError(f"size {size} at dim {d} does not divide by {parts} chunks")
             sizes[d] = size // parts
-    if isinstance(out_placement, GroupedShard) and out_placement.inner is not None:
-        sizes[out_placement.inner] //= world_size // out_placement.groups  # a static spread of kv heads
+        if out_placement.inner is not None:
+            sizes[out_placement.inner] //= world_size // out_placement.groups  # a static spread of kv heads
+    elif isinstance(out_placement, Shard):
+        d = out_placement.dim
+        size = sizes[d]
+        if not (isinstance(size, int) and size == -1):
+            sizes[d] = local_size(size, rank, world_size) if isinstance(size, int) else size // world_size
     return sizes
 
 
@@ -89,9 +96,9 @@ def shape_local(target: Any, args: tuple, kwargs: dict, in_placements: Sequence[
     args = list(args)
     kwargs = dict(kwargs)
     if index < len(args):
-        args[index] = localize_sizes(args[index], out_placement, world_size)
+        args[index] = localize_sizes(args[index], out_placement, world_size, rank)
     else:
-        kwargs[name] = localize_sizes(kwargs[name], out_placement, world_size)
+        kwargs[name] = localize_sizes(kwargs[name], out_placement, world_size, rank)
     return target(*args, **kwargs)
 
 
@@ -151,6 +158,10 @@ def view_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate]
     for o in range(len(out)):
         if math.prod(out[o:]) == suffix and out[o] >= n and out[o] % n == 0:
             # e.g. (B, S, H) S(2) -> (B, S, heads, D) S(2): local sizes (B, S, heads/N, D)
+            return [Candidate(Shard(o), local="shape")]
+        if math.prod(out[o:]) == suffix and out[o] == x.shape[p.dim]:
+            # the sharded dim carried whole, though N may not divide it (vocabulary logits
+            # (B, S, V) S(2) -> (B*S, V) S(1)): each rank's chunk is the same rows on both sides
             return [Candidate(Shard(o), local="shape")]
     merged = _merged_behind(x.shape[p.dim:], out, n)
     if merged is not None and _static_segment(op, x.shape[p.dim + 1:], out, merged.dim):

@@ -135,7 +135,8 @@ def rewrite(gm: torch.fx.GraphModule, annotation: Annotation, params: dict[torch
                 if e.src != e.dst:
                     key = (leaf, s, e.src, e.dst)
                     if key not in shared:  # one collective per value and placement, shared by consumers
-                        shared[key] = _insert_redistribute(gm, n, source, e.src, e.dst, False, comm, counter)
+                        shared[key] = _insert_redistribute(gm, n, source, e.src, e.dst, False, comm, counter,
+                                                           _sharded_size(leaf, s, e.src))
                         kind = kind_of(e.src, e.dst)
                         if kind:
                             report.collectives[kind] += 1
@@ -229,11 +230,39 @@ def _mean_share(mean: torch.Tensor, x: torch.Tensor, dim: int, global_size: int)
 
 
 def _insert_redistribute(gm: torch.fx.GraphModule, before: torch.fx.Node, source: torch.fx.Node, src: Any,
-                         dst: Any, grad_partial: bool, comm: Comm, counter: itertools.count) -> torch.fx.Node:
+                         dst: Any, grad_partial: bool, comm: Comm, counter: itertools.count,
+                         size: int | None = None) -> torch.fx.Node:
     name = f"autotp_redistribute_{next(counter)}"
-    gm.add_submodule(name, Redistribute(src, dst, comm, grad_partial))
+    gm.add_submodule(name, Redistribute(src, dst, comm, grad_partial, size))
     with gm.graph.inserting_before(before):
         return gm.graph.call_module(name, (source,))
+
+
+def _example_value(node: Any) -> Any:
+    """Dynamo's (global) example value of ``node``, looking through the collectives the rewrite put
+    in front of it."""
+    while isinstance(node, torch.fx.Node) and node.op == "call_module" and str(node.target).startswith(
+            "autotp_redistribute"):
+        node = node.args[0]
+    return node.meta.get("example_value") if isinstance(node, torch.fx.Node) else None
+
+
+def _static_size(node: Any, dim: int, sub: int = 0) -> int | None:
+    """The global size of ``dim`` (negative counts from the end) of a Dynamo node's value (item
+    ``sub`` of a tuple), None when it is symbolic or unknown. A dim that may be split unevenly (a
+    vocabulary) is always static."""
+    value = _example_value(node)
+    if isinstance(value, (tuple, list)):
+        value = value[sub] if sub < len(value) else None
+    if not isinstance(value, torch.Tensor) or not -value.dim() <= dim < value.dim():
+        return None
+    size = value.shape[dim]
+    return size if isinstance(size, int) else None
+
+
+def _sharded_size(leaf: torch.fx.Node, sub: int, src: Any) -> int | None:
+    """What a ``Redistribute`` out of ``src`` needs to know of an uneven shard: the global size."""
+    return _static_size(leaf, src.dim, sub) if isinstance(src, Shard) else None
 
 
 def _getitem(value: Any, index: int) -> Any:
@@ -264,7 +293,7 @@ def _apply_local(gm: torch.fx.GraphModule, n: torch.fx.Node, tag: str, out: Any,
         if not isinstance(out, (Shard, GroupedShard)):
             return
         if n.op == "call_method" and n.target in SHAPE_METHODS or n.op == "call_function" and n.target in SHAPE_FUNCTIONS:
-            _localize_shape_args(n, out, comm.world_size)
+            _localize_shape_args(n, out, comm)
             report.local_rewrites["shape"] += 1
             return
         # composite ops (attention, norms) derive their sizes from their (local) inputs
@@ -298,9 +327,7 @@ def _loss_with_sharded_rows(n: torch.fx.Node, plan: Any) -> bool:
         return False
     x = n.args[0] if n.args else n.kwargs.get("input")
     placement = _arrival(n, plan, x)
-    while isinstance(x, torch.fx.Node) and x.op == "call_module" and str(x.target).startswith("autotp_redistribute"):
-        x = x.args[0]  # the value before the inserted collective, which carries Dynamo's example value
-    value = x.meta.get("example_value") if isinstance(x, torch.fx.Node) else None
+    value = _example_value(x)
     class_dim = 0 if isinstance(value, torch.Tensor) and value.dim() == 1 else 1
     return isinstance(placement, Shard) and placement.dim != class_dim
 
@@ -325,8 +352,13 @@ def _apply_sharded_classes(gm: torch.fx.GraphModule, n: torch.fx.Node, tags: set
             reduction = legacy_get_string(bound.get("size_average"), bound.get("reduce"))
         weight = bound.get("weight")
         weight_sharded = weight is not None and isinstance(_arrival(n, plan, weight), Shard)
+        logits = bound["input"]
+        scores = _example_value(logits)
+        classes = _static_size(logits, 0 if isinstance(scores, torch.Tensor) and scores.dim() == 1 else 1)
+        if classes is None:
+            raise PassError(f"node {n.name}: a loss over sharded scores needs a static number of classes")
         module: torch.nn.Module = VocabParallelLoss(
-            comm, from_logits=n.target is F.cross_entropy, ignore_index=bound.get("ignore_index", -100),
+            comm, classes=classes, from_logits=n.target is F.cross_entropy, ignore_index=bound.get("ignore_index", -100),
             reduction=reduction, label_smoothing=bound.get("label_smoothing", 0.0), weight_sharded=weight_sharded,
             classes_sharded=bool(tags), rows_per_rank=1 if tags else comm.world_size)
         args = (bound["input"], bound["target"]) + ((bound["weight"],) if bound.get("weight") is not None else ())
@@ -345,7 +377,10 @@ def _apply_sharded_classes(gm: torch.fx.GraphModule, n: torch.fx.Node, tags: set
         x = n.args[0] if n.args else n.kwargs["input"]
         dim = n.args[1] if len(n.args) > 1 else n.kwargs["dim"]
         index = n.args[2] if len(n.args) > 2 else n.kwargs["index"]
-        module, args, kind = VocabGather(dim, comm.rank), (x, index), "gather"
+        size = _static_size(x, dim)
+        if size is None:
+            raise PassError(f"node {n.name}: a gather along a sharded dim needs that dim's size to be static")
+        module, args, kind = VocabGather(dim, size, comm), (x, index), "gather"
     else:
         raise PassError(f"node {n.name} ({n.target}) needs the local rewrites {sorted(tags)}, which autotp "
                         "applies only to the hosts in autotp/passes/hosts.py")
@@ -465,15 +500,18 @@ def _localize_segment_slice(n: torch.fx.Node, plan: Any, world_size: int) -> Non
     raise PassError(f"node {n.name}: could not find the fused dim {dim} in the index {index!r}")
 
 
-def _localize_shape_args(n: torch.fx.Node, out: Shard | GroupedShard, world_size: int) -> None:
-    """Divide the size on the output's sharded dim by the chunks it is cut in (N, or a grouped
-    shard's groups): constants directly, a symbolic size (a Node computed from global sizes, see
-    :func:`_globalize_size_query`) by a floordiv node."""
+def _localize_shape_args(n: torch.fx.Node, out: Shard | GroupedShard, comm: Comm) -> None:
+    """Divide the size on the output's sharded dim by the chunks it is cut in: constants directly
+    (to this rank's chunk, which may be short, see :func:`autotp.placement.chunk_range`; a grouped
+    shard's size by its groups), a symbolic size (a Node computed from global sizes, see
+    :func:`_globalize_size_query`; never uneven) by a floordiv node."""
+    world_size = comm.world_size
     args = list(n.args)
     if len(args) == 2 and isinstance(args[1], torch.fx.Node):
         # the whole size is one runtime value (``x.view(x.size()[:-1] + (nf,))``): divide it at run time
         with n.graph.inserting_before(n):
-            args[1] = n.graph.call_function(_divide_size_at, (args[1], out.dim, chunks(out, world_size)))
+            rank, parts = (0, chunks(out, world_size)) if isinstance(out, GroupedShard) else (comm.rank, world_size)
+            args[1] = n.graph.call_function(_divide_size_at, (args[1], out.dim, rank, parts))
         n.args = tuple(args)
         return
     packed = n.target in ("new_empty", "new_zeros", "new_ones") or (
@@ -483,7 +521,7 @@ def _localize_shape_args(n: torch.fx.Node, out: Shard | GroupedShard, world_size
         with n.graph.inserting_before(n):
             sizes[out.dim] = n.graph.call_function(operator.floordiv, (sizes[out.dim], chunks(out, world_size)))
     else:
-        sizes = localize_sizes(sizes, out, world_size)
+        sizes = localize_sizes(sizes, out, world_size, comm.rank)
     if packed:
         args[1] = tuple(sizes)
     else:
@@ -491,17 +529,23 @@ def _localize_shape_args(n: torch.fx.Node, out: Shard | GroupedShard, world_size
     n.args = tuple(args)
 
 
-def _divide_size_at(sizes: Any, dim: int, world_size: int) -> tuple:
-    """A size list computed at run time (in global sizes), with the size at ``dim`` divided by N
-    (``-1`` stays ``-1``)."""
-    return tuple(localize_sizes(list(sizes), Shard(dim), world_size))
+def _divide_size_at(sizes: Any, dim: int, rank: int, world_size: int) -> tuple:
+    """A size list computed at run time (in global sizes), with the size at ``dim`` made this
+    rank's chunk (``-1`` stays ``-1``)."""
+    return tuple(localize_sizes(list(sizes), Shard(dim), world_size, rank))
 
 
-def _global_size(size: torch.Size, dim: int, world_size: int) -> torch.Size:
-    """A local ``x.size()`` of a tensor sharded on ``dim``, turned back into the global size."""
+def _global_size(size: torch.Size, dim: int, world_size: int, total: int | None = None) -> torch.Size:
+    """A local ``x.size()`` of a tensor sharded on ``dim``, turned back into the global size
+    (``total``, when the dim is static: an uneven chunk times N is not the global size)."""
     out = list(size)
-    out[dim] = out[dim] * world_size
+    out[dim] = out[dim] * world_size if total is None else total
     return torch.Size(out)
+
+
+def _global_size_at(local: int, total: int) -> int:
+    """``x.size(d)`` of a dim split unevenly: the static global size (``local`` is ignored)."""
+    return total
 
 
 def _globalize_size_query(n: torch.fx.Node, plan: Any, world_size: int) -> bool:
@@ -518,17 +562,23 @@ def _globalize_size_query(n: torch.fx.Node, plan: Any, world_size: int) -> bool:
     d, world_size = edge.dst.dim, chunks(edge.dst, world_size)
     graph = n.graph
     users = list(n.users)
+    total = _static_size(n.args[0], d)
+    if total is not None and total % world_size == 0:
+        total = None  # an even shard: local size x N, as for a symbolic dim
     with graph.inserting_after(n):
         if n.target == "numel":
+            if total is not None:
+                raise PassError(f"node {n.name}: numel() of a tensor split unevenly on dim {d} is not supported")
             fixed = graph.call_function(operator.mul, (n, world_size))
         elif is_size and (len(n.args) > 1 or "dim" in n.kwargs):
             k = n.args[1] if len(n.args) > 1 else n.kwargs["dim"]
             ndim = len(_edge_shape(n))
             if k % ndim != d:
                 return False
-            fixed = graph.call_function(operator.mul, (n, world_size))
+            fixed = graph.call_function(operator.mul, (n, world_size)) if total is None else \
+                graph.call_function(_global_size_at, (n, total))
         else:
-            fixed = graph.call_function(_global_size, (n, d, world_size))
+            fixed = graph.call_function(_global_size, (n, d, world_size, total))
     for u in users:
         u.replace_input_with(n, fixed)
     return True

@@ -131,6 +131,7 @@ from autotp.placement import (
     Replicate,
     Shard,
     StridedShard,
+    is_uneven,
     shard_candidates,
 )
 
@@ -391,7 +392,8 @@ def edge_targets(p: Placement, spec: TensorSpec, world_size: int, kv_groups: tup
                    if size % g == 0 and size >= g and spec.shardable(d))
     elif isinstance(p, Shard):
         out.append(R)
-        out.extend(s for s in shards if s != p)
+        if not is_uneven(spec.shape[p.dim], world_size):  # an uneven shard (a vocabulary) is only gathered
+            out.extend(s for s in shards if s != p)
     return out
 
 

@@ -367,12 +367,13 @@ def test_unsupported_pairs_raise(src: Placement) -> None:
         redistribute(x, R, Shard(0), Comm.single(), grad_partial=True)
 
 
-def test_uneven_shard_raises() -> None:
-    # Even sharding is checked before any communication, so a fake two-rank Comm is enough here.
+def test_an_all_to_all_off_an_uneven_shard_raises() -> None:
+    # An uneven shard (3 rows over 2 ranks) is only gathered or narrowed, never moved to another
+    # dim; that is checked before any communication, so a fake two-rank Comm is enough here.
     comm = Comm.single()
     comm.world_size = 2
-    with pytest.raises(ShardingError, match="not divisible"):
-        redistribute(torch.randn(3, 4), R, Shard(0), comm)
+    with pytest.raises(ShardingError, match="split unevenly"):
+        redistribute(torch.randn(2, 4), Shard(0), Shard(1), comm, size=3)
 
 
 def test_kind_and_cost() -> None:

@@ -37,14 +37,14 @@ REAL_WIDTHS: dict[str, tuple[str, str, dict[str, Any], int]] = {
     "qwen2": ("Qwen2.5-7B", "Qwen2Config", dict(
         hidden_size=3584, num_attention_heads=28, num_key_value_heads=4, intermediate_size=18944,
         vocab_size=152064), 2),
-    "gpt2": ("GPT-2 (vocabulary rounded to 50304)", "GPT2Config", dict(
-        n_embd=768, n_head=12, n_inner=3072, vocab_size=50304), 2),
+    "gpt2": ("GPT-2", "GPT2Config", dict(
+        n_embd=768, n_head=12, n_inner=3072, vocab_size=50257), 2),
     "opt": ("OPT-1.3B", "OPTConfig", dict(
         hidden_size=2048, num_attention_heads=32, ffn_dim=8192, word_embed_proj_dim=2048, vocab_size=50272), 2),
     "bert": ("BERT-base", "BertConfig", dict(
         hidden_size=768, num_attention_heads=12, intermediate_size=3072, vocab_size=30522), 2),
-    "roberta": ("RoBERTa-base (vocabulary rounded to 50268)", "RobertaConfig", dict(
-        hidden_size=768, num_attention_heads=12, intermediate_size=3072, vocab_size=50268), 2),
+    "roberta": ("RoBERTa-base", "RobertaConfig", dict(
+        hidden_size=768, num_attention_heads=12, intermediate_size=3072, vocab_size=50265), 2),
     "gpt_neox": ("Pythia-1.4B", "GPTNeoXConfig", dict(
         hidden_size=2048, num_attention_heads=16, intermediate_size=8192, vocab_size=50304), 1),
     "phi3": ("Phi-3-mini", "Phi3Config", dict(
@@ -67,10 +67,10 @@ REAL_WIDTHS: dict[str, tuple[str, str, dict[str, Any], int]] = {
 #: one all-gather per forward outside the blocks, where Megatron keeps that matrix replicated
 HEAD_MATRIX = {"bert", "roberta"}
 
-#: sizes that must divide by tp (heads, kv heads, intermediate) - KV-head replication and uneven
-#: shards are planned separately
+#: sizes that must divide by tp (heads, kv heads, intermediate) - KV-head replication is planned
+#: separately; a vocabulary need not divide (it is split unevenly, see the tests at the end)
 _SPLIT_FIELDS = ("num_attention_heads", "num_key_value_heads", "n_head", "intermediate_size", "n_inner",
-                 "ffn_dim", "vocab_size")
+                 "ffn_dim")
 _BLOCK_MATRIX = re.compile(r"\.(?:layers|h|layer)\.\d+\..*weight$|\.experts\.")
 
 
@@ -105,3 +105,61 @@ def test_a_real_width_forward_communicates_like_megatron(arch: str, tp: int) -> 
                            if p["placement"] == "R" and len(p["global_shape"]) >= 2 and _BLOCK_MATRIX.search(name)
                            and not name.endswith(".gate.weight")]  # an MoE router is a few KB: replicated
     assert replicated_matrices == []
+
+
+def _vocabulary_rows(report: Any) -> dict[str, list[int]]:
+    """Each vocabulary-sized parameter's rows on every rank, from the plan."""
+    return {name: p["rows_per_rank"] for name, p in report.parameters.items() if p.get("rows_per_rank")}
+
+
+def test_gpt2_with_its_real_vocabulary_holds_about_half_the_model_per_rank_at_tp2() -> None:
+    """50257 = 25129 + 25128: the tied table is split unevenly instead of replicated (31% of GPT-2
+    small on every rank before), so a rank holds at most 0.55 of the parameters."""
+    config = transformers.GPT2Config(n_embd=768, n_head=12, n_inner=3072, vocab_size=50257, n_layer=12)
+    report = plan_model(config, 2, decode=False)
+
+    assert report.parameters["transformer.wte.weight"]["placement"] == "S(0)"
+    assert _vocabulary_rows(report) == {"transformer.wte.weight": [25129, 25128], "lm_head.weight": [25129, 25128]}
+    assert report.param_bytes_per_rank <= 0.55 * report.param_bytes_total
+
+
+def test_a_bert_vocabulary_of_30522_is_split_over_four_ranks() -> None:
+    """MiniLM / BERT's 30522 entries at tp=4: 7631 + 7631 + 7631 + 7629 rows, the word embedding and
+    the tied MLM decoder with its bias alike, and the blocks still communicate like Megatron."""
+    config = transformers.BertConfig(hidden_size=384, num_attention_heads=12, intermediate_size=1536,
+                                     vocab_size=30522, num_hidden_layers=2)
+    config.architectures = ["BertForMaskedLM"]
+    report = plan_model(config, 4, decode=False)
+
+    rows = _vocabulary_rows(report)
+    assert rows["bert.embeddings.word_embeddings.weight"] == [7631, 7631, 7631, 7629]
+    assert all(r == [7631, 7631, 7631, 7629] for r in rows.values()), rows
+    assert collectives_per_block(report.forward.sites) == {layer: {"all_reduce": 2} for layer in range(2)}
+
+
+def test_an_untied_lm_head_over_a_vocabulary_with_one_added_token_is_split_like_its_table() -> None:
+    """Mistral-7B's widths with one token added (32001, odd): the table and the separate lm_head
+    both hold 16001 / 16000 rows, and only the logits are gathered."""
+    _, cls, fields, _ = REAL_WIDTHS["mistral"]
+    config = getattr(transformers, cls)(**{**fields, "vocab_size": 32001}, num_hidden_layers=2)
+    report = plan_model(config, 2, decode=False)
+
+    assert _vocabulary_rows(report) == {"model.embed_tokens.weight": [16001, 16000], "lm_head.weight": [16001, 16000]}
+    assert collectives_per_block(report.forward.sites) == {layer: {"all_reduce": 2} for layer in range(2)}
+    assert [s["origin"] for s in report.forward.sites if s["kind"] == "all_gather"] == ["lm_head"]
+
+
+@pytest.mark.parametrize(("cls", "fields", "tp", "named", "valid"), [
+    ("Qwen2Config", REAL_WIDTHS["qwen2"][2], 8, "num_attention_heads=28", "[1, 2, 4]"),  # Qwen2.5-7B at tp=8
+    ("FalconConfig", dict(hidden_size=4544, num_attention_heads=71, vocab_size=65024), 2,
+     "num_attention_heads=71", "[1]"),  # Falcon-7B
+], ids=["qwen2.5-7b-tp8", "falcon-7b-tp2"])
+def test_a_head_count_no_tp_divides_is_refused_with_the_valid_tps(cls: str, fields: dict, tp: int, named: str,
+                                                                   valid: str) -> None:
+    """Heads are not split unevenly (yet): the refusal names the count and lists the tps that work."""
+    from autotp.errors import AutoTPError
+
+    config = getattr(transformers, cls)(**fields, num_hidden_layers=2)
+    with pytest.raises(AutoTPError, match=re.escape(named)) as refused:
+        plan_model(config, tp, decode=False)
+    assert f"Valid tp sizes for this model: {valid}" in str(refused.value)
