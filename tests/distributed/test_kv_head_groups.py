@@ -190,6 +190,7 @@ def test_a_second_job_reuses_the_grouped_plans_from_the_plan_cache(tmp_path: Pat
     first = run_ranks(_rank_cached, 4, str(folder), cache)
     second = run_ranks(_rank_cached, 4, str(folder), cache)
     for a, b in zip(first, second, strict=True):
-        assert set(a["cache"]) == {"miss"} and b["cache"] == ["hit"] * len(a["cache"])
+        # the first job solves (a later graph identical to an earlier one may already hit)
+        assert a["cache"][0] == "miss" and b["cache"] == ["hit"] * len(a["cache"])
         assert b["plans"] == a["plans"]
         assert a["tokens"] == b["tokens"] == ref_tokens
