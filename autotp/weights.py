@@ -9,7 +9,8 @@ Design
    into; anything else is a Hub id resolved by ``huggingface_hub.snapshot_download`` (its cache
    layout, ``HF_HUB_OFFLINE`` / ``local_files_only`` and token handling are huggingface_hub's, not
    ours). Only configs, tokenizer files and one copy of the weights are fetched (safetensors, else
-   ``pytorch_model*.bin``), one process per cache at a time (a file lock). The download runs in
+   ``pytorch_model*.bin``); huggingface_hub locks each file while it downloads it, so ranks that
+   resolve at once never write one file twice. The download runs in
    two steps so that a repo holding both ``model-0000x-of-0000y.safetensors`` and a second copy in
    another layout (e.g. Mistral's ``consolidated.safetensors``) costs one copy: step one fetches the
    small files plus ``model.safetensors`` / the index, step two fetches exactly the shards the index
@@ -145,11 +146,12 @@ def resolve_checkpoint(
     With ``require_weights=False`` a folder holding only ``config.json`` is accepted (planning from
     a config alone). ``progress=False`` silences huggingface_hub's download bars.
 
-    Several processes on one machine (torchrun ranks) may call this at once: the first to take a
-    file lock in the cache (``<cache>/.locks/<repo folder>/autotp-resolve.lock``, huggingface_hub's
-    own lock helper) downloads while the others wait, then find everything in the cache. Offline
-    (nothing to download) no lock is taken, so a read-only shared cache works. Every failure is a :class:`~autotp.errors.CheckpointError` that names the id or
-    folder and what to do.
+    Several processes on one machine (torchrun ranks) may call this at once: huggingface_hub holds a
+    lock per file while it downloads it (``<cache>/.locks/<repo folder>/<blob>.lock``), so a file is
+    fetched once and the others wait for it (autotp's own per-repo lock on top of that was dropped:
+    it only serialized what the Hub's locks already make safe). Offline nothing is downloaded and no
+    lock is taken, so a read-only shared cache works. Every failure is a
+    :class:`~autotp.errors.CheckpointError` that names the id or folder and what to do.
     """
     text = os.fspath(model)
     path = Path(text).expanduser()
@@ -195,9 +197,9 @@ def _download(
     local_files_only: bool,
     progress: bool = True,
 ) -> Path:
-    """Fetch the small files, then exactly the weight files, with ``snapshot_download``; one process
-    per cache at a time (see :func:`resolve_checkpoint`)."""
-    from huggingface_hub import constants, snapshot_download
+    """Fetch the small files, then exactly the weight files, with ``snapshot_download`` (see
+    :func:`resolve_checkpoint`)."""
+    from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HFValidationError
     from huggingface_hub.utils import (
         are_progress_bars_disabled,
@@ -228,33 +230,12 @@ def _download(
             raise _hub_error(repo_id, revision, cache_dir, e) from e
         return Path(out)
 
-    offline = local_files_only or constants.HF_HUB_OFFLINE
     was_disabled = are_progress_bars_disabled()
     with contextlib.ExitStack() as stack:
-        if not offline:
-            stack.enter_context(_download_lock(repo_id, cache_dir))
         if not progress and not was_disabled:
             disable_progress_bars()
             stack.callback(enable_progress_bars)
         return _fetch_weights(fetch, revision)
-
-
-@contextlib.contextmanager
-def _download_lock(repo_id: str, cache_dir: str | os.PathLike[str] | None) -> Iterator[None]:
-    """Hold a per-repo file lock in the Hub cache (none when the cache is not writable)."""
-    from huggingface_hub import constants
-    from huggingface_hub.file_download import repo_folder_name
-    from huggingface_hub.utils import WeakFileLock
-
-    cache = Path(cache_dir) if cache_dir is not None else Path(constants.HF_HUB_CACHE)
-    lock_dir = cache / ".locks" / repo_folder_name(repo_id=repo_id, repo_type="model")
-    try:
-        lock_dir.mkdir(parents=True, exist_ok=True)
-    except OSError:  # read-only cache: nobody can download into it anyway
-        yield
-        return
-    with WeakFileLock(lock_dir / "autotp-resolve.lock"):
-        yield
 
 
 def _fetch_weights(fetch: Callable[[Sequence[str], str | None], Path], revision: str | None) -> Path:
