@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -497,12 +497,23 @@ def _release_after_first_call(gm: torch.fx.GraphModule, param_inputs: dict[torch
     return run
 
 
-def _sharded_outputs(gm: torch.fx.GraphModule, annotation: Any) -> list[tuple[tuple[int, ...], Shard, int, int]]:
-    """Where the graph's result leaves values sharded: (index path into the result, placement,
-    and the output edge's leaf and sub)."""
+class ShardedOutput(NamedTuple):
+    """A value the graph's result leaves sharded (a KV-cache entry): where it is in the result
+    (index path), its placement, the output edge's leaf and sub, and its dims whose size is
+    symbolic in this graph (a cache's sequence length in a dynamic-shape graph)."""
+
+    path: tuple[int, ...]
+    placement: Shard
+    leaf: int
+    sub: int
+    symbolic_dims: tuple[int, ...]
+
+
+def _sharded_outputs(gm: torch.fx.GraphModule, annotation: Any) -> list[ShardedOutput]:
+    """Where the graph's result leaves values sharded (see :class:`ShardedOutput`)."""
     output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     edges = annotation.plans[output].edges if output in annotation.plans else {}
-    found: list[tuple[tuple[int, ...], Shard, int, int]] = []
+    found: list[ShardedOutput] = []
     leaf = iter(range(1 << 30))
 
     def walk(arg: Any, path: tuple[int, ...]) -> None:
@@ -516,17 +527,24 @@ def _sharded_outputs(gm: torch.fx.GraphModule, annotation: Any) -> list[tuple[tu
             for sub in range(len(value) if multi else 1):
                 e = edges.get((k, sub))
                 if e is not None and isinstance(e.dst, Shard):
-                    found.append(((*path, sub) if multi else path, e.dst, k, sub))
+                    shape = getattr(value[sub] if multi else value, "shape", ())
+                    symbolic = tuple(d for d, size in enumerate(shape) if not isinstance(size, int))
+                    found.append(ShardedOutput((*path, sub) if multi else path, e.dst, k, sub, symbolic))
 
     walk(output.args[0], ())
     return found
 
 
-def _bind_sharded_values(run: Callable[..., Any], wraps: list[tuple[tuple[int, ...], Shard, int, int]],
+def _bind_sharded_values(run: Callable[..., Any], wraps: list[ShardedOutput],
                          example_inputs: list[Any], world: int) -> Callable[..., Any]:
     """Values that cross graphs sharded (KV-cache entries, see ``TPContext.sharded_outputs``):
     a sharded input arrives as a :func:`~autotp.context.sharded_standin` and the graph gets its
-    local shard; a sharded output leaves as a new stand-in around the local result."""
+    local shard; a sharded output leaves as a new stand-in around the local result.
+
+    A dim that is symbolic in this graph stays dynamic in the next graph that reads the stand-in
+    (``torch._dynamo.maybe_mark_dynamic``): the first decode step after a dynamic-shape prefill
+    then compiles the graph every later step reuses, instead of a graph for the prompt's cache
+    length and, one step later, the dynamic one (a greedy ``generate`` compiles one decode graph)."""
     inputs = [i for i, x in enumerate(example_inputs) if shard_of(x) is not None]
     if not inputs and not wraps:
         return run
@@ -543,11 +561,19 @@ def _bind_sharded_values(run: Callable[..., Any], wraps: list[tuple[tuple[int, .
                     "use_cache=False")
             args[i] = shard[0]
         out = run(*args)
-        for path, placement, _, _ in wraps:
-            out = _replace_at(out, path, lambda local, p=placement, at=path: sharded_standin(local, p, world, at))
+        for w in wraps:
+            out = _replace_at(out, w.path, lambda local, w=w: _growing_standin(local, w, world))
         return out
 
     return call
+
+
+def _growing_standin(local: torch.Tensor, output: ShardedOutput, world: int) -> torch.Tensor:
+    """The stand-in of one sharded output, its symbolic dims marked dynamic for the next graph."""
+    out = sharded_standin(local, output.placement, world, output.path)
+    for dim in output.symbolic_dims:
+        torch._dynamo.maybe_mark_dynamic(out, dim)
+    return out
 
 
 def _replace_at(obj: Any, path: tuple[int, ...], fn: Callable[[Any], Any]) -> Any:

@@ -541,7 +541,7 @@ def _boundary_sites(gm: torch.fx.GraphModule, record: SolveRecord, result: Any) 
     shadow, placements = record.shadow, record.solution.placements
     output_index = len(shadow.dynamo_nodes) - 1
     out = []
-    for path, placement, leaf, sub in getattr(gm, "autotp_sharded_outputs", []):
+    for path, placement, leaf, sub, _ in getattr(gm, "autotp_sharded_outputs", []):
         if path in kept:
             continue
         edge = shadow.edges.get((output_index, leaf, sub))
