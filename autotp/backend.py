@@ -243,9 +243,11 @@ def _plans_once(ctx: TPContext) -> bool:
     inputs' shapes, and the solve is deterministic, so N ranks solving the same graph did the same
     work N times (N x the CPU of decompose + solve on a machine whose ranks share cores). Rank 0
     plans (from the plan cache or by solving) and broadcasts the annotation; the others rebuild it
-    on their own graph, checked like a cache entry. Not for a simulated group (one process), for
-    tools that keep solver records, nor with a trace folder (each rank's trace shows its own solve)."""
-    return not ctx.comm.simulated and not ctx.keep_solve_records and ctx.config.trace_dir is None
+    on their own graph, checked like a cache entry. Only where the context asks for it
+    (``TPContext.plan_once``: the other ranks wait while rank 0 plans); not for a simulated group
+    (one process), for tools that keep solver records, nor with a trace folder (each rank's trace
+    shows its own solve)."""
+    return ctx.plan_once and not ctx.comm.simulated and not ctx.keep_solve_records and ctx.config.trace_dir is None
 
 
 def _send_plan(gm: torch.fx.GraphModule, annotation: Annotation, lookup: Lookup, summary: dict[str, Any] | None,
