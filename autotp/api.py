@@ -404,7 +404,7 @@ def parallelize_model(
     if device.type != "cpu":
         module.to(device)
 
-    ctx = TPContext(comm=comm, config=config, sharded_outputs=True)
+    ctx = TPContext(comm=comm, config=config, sharded_outputs=True, plan_once=timeout is None)
     compiled = torch.compile(type(module).forward.__get__(module), backend=make_backend(ctx), dynamic=None)
     slots = [(m, n, p) for fqn, p in module.named_parameters(remove_duplicate=False)
              for m, n in [_resolve_module(module, fqn)]]

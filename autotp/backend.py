@@ -13,18 +13,19 @@ import dataclasses
 import difflib
 import fnmatch
 import os
+import pickle
 import re
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 import torch.fx
 
-from autotp.collectives import Comm, attach_health
+from autotp.collectives import Comm, attach_health, broadcast_object
 from autotp.config import AutoTPConfig
 from autotp.context import TPContext, attach_meta, meta_of, shard_of, sharded_standin, standin
 from autotp.errors import AutoTPError, SolverError
@@ -34,7 +35,7 @@ from autotp.mesh import check_layout
 from autotp.ops.embedding import vocabulary_sizes
 from autotp.ops.fused import fused_segmentations, strided_candidates
 from autotp.ops.kv_heads import kv_projections
-from autotp.passes.annotate import annotate, replicated_annotation
+from autotp.passes.annotate import Annotation, annotate, replicated_annotation
 from autotp.passes.checkpoint import inline_checkpoints, outline_checkpoints
 from autotp.passes.decompose import decompose
 from autotp.passes.fuse import fuse_sibling_matmuls
@@ -45,7 +46,7 @@ from autotp.passes.save_shards import save_input_shards
 from autotp.passes.solve import ParamChoice, Solution, SolverOptions, solve
 from autotp.placement import GroupedShard, Placement, R, Shard, shard_candidates
 from autotp.plan import build_plan, first_consumer, gradient_node, parameter_entry, style_of
-from autotp.plan_cache import Lookup
+from autotp.plan_cache import Lookup, Uncacheable, decode_annotation, encode_annotation
 from autotp.released import refuse_eager_calls
 from autotp.trace import graph_folder, write_json, write_solver_trace, write_text
 from autotp.verify import verified
@@ -157,23 +158,36 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: list[Any], ctx: TPCo
             user_inputs.append((ph, value))
 
     checkpoints = inline_checkpoints(gm)  # checkpointed blocks are planned through (passes/checkpoint.py)
+    received: Annotation | None = None
     if world == 1:
         # one rank: every placement is R; only bind parameters to their (full) local tensors
         annotation, solution, shadow, opts = replicated_annotation(gm), None, None, None
     else:
         lookup = _cache_lookup(gm, example_inputs, param_inputs, placeholders, ctx, graph_id)
-        if lookup.cached is not None:  # a hit: the stored plan, checked against this graph
+        shared = _plans_once(ctx)
+        if shared and ctx.rank != 0:  # rank 0 plans; this rank receives it (or is told to solve)
+            received = _receive_plan(gm, param_inputs, placeholders, lookup, ctx)
+        if lookup.cached is not None and received is None:  # a hit: the stored plan, checked against this graph
             annotation, solution, shadow, opts = lookup.cached.annotation, None, None, None
+        elif received is not None:
+            annotation, solution, shadow, opts = received, None, None, None
         else:
-            annotation, solution, shadow, opts = _solve(gm, example_inputs, param_inputs, user_inputs, ctx,
-                                                        runner, timings, folder)
+            try:
+                annotation, solution, shadow, opts = _solve(gm, example_inputs, param_inputs, user_inputs, ctx,
+                                                            runner, timings, folder)
+            except BaseException as e:
+                if shared and ctx.rank == 0:
+                    broadcast_object(("error", _picklable(e), None), ctx.comm)  # the others raise it too, not hang
+                raise
             summary = _solve_summary(solution, shadow, opts, timings)
             ctx.plan_cache.solved(lookup, gm, annotation, summary)
+        if shared and ctx.rank == 0:
+            _send_plan(gm, annotation, lookup, summary if solution is not None else None, ctx)
     consumers = {ph: first_consumer(ph) for ph in param_inputs}
     check = _verification(gm, annotation, placeholders, param_inputs, example_inputs, ctx) \
         if ctx.config.verify and world > 1 else None
     solver_trace = solution.trace if folder and solution is not None else None
-    if not ctx.keep_solve_records and solution is not None:
+    if not ctx.keep_solve_records and (solution is not None or received is not None):
         # Memory: the shadow ATen graph and its fake tensors are garbage from here on; free them
         # and hand the pages back (autotp/memory.py). A full collection (~0.9 s with the benchmark
         # model loaded) only when this rank is about to read shards, so that the reads do not
@@ -229,6 +243,63 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: list[Any], ctx: TPCo
     if check is not None:
         run = check(run, gm)
     return _bind_sharded_values(run, sharded_outputs, example_inputs, world)
+
+
+def _plans_once(ctx: TPContext) -> bool:
+    """Does rank 0 plan each graph for the group (:func:`_send_plan`, :func:`_receive_plan`)?
+
+    Every rank of a tensor-parallel group compiles the same graphs in the same order with the same
+    inputs' shapes, and the solve is deterministic, so N ranks solving the same graph did the same
+    work N times (N x the CPU of decompose + solve on a machine whose ranks share cores). Rank 0
+    plans (from the plan cache or by solving) and broadcasts the annotation; the others rebuild it
+    on their own graph, checked like a cache entry. Only where the context asks for it
+    (``TPContext.plan_once``: the other ranks wait while rank 0 plans); not for a simulated group
+    (one process), for tools that keep solver records, nor with a trace folder (each rank's trace
+    shows its own solve)."""
+    return ctx.plan_once and not ctx.comm.simulated and not ctx.keep_solve_records and ctx.config.trace_dir is None
+
+
+def _send_plan(gm: torch.fx.GraphModule, annotation: Annotation, lookup: Lookup, summary: dict[str, Any] | None,
+               ctx: TPContext) -> None:
+    """Rank 0: broadcast this graph's plan (the JSON annotation the plan cache stores, and the
+    solve's summary), or, for a plan JSON cannot carry, ask every rank to solve on its own."""
+    try:
+        encoded = lookup.pending[0] if lookup.pending is not None else encode_annotation(gm, annotation)
+    except (Uncacheable, ValueError):
+        broadcast_object(("solve", None, None), ctx.comm)
+        return
+    solve_summary = lookup.pending[1] if lookup.pending is not None else \
+        (lookup.cached.solve if lookup.cached is not None else summary)
+    broadcast_object(("plan", encoded, solve_summary), ctx.comm)
+
+
+def _receive_plan(gm: torch.fx.GraphModule, param_inputs: dict[torch.fx.Node, torch.Tensor],
+                  placeholders: list[torch.fx.Node], lookup: Lookup, ctx: TPContext) -> Annotation | None:
+    """Ranks other than 0: the annotation rank 0 planned, rebuilt on this rank's graph (None: rank 0
+    asks every rank to solve). After a cache miss the entry is stored here too, as if solved."""
+    kind, encoded, summary = broadcast_object(None, ctx.comm)
+    if kind == "error":
+        raise encoded
+    if kind == "solve":
+        return None
+    params = {ph.name: (tuple(meta_of(v).global_shape), meta_of(v).placement) for ph, v in param_inputs.items()}
+    try:
+        annotation = decode_annotation(gm, encoded, ctx.world_size, params)
+    except (KeyError, TypeError, ValueError) as e:
+        raise AutoTPError(f"rank {ctx.rank} could not use the plan rank 0 made for graph {ctx.graphs_compiled - 1} "
+                          f"({type(e).__name__}: {e}); the ranks compiled different graphs") from e
+    if lookup.key is not None and lookup.cached is None and summary is not None:
+        lookup.pending = (encoded, summary)
+    return annotation
+
+
+def _picklable(e: BaseException) -> BaseException:
+    """``e`` if it survives pickling (to reach the other ranks), else an AutoTPError with its text."""
+    try:
+        pickle.loads(pickle.dumps(e))
+        return e
+    except Exception:  # noqa: BLE001 - any exception may fail to pickle
+        return AutoTPError(f"rank 0 failed planning: {type(e).__name__}: {e}")
 
 
 #: AutoTPConfig fields that cannot change a graph's plan (placements, collectives, local
@@ -514,13 +585,25 @@ def _release_after_first_call(gm: torch.fx.GraphModule, param_inputs: dict[torch
     return run
 
 
-def _sharded_outputs(gm: torch.fx.GraphModule, annotation: Any
-                     ) -> list[tuple[tuple[int, ...], Shard, int, int, int | None]]:
-    """Where the graph's result leaves values sharded: (index path into the result, placement,
-    the output edge's leaf and sub, and the global size of the sharded dim when it is static)."""
+class ShardedOutput(NamedTuple):
+    """A value the graph's result leaves sharded (a KV-cache entry, the logits): where it is in the
+    result (index path), its placement, the output edge's leaf and sub, its dims whose size is
+    symbolic in this graph (a cache's sequence length in a dynamic-shape graph), and the global
+    size of the sharded dim when it is static (an uneven split needs it to trim the gather)."""
+
+    path: tuple[int, ...]
+    placement: Shard | GroupedShard
+    leaf: int
+    sub: int
+    symbolic_dims: tuple[int, ...]
+    size: int | None
+
+
+def _sharded_outputs(gm: torch.fx.GraphModule, annotation: Any) -> list[ShardedOutput]:
+    """Where the graph's result leaves values sharded (see :class:`ShardedOutput`)."""
     output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     edges = annotation.plans[output].edges if output in annotation.plans else {}
-    found: list[tuple[tuple[int, ...], Shard, int, int, int | None]] = []
+    found: list[ShardedOutput] = []
     leaf = iter(range(1 << 30))
 
     def walk(arg: Any, path: tuple[int, ...]) -> None:
@@ -534,20 +617,26 @@ def _sharded_outputs(gm: torch.fx.GraphModule, annotation: Any
             for sub in range(len(value) if multi else 1):
                 e = edges.get((k, sub))
                 if e is not None and isinstance(e.dst, (Shard, GroupedShard)):
-                    item = value[sub] if multi else value
-                    size = item.shape[e.dst.dim] if isinstance(item, torch.Tensor) else None
-                    found.append(((*path, sub) if multi else path, e.dst, k, sub,
-                                  size if isinstance(size, int) else None))
+                    shape = getattr(value[sub] if multi else value, "shape", ())
+                    symbolic = tuple(d for d, size in enumerate(shape) if not isinstance(size, int))
+                    size = shape[e.dst.dim] if len(shape) > e.dst.dim else None
+                    found.append(ShardedOutput((*path, sub) if multi else path, e.dst, k, sub, symbolic,
+                                               size if isinstance(size, int) else None))
 
     walk(output.args[0], ())
     return found
 
 
-def _bind_sharded_values(run: Callable[..., Any], wraps: list[tuple[tuple[int, ...], Shard, int, int, int | None]],
+def _bind_sharded_values(run: Callable[..., Any], wraps: list[ShardedOutput],
                          example_inputs: list[Any], world: int) -> Callable[..., Any]:
     """Values that cross graphs sharded (KV-cache entries, see ``TPContext.sharded_outputs``):
     a sharded input arrives as a :func:`~autotp.context.sharded_standin` and the graph gets its
-    local shard; a sharded output leaves as a new stand-in around the local result."""
+    local shard; a sharded output leaves as a new stand-in around the local result.
+
+    A dim that is symbolic in this graph stays dynamic in the next graph that reads the stand-in
+    (``torch._dynamo.maybe_mark_dynamic``): the first decode step after a dynamic-shape prefill
+    then compiles the graph every later step reuses, instead of a graph for the prompt's cache
+    length and, one step later, the dynamic one (a greedy ``generate`` compiles one decode graph)."""
     inputs = [i for i, x in enumerate(example_inputs) if shard_of(x) is not None]
     if not inputs and not wraps:
         return run
@@ -564,11 +653,19 @@ def _bind_sharded_values(run: Callable[..., Any], wraps: list[tuple[tuple[int, .
                     "use_cache=False")
             args[i] = shard[0]
         out = run(*args)
-        for path, placement, _, _, size in wraps:
-            out = _replace_at(out, path, lambda local, p=placement, at=path, n=size: sharded_standin(local, p, world, at, n))
+        for w in wraps:
+            out = _replace_at(out, w.path, lambda local, w=w: _growing_standin(local, w, world))
         return out
 
     return call
+
+
+def _growing_standin(local: torch.Tensor, output: ShardedOutput, world: int) -> torch.Tensor:
+    """The stand-in of one sharded output, its symbolic dims marked dynamic for the next graph."""
+    out = sharded_standin(local, output.placement, world, output.path, output.size)
+    for dim in output.symbolic_dims:
+        torch._dynamo.maybe_mark_dynamic(out, dim)
+    return out
 
 
 def _replace_at(obj: Any, path: tuple[int, ...], fn: Callable[[Any], Any]) -> Any:

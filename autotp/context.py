@@ -36,6 +36,11 @@ class TPContext:
     #: the persistent plan cache (``autotp/plan_cache.py``; location and switch from the
     #: environment when the context is made) and each graph's hit / miss
     plan_cache: PlanCache = field(default_factory=PlanCache.from_environment)
+    #: rank 0 plans each graph for the group and broadcasts it (``backend._plans_once``); the
+    #: other ranks wait in that broadcast while rank 0 plans, so ``parallelize_model`` turns it on
+    #: only under the default collective timeout (a ``timeout=`` of a few seconds bounds peer skew,
+    #: not planning). Off for ``backend="autotp"`` (the caller's group, whose timeout is its own)
+    plan_once: bool = False
     #: per compiled graph, what runs it (``autotp/inner.py``): compiler and any fallback reason
     inner_reports: list[dict[str, Any]] = field(default_factory=list)
 

@@ -307,12 +307,12 @@ def encode_annotation(gm: torch.fx.GraphModule, annotation: Annotation) -> dict[
         }
     placeholders = {n.name: _placement_text(p) for n, p in annotation.placeholder_placements.items()}
     encoded = {"plans": plans, "placeholders": placeholders}
-    if _decode_annotation(gm, encoded, world=None, params={}) != annotation:  # round trip, or nothing stored
+    if decode_annotation(gm, encoded, world=None, params={}) != annotation:  # round trip, or nothing stored
         raise Uncacheable("the annotation does not round-trip through JSON")
     return encoded
 
 
-def _decode_annotation(gm: torch.fx.GraphModule, encoded: Mapping[str, Any], world: int | None,
+def decode_annotation(gm: torch.fx.GraphModule, encoded: Mapping[str, Any], world: int | None,
                        params: Mapping[str, tuple[tuple[int, ...], Placement | None]]) -> Annotation:
     """Rebuild the annotation on ``gm``'s nodes, checking that it fits the graph (raises
     ValueError where it does not). ``params``: placeholder name -> (global shape, pinned placement)."""
@@ -491,7 +491,7 @@ class PlanCache:
             return None, f"entry of {_difference(entry['key'], key.fields)}"
         payload = entry["payload"]
         try:
-            annotation = _decode_annotation(gm, payload["annotation"], world, params)
+            annotation = decode_annotation(gm, payload["annotation"], world, params)
             return CachedPlan(annotation, dict(payload["solve"]), dict(payload["plan"])), "hit"
         except (KeyError, TypeError, ValueError) as e:
             return None, f"entry does not fit the graph ({type(e).__name__}: {e})"

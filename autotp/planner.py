@@ -551,7 +551,8 @@ def _boundary_sites(gm: torch.fx.GraphModule, record: SolveRecord, result: Any) 
     shadow, placements = record.shadow, record.solution.placements
     output_index = len(shadow.dynamo_nodes) - 1
     out = []
-    for path, placement, leaf, sub, _ in getattr(gm, "autotp_sharded_outputs", []):
+    for sharded in getattr(gm, "autotp_sharded_outputs", []):
+        path, placement, leaf, sub = sharded.path, sharded.placement, sharded.leaf, sharded.sub
         if path in kept:
             continue
         edge = shadow.edges.get((output_index, leaf, sub))

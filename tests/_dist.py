@@ -1,6 +1,6 @@
 """Multi-process harness for distributed tests: ``run_ranks(fn, world_size, *args, **kwargs)``.
 
-Each rank is a fresh process (``spawn``) with ``torch.set_num_threads(1)`` and a gloo default
+Each rank is a fresh process with ``torch.set_num_threads(1)`` and a gloo default
 process group rendezvoused through a TCP store that the parent hosts on a port the OS picks
 (``127.0.0.1:0``): no fixed ports, no races on a "free" port. ``fn(rank, world_size, *args,
 **kwargs)`` runs in every rank; the return values come back in rank order. A rank that raises makes
@@ -8,14 +8,23 @@ process group rendezvoused through a TCP store that the parent hosts on a port t
 time it caught the exception); a rank that dies or hangs is noticed by polling (process sentinels and result pipes) and the remaining ranks are killed, so a
 test never hangs past ``timeout``.
 
-``fn`` must be a module-level function (spawn pickles it by qualified name); its arguments and
+``fn`` must be a module-level function (it is pickled by qualified name); its arguments and
 return value must be picklable.
+
+Ranks are forked from a ``forkserver`` that imported torch, Dynamo, transformers and autotp once
+per session (:data:`PRELOAD`): a ``spawn``-ed rank spent ~5 s of CPU importing them, in every
+rank of every test, before doing anything. A forked rank is still a fresh process (the server only
+imports, never runs a model, so no state of one test reaches another), and it gets the caller's
+environment as it is at ``run_ranks`` time (tests set ``HF_HUB_OFFLINE``, ``AUTOTP_CACHE_DIR``
+...); settings the preloaded libraries read from the environment at import are read again
+(:func:`_apply_environment`).
 """
 
 from __future__ import annotations
 
 import datetime
 import multiprocessing.connection as mpc
+import os
 import pickle
 import time
 import traceback
@@ -26,12 +35,44 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tests._tiny import ARCHS
+
 __all__ = ["RankError", "run_ranks"]
 
 _HOST = "127.0.0.1"
 #: after the first failure, how long the other ranks get to report their own error before they
 #: are killed (they are usually blocked in a collective that will never complete)
 _GRACE_S = 2.0
+#: modules the forkserver imports once, so that ranks forked from it start with them loaded: the
+#: compile stack (with what a first compile imports lazily), transformers and the modeling code of
+#: every tiny architecture (``tests/_tiny.py: ARCHS``), autotp
+PRELOAD = [
+    "torch", "torch.distributed", "torch._dynamo", "torch._dynamo.backends.debugging",
+    "torch._functorch.aot_autograd", "torch._functorch.compilers", "torch.fx.experimental.proxy_tensor",
+    "torch._subclasses.fake_tensor", "torch.export", "sympy.combinatorics",
+    "transformers", "transformers.generation.utils",
+    *(f"transformers.models.{arch}.modeling_{arch}" for arch in ARCHS),
+    "autotp", "autotp.api", "autotp.planner", "tests._tiny",
+]
+
+
+def _context() -> Any:
+    """The multiprocessing context ranks start from: a forkserver with :data:`PRELOAD` imported."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)  # read when the server starts (the first rank of the session)
+    return ctx
+
+
+def _apply_environment(env: dict[str, str]) -> None:
+    """Make this rank's environment the caller's: a forked rank inherits the forkserver's, which
+    is the environment of the session's first ``run_ranks``. huggingface_hub reads
+    ``HF_HUB_OFFLINE`` at import (the server imported it): read it again."""
+    os.environ.clear()
+    os.environ.update(env)
+    from huggingface_hub import constants
+
+    offline = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE") or ""
+    constants.HF_HUB_OFFLINE = offline.upper() in constants.ENV_VARS_TRUE_VALUES  # as constants.py reads it
 
 
 class RankError(RuntimeError):
@@ -43,6 +84,7 @@ def _child(
     world_size: int,
     port: int,
     timeout: float,
+    env: dict[str, str],
     conn: mpc.Connection,
     fn: Callable[..., Any],
     args: tuple[Any, ...],
@@ -50,6 +92,7 @@ def _child(
 ) -> None:
     failed_at: float | None = None
     try:
+        _apply_environment(env)
         torch.set_num_threads(1)
         store = dist.TCPStore(
             _HOST, port, world_size, is_master=False, timeout=datetime.timedelta(seconds=timeout)
@@ -96,7 +139,7 @@ def run_ranks(
     timeout (after killing the remaining ranks)."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     # The parent hosts the rendezvous store; port 0 lets the OS pick a free one.
     store = dist.TCPStore(
         _HOST, 0, world_size, is_master=True, wait_for_workers=False,
@@ -108,7 +151,7 @@ def run_ranks(
         recv, send = ctx.Pipe(duplex=False)
         p = ctx.Process(
             target=_child,
-            args=(rank, world_size, store.port, timeout, send, fn, args, kwargs),
+            args=(rank, world_size, store.port, timeout, dict(os.environ), send, fn, args, kwargs),
             name=f"rank{rank}",
             daemon=True,
         )

@@ -84,5 +84,6 @@ def test_each_rank_caches_only_its_kv_heads_and_64_tokens_compile_a_constant_num
         torch.testing.assert_close(r["logits"], ref["logits"], atol=1e-5, rtol=1e-4)
         assert r["greedy"] == ref["greedy"]
         assert r["sampled"] == ref["sampled"]
-        # prefill, the first decode step and one decode graph with a dynamic length: not one per token
-        assert r["graphs_for_generate"] <= 3
+        # at most the prefill and one decode graph, dynamic in the cache length from the first step
+        # (the prefill's symbolic length stays symbolic in the cache it hands on): not one per token
+        assert r["graphs_for_generate"] <= 2

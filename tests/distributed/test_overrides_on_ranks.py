@@ -45,3 +45,22 @@ def test_overrides_pin_styles_on_two_ranks_and_keep_one_process_logits(tmp_path:
         assert r["styles"]["model.layers.1.mlp.down_proj.weight"] == "replicate"
         assert r["styles"]["model.layers.0.mlp.up_proj.weight"] != "replicate"  # others still sharded
         torch.testing.assert_close(r["logits"], expected, atol=1e-5, rtol=1e-4)
+
+
+def _rank_refused(rank: int, world: int, folder: str) -> str:
+    from autotp import AutoTPError, parallelize_model
+
+    try:
+        parallelize_model(folder, tp_size=world, progress=False, overrides={"lm_head": "vocab"})
+    except AutoTPError as e:
+        return str(e)
+    return "loaded"
+
+
+def test_an_override_no_plan_can_honour_is_refused_on_every_rank(tmp_path: Path) -> None:
+    # rank 0 plans the group's graphs (autotp/backend.py: _plans_once): its refusal reaches the
+    # other rank as the same error, instead of leaving it waiting for a plan
+    folder = save_tiny("llama", tmp_path / "llama")
+    messages = run_ranks(_rank_refused, 2, str(folder), timeout=900)
+    assert messages[0] == messages[1]
+    assert "override 'lm_head': 'vocab' cannot be honoured for lm_head.weight" in messages[0]
