@@ -26,6 +26,7 @@ import torch.distributed as dist
 import torch.fx
 
 from autotp.collectives import Comm, attach_health, broadcast_object
+from autotp.compat import maybe_mark_dynamic
 from autotp.config import AutoTPConfig
 from autotp.context import TPContext, attach_meta, meta_of, shard_of, sharded_standin, standin
 from autotp.errors import AutoTPError, SolverError
@@ -664,7 +665,7 @@ def _growing_standin(local: torch.Tensor, output: ShardedOutput, world: int) -> 
     """The stand-in of one sharded output, its symbolic dims marked dynamic for the next graph."""
     out = sharded_standin(local, output.placement, world, output.path, output.size)
     for dim in output.symbolic_dims:
-        torch._dynamo.maybe_mark_dynamic(out, dim)
+        maybe_mark_dynamic(out, dim)
     return out
 
 

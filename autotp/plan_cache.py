@@ -371,9 +371,12 @@ def _check_parameter(name: str, placement: Any, shape: tuple[int, ...], pinned: 
         if placement.dim >= len(shape) or sum(placement.segments) != shape[placement.dim] \
                 or any(s % world for s in placement.segments):
             raise ValueError(f"parameter {name}: {placement} does not fit shape {shape} at world size {world}")
-    elif isinstance(placement, (Shard, GroupedShard)):
-        chunks = placement.groups if isinstance(placement, GroupedShard) else world
+    elif isinstance(placement, GroupedShard):
+        chunks = placement.groups
         if placement.dim >= len(shape) or shape[placement.dim] % chunks or world % chunks:
+            raise ValueError(f"parameter {name}: {placement} does not fit shape {shape} at world size {world}")
+    elif isinstance(placement, Shard):  # a dim no rank count divides is split unevenly (a vocabulary)
+        if placement.dim >= len(shape) or shape[placement.dim] < world:
             raise ValueError(f"parameter {name}: {placement} does not fit shape {shape} at world size {world}")
     elif not isinstance(placement, Replicate):
         raise ValueError(f"parameter {name}: stored as {placement}")

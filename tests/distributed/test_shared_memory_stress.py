@@ -73,7 +73,7 @@ def _stress(rank: int, world: int) -> dict:
                     bad.append(f"call {call}: backward all-reduce of {numel} values differs on rank {rank}")
         else:  # all-gather of a piece that fits one slot
             piece = x[: max(numel // 3, 1)]
-            y = GatherFromParallelRegion.apply(piece, 0, comm, False)
+            y = GatherFromParallelRegion.apply(piece, 0, comm, False, None)
             expected = torch.cat([_data(call, q, numel)[: piece.numel()] for q in range(world)])
             if not torch.equal(y, expected):
                 bad.append(f"call {call}: all-gather of {piece.numel()} values differs on rank {rank}")
