@@ -1,28 +1,41 @@
-"""Training step speed and memory per rank: forward + backward + AdamW at tp = 1, 2, 4.
+"""Training step speed and memory per rank: forward + backward + AdamW at tp = 1, 2, 4, with
+sequence parallelism, with gradient checkpointing, and on a dp x tp mesh (FSDP2 or DDP on "dp").
 
     python benchmarks/training.py --tp 1,2,4 --batch 1 --seq 128 \\
         --steps 3 --out training.json
+    python benchmarks/training.py --tp 1,2 --sequence-parallel --checkpointing --mesh 2x2 \\
+        --size small --steps 2 --out training_rows.json
 
 Same checkpoint as the other benchmarks (``benchmarks/_checkpoint.py``: 154M-parameter Llama
-family, fp32). Each tp size is one launch (torch's elastic launcher, ``--standalone``; tp=1 is
-``parallelize_model`` in one process, which compiles but solves nothing) with ``cores // tp``
-threads per rank unless ``OMP_NUM_THREADS`` is set. A launch loads the model, builds
-``torch.optim.AdamW(model.parameters())`` over the local shards, runs one untimed step (it compiles
-the training graphs and allocates the optimizer state), then ``--steps`` timed steps of
-``loss = model(input_ids, labels=input_ids).loss; loss.backward(); optimizer.step();
-optimizer.zero_grad()`` on a ``batch x seq`` batch with a barrier before each.
+family, fp32; ``--size small``: 6.3M parameters, for a quick run). Each row is one launch (torch's
+elastic launcher, ``--standalone``; tp=1 is ``parallelize_model`` in one process, which compiles but
+solves nothing) with ``cores // ranks`` threads per rank unless ``OMP_NUM_THREADS`` is set. A
+launch loads the model, builds ``torch.optim.AdamW(model.parameters())`` over the local shards, runs
+one untimed step (it compiles the training graphs and allocates the optimizer state), then
+``--steps`` timed steps of ``loss = model(input_ids, labels=input_ids).loss; loss.backward();
+optimizer.step(); optimizer.zero_grad()`` on a ``batch x seq`` batch with a barrier before each.
 
-Reported per tp: ``tokens_per_s`` (batch * seq / median step time; every rank processes the same
-tokens, so this is the group's throughput), ``step_ms`` (median), and per rank the peak resident
-set (``VmHWM``, ``benchmarks/_record.py``: ``memory``; on CUDA ``torch.cuda.max_memory_allocated``),
-the anonymous resident memory at the end (``RssAnon``), the resident set after loading, and the bytes of parameters + gradients + AdamW state this rank holds
-(``state_bytes``: ideal 1/N of one process's, plus the replicated norms), and ``activation_bytes``:
-the distinct storages autograd saves for backward during one (untimed) training forward, counted
-with ``autotp.training.saved_activation_bytes``. ``--sequence-parallel`` adds, for every tp > 1,
-a launch with ``parallelize_model(..., sequence_parallel=True)`` (reported as ``"<tp>+sp"``): its
-``activation_bytes`` against the plain launch's is the activation memory sequence parallelism
-saves. On a shared machine the timings move with the neighbours' load: compare launches made in
-one run.
+Rows (``rows`` in the JSON, by name): ``"<tp>"`` for each ``--tp``; with ``--sequence-parallel``,
+``"<tp>+sp"`` for every tp > 1 (``parallelize_model(..., sequence_parallel=True)``); with ``--mesh
+DPxTP``, ``"<dp>x<tp> fsdp"`` and ``"<dp>x<tp> ddp"`` (``init_device_mesh("cpu", (dp, tp),
+mesh_dim_names=("dp", "tp"))``, ``parallelize_model(..., mesh=mesh, data_parallel=...)``, each dp
+replica training on its own ``batch x seq`` tokens); with ``--checkpointing``, every row again as
+``"<row>+ckpt"`` (``model.gradient_checkpointing_enable()`` after loading, before the first step).
+
+Reported per row: ``tokens_per_s`` (dp * batch * seq / median step time: the group's throughput),
+``step_ms`` (median) and ``step_ms_stats`` (median, min, max, spread over all ranks' timed steps),
+and per rank the peak resident set (``VmHWM``, ``benchmarks/_record.py``: ``memory``; on CUDA
+``torch.cuda.max_memory_allocated``), the anonymous resident memory at the end (``RssAnon``), the
+resident set after loading, the bytes of parameters + gradients + AdamW state this rank holds
+(``state_bytes``; FSDP2's DTensors by their local piece), and what autograd saves for backward
+during one (untimed) training forward, counted with ``autotp.training.saved_activation_bytes``:
+``saved_bytes`` (every distinct storage) and ``activation_bytes`` (the same without the storages of
+this rank's weights, which a matmul keeps for its input's gradient: at small batches they are most
+of ``saved_bytes``, though no activation). ``*_max`` is the largest rank's, and
+``*_ratio_to_one_process`` divides it by row ``"1"``'s (one process, no checkpointing) when that
+row ran. A row whose launch fails is recorded with its ``error`` (and the script exits 1) while the
+other rows still run. On a shared machine the timings move with the neighbours' load: compare
+launches made in one run.
 """
 
 from __future__ import annotations
