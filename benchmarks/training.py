@@ -249,10 +249,19 @@ def _rows(args: argparse.Namespace) -> list[Row]:
         if args.sequence_parallel and tp > 1:
             plain.append(Row(tp, sequence_parallel=True))
     if args.mesh:
-        dp, tp = (int(n) for n in args.mesh.lower().split("x"))
+        dp, tp = args.mesh
         plain += [Row(tp, dp=dp, data_parallel=kind) for kind in args.data_parallel.split(",")]
     checkpointed = (False, True) if args.checkpointing else (False,)
     return [Row(**{**asdict(r), "checkpointing": c}) for r in plain for c in checkpointed]
+
+
+def _mesh_shape(text: str) -> tuple[int, int]:
+    """``--mesh``'s ``DPxTP`` (e.g. ``2x2``) as ``(dp, tp)``."""
+    try:
+        dp, tp = (int(n) for n in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"takes DPxTP, e.g. 2x2 (2 replicas x 2-way tp), not {text!r}") from None
+    return dp, tp
 
 
 def _ratios(rows: dict[str, dict[str, Any]]) -> None:
@@ -316,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--sequence-parallel",
         action="store_true",
-        help="also run every tp > 1 with sequence_parallel=True (reported as '<tp>+sp')",
+        help="also run every tp > 1 (not the mesh rows) with sequence_parallel=True (reported as '<tp>+sp')",
     )
     parser.add_argument(
         "--checkpointing",
@@ -326,6 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--mesh",
         default=None,
+        type=_mesh_shape,
         metavar="DPxTP",
         help="also run a dp x tp DeviceMesh (e.g. 2x2: 4 ranks) once per --data-parallel engine",
     )
