@@ -6,7 +6,7 @@ wrong. :func:`clip_grad_norm_` sums the squared shards over the ranks and counts
 parameters once, so every rank gets the global norm one process would compute and scales alike.
 
 :func:`saved_activation_bytes` measures what a training forward leaves for backward on this rank
-(the activation memory sequence parallelism shrinks).
+(the activation memory sequence parallelism shrinks), with or without the weights it keeps.
 """
 
 from __future__ import annotations
@@ -67,14 +67,24 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def saved_activation_bytes(forward: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, int]:
+def saved_activation_bytes(forward: Callable[[], torch.Tensor],
+                           weights: Callable[[], Iterable[torch.Tensor]] | None = None) -> tuple[torch.Tensor, int]:
     """Run ``forward`` (a training forward returning the loss) and count the bytes of the distinct
     storages autograd saves for its backward on this rank (meta tensors excluded). Returns
-    ``(loss, bytes)``; the caller runs ``loss.backward()``."""
+    ``(loss, bytes)``; the caller runs ``loss.backward()``.
+
+    ``weights`` leaves out the storages of the tensors it returns: a matmul saves its weight to
+    compute its input's gradient, and at small batches those parameter bytes are most of what is
+    saved, though no activation. It is called once, when the first tensor is saved (inside the
+    forward), so tensors that exist only during the call (FSDP2's all-gathered shards) can be named."""
     storages: dict[int, int] = {}
+    excluded: set[int] | None = None
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        if t.device.type != "meta":
+        nonlocal excluded
+        if excluded is None:
+            excluded = {w.untyped_storage().data_ptr() for w in weights()} if weights is not None else set()
+        if t.device.type != "meta" and t.untyped_storage().data_ptr() not in excluded:
             storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return t
 
