@@ -201,13 +201,16 @@ def test_torch_compile_with_a_mesh_runs_tensor_parallel_on_its_tp_dim(tmp_path: 
         assert r["q_local"] == (r["q_global"][0] // 2, r["q_global"][1])  # split over tp=2, not the 4 ranks
 
 
-def _rank_checkpoint(rank: int, world: int, folder: str, ckpt: str, export: str) -> dict:
+def _rank_checkpoint(rank: int, world: int, folder: str, ckpt: str, export: str | None,
+                     data_parallel: str = "ddp") -> dict:
+    """``data_parallel`` on the 2x2 mesh: one step, a save, the second step, a load (back to after
+    the first step) and the second step again; then, given ``export``, ``save_pretrained`` there."""
     from torch.distributed.device_mesh import init_device_mesh
 
     import autotp
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    model = autotp.parallelize_model(folder, mesh=mesh, data_parallel="ddp")
+    model = autotp.parallelize_model(folder, mesh=mesh, data_parallel=data_parallel)
     model.train()
     ids = IDS[2 * mesh.get_local_rank("dp"): 2 * mesh.get_local_rank("dp") + 2]
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
@@ -224,7 +227,8 @@ def _rank_checkpoint(rank: int, world: int, folder: str, ckpt: str, export: str)
     second = step()
     autotp.load_checkpoint(model, ckpt, optimizer)  # back to after the first step
     again = step()
-    autotp.save_pretrained(model, export)  # two steps, gathered over tp, written once
+    if export is not None:
+        autotp.save_pretrained(model, export)  # two steps, gathered over tp, written once
     import json
 
     saved_at = json.loads((Path(ckpt) / "autotp_checkpoint.json").read_text())["saved_at"]
@@ -243,33 +247,6 @@ def _rank_resume_whole_batch(rank: int, world: int, folder: str, ckpt: str) -> f
     loss.backward()
     optimizer.step()
     return float(loss.detach())
-
-
-def _rank_fsdp_checkpoint(rank: int, world: int, folder: str, ckpt: str) -> dict:
-    """FSDP2 on the 2x2 mesh: one step, a save, the second step, a load (back to after the first
-    step) and the second step again."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    import autotp
-
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    model = autotp.parallelize_model(folder, mesh=mesh, data_parallel="fsdp")
-    model.train()
-    ids = IDS[2 * mesh.get_local_rank("dp"): 2 * mesh.get_local_rank("dp") + 2]
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-
-    def step() -> float:
-        optimizer.zero_grad()
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        optimizer.step()
-        return float(loss.detach())
-
-    step()
-    autotp.save_checkpoint(model, ckpt, optimizer)
-    second = step()
-    autotp.load_checkpoint(model, ckpt, optimizer)
-    return {"second": second, "again": step()}
 
 
 def test_checkpoints_on_a_ddp_mesh_resume_and_export_what_one_process_trains(tmp_path: Path) -> None:
@@ -312,7 +289,7 @@ def test_an_fsdp2_checkpoint_resumes_on_its_mesh_and_at_tp2_without_data_paralle
     rank's dp chunk of its tp piece. Losses within rtol 1e-4 (another reduction order at tp=2)."""
     folder = save_tiny("llama", tmp_path / "llama", seed=0)
     ckpt = tmp_path / "ckpt"
-    results = run_ranks(_rank_fsdp_checkpoint, 4, str(folder), str(ckpt))
+    results = run_ranks(_rank_checkpoint, 4, str(folder), str(ckpt), None, "fsdp")
     for r in results:
         assert r["again"] == pytest.approx(r["second"], rel=1e-6)  # the resumed step is the same step
     dp_mean = sum(r["second"] for r in results) / len(results)
