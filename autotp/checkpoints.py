@@ -370,11 +370,10 @@ def _load_optimizer(optimizer: torch.optim.Optimizer, state: Checkpoint, index: 
 def _full_tensor(local: torch.Tensor, meta: ParameterMeta, comm: Comm) -> torch.Tensor:
     """The whole parameter, on every rank, from the ranks' local shards."""
     placement = meta.placement
-    if isinstance(placement, GroupedShard):  # kv heads held per group of ranks: one chunk per group
-        return full_tensor(local.detach(), placement, comm)
-    if not isinstance(placement, Shard):
+    if not isinstance(placement, (Shard, GroupedShard)):  # grouped: kv heads held per group of ranks
         return local.detach()
-    return full_tensor(local.detach(), placement, comm, size=meta.global_shape[placement.dim])
+    size = meta.global_shape[placement.dim] if isinstance(placement, Shard) else None  # uneven: trimmed
+    return full_tensor(local.detach(), placement, comm, size=size)
 
 
 def save_pretrained(model: torch.nn.Module, folder: str | os.PathLike, *,

@@ -210,11 +210,7 @@ def _scale_to_share(gm: torch.fx.GraphModule, n: torch.fx.Node, plan: Any) -> No
     shards), so the Partial the solver planned sums to the global mean."""
     x = n.args[0] if n.args else n.kwargs.get("input")
     placement = _arrival(n, plan, x)
-    source = x
-    while isinstance(source, torch.fx.Node) and source.op == "call_module" \
-            and str(source.target).startswith("autotp_redistribute"):
-        source = source.args[0]  # the value before an inserted collective carries Dynamo's example value
-    value = source.meta.get("example_value") if isinstance(source, torch.fx.Node) else None
+    value = _example_value(x)
     if not isinstance(placement, Shard) or not isinstance(value, torch.Tensor):
         raise PassError(f"node {n.name}: a mean over a sharded dim needs its input's shard and size")
     with gm.graph.inserting_after(n):

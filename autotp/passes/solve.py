@@ -725,11 +725,11 @@ class _Search:
         # that reduces its Partial values where they are first needed (Megatron's: an all-reduce
         # right after the row-parallel matmul or the vocab-parallel embedding, whose result the
         # residual add reuses, not the Partial carried along the residual stream to be reduced
-        # with the next one at the same cost)
-        tie_score: dict[State, float] = {}
+        # with the next one at the same cost). Scored only when a tie happens: each state keeps
+        # the parent and resolutions that made it.
+        made_by: dict[State, tuple[tuple, frozenset, tuple]] = {}
         for (key, ready), (cost, comm, mem, hist) in states.items():
             live = dict(key)
-            owed_here: float | None = None
             options, reason = self.options(step, live, ready, here)
             if not options:
                 self.trace.backtrack_count += 1
@@ -761,16 +761,14 @@ class _Search:
                         frozenset(r for r in nready if self.alive_after(r[0], here)))
                 total = cost + o.cost + o.mem
                 prev = new_states.get(nkey)
-                if owed_here is None:
-                    owed_here = self.owed(key, ready)
-                score = owed_here + sum(self.owed_by_value(j, p) for j, p in o.resolved)
                 if prev is not None and total >= prev[0]:
-                    if total > prev[0] + TIE * max(1.0, abs(total)) or score >= tie_score[nkey]:
+                    if total > prev[0] + TIE * max(1.0, abs(total)) \
+                            or self.tie_score(key, ready, o.resolved) >= self.tie_score(*made_by[nkey]):
                         continue
                 if not isinstance(o.out, Pending):
                     h = _Hist(h, step.index, o.out, o.local, o.param)
                 new_states[nkey] = (total, comm + o.cost, mem + o.mem, h)
-                tie_score[nkey] = score
+                made_by[nkey] = (key, ready, o.resolved)
         if not new_states:
             raise _no_plan(step, self.trace)
         if len(new_states) > self.opts.beam_width:
@@ -904,6 +902,11 @@ class _Search:
         tie-breaker, never a cost."""
         paid = {j for j, _ in ready}
         return sum(self.owed_by_value(j, p) for j, p in key if j not in paid)
+
+    def tie_score(self, key: tuple, ready: frozenset, resolved: tuple) -> float:
+        """Among states of equal cost, lower wins: what the parent (``key``, ``ready``) still owed,
+        plus what the step read as Partial (``resolved``) where a reduced copy would have done."""
+        return self.owed(key, ready) + sum(self.owed_by_value(j, p) for j, p in resolved)
 
     def owed_by_value(self, j: int, p: Any) -> float:
         """The reduction value ``j`` owes in placement ``p`` (0 unless ``p`` is Partial)."""
