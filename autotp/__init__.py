@@ -2,10 +2,11 @@
 
     torch.compile(model, backend="autotp")      # any nn.Module, on every rank
     parallelize_model("org/name" or "/dir")     # Hub id or folder -> compiled, sharded model
+    session_of(model).plans                     # what was planned for each compiled graph
 """
 
 from autotp.api import AutoTPHandle, parallelize_model
-from autotp.backend import autotp_backend
+from autotp.backend import autotp_backend, session_of
 from autotp.checkpoints import load_checkpoint, save_checkpoint, save_pretrained
 from autotp.config import AutoTPConfig
 from autotp.errors import AutoTPError, CheckpointError, ShardingError, SolverError
@@ -30,4 +31,5 @@ __all__ = [
     "parallelize_model",
     "save_checkpoint",
     "save_pretrained",
+    "session_of",
 ]

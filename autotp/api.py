@@ -20,14 +20,14 @@ import datetime
 import inspect
 import os
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from autotp.backend import make_backend
+from autotp.backend import check_override_styles, check_overrides, make_backend
 from autotp.checkpoint_match import match_parameters
 from autotp.collectives import Comm, attach_health, ensure_process_group, peer_failures, redistribute
 from autotp.compat import BackendCompilerFailed, maybe_mark_dynamic, no_guard_latency_profile
@@ -63,7 +63,6 @@ class AutoTPHandle:
 
     context: TPContext
     folder: Path | None
-    plans: list[dict] = field(default_factory=list)
     #: the device mesh (dims "dp", "tp") and data-parallel engine, when ``mesh=`` was given
     layout: MeshLayout | None = None
     #: the data-parallel side (:class:`autotp.data_parallel.DataParallel`), with ``data_parallel=``
@@ -82,6 +81,11 @@ class AutoTPHandle:
         if self.entry is None:
             raise AutoTPError("this model has no compiled forward entry whose logits could be gathered")
         self.entry.logits_with_loss = bool(value)
+
+    @property
+    def plans(self) -> list[dict]:
+        """The per-parameter plan of every graph compiled for the model (the session's)."""
+        return self.context.plans
 
     @property
     def plan(self) -> dict | None:
@@ -363,6 +367,7 @@ def parallelize_model(
                           compile_inner=compile_inner or "eager")
     if overrides:
         raise AutoTPError(f"unknown arguments to parallelize_model: {sorted(overrides)}")
+    check_override_styles(config.overrides)  # before anything is downloaded
     if timeout is not None and not isinstance(timeout, datetime.timedelta):
         if not isinstance(timeout, int | float) or timeout <= 0:
             raise AutoTPError(f"timeout must be a positive number of seconds, got {timeout!r}")
@@ -398,6 +403,7 @@ def parallelize_model(
     check_divisible(hf_config, config.tp_size or world)
     check_tp_size(layout, config.tp_size)
     module = build_meta_model(hf_config, dtype=dtype, trust_remote_code=trust_remote_code)
+    check_overrides(module, config.overrides)  # names checked against the model, before any weight is read
     checkpoint = Checkpoint(folder)
     checkpoint.add_conversions_for(module)  # names transformers renames / converts on load
     _install_standins(module, checkpoint, dtype, device)
@@ -413,7 +419,6 @@ def parallelize_model(
     module.forward = forward
     _compile_encoder(module, slots, ctx)
     module.autotp = AutoTPHandle(context=ctx, folder=Path(folder), layout=layout, entry=forward)
-    ctx.on_plan = module.autotp.plans.append
     if warmup:
         with load_progress(checkpoint, len({id(p) for _, _, p in slots}), show_progress), \
                 peer_failures(comm, "the model was loading"), _failures_recorded(health):

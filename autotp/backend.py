@@ -16,7 +16,7 @@ import os
 import pickle
 import re
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -28,7 +28,7 @@ import torch.fx
 from autotp.collectives import Comm, attach_health, broadcast_object
 from autotp.compat import maybe_mark_dynamic
 from autotp.config import AutoTPConfig
-from autotp.context import TPContext, attach_meta, meta_of, shard_of, sharded_standin, standin
+from autotp.context import CompiledGraph, TPContext, attach_meta, meta_of, shard_of, sharded_standin, standin
 from autotp.errors import AutoTPError, SolverError
 from autotp.inner import inner_compile
 from autotp.memory import release_free_memory
@@ -54,6 +54,13 @@ from autotp.verify import verified
 from autotp.weights import ParameterMeta
 
 _SOURCE_TOKEN = re.compile(r"\._(?:modules|parameters|buffers)\['([^']+)'\]|\.([A-Za-z_]\w*)|\[(\d+)\]|\['([^']+)'\]")
+
+
+def grapharg_source(ph: torch.fx.Node) -> str:
+    """The name of the source Dynamo read a placeholder from (``L['self']._modules[...]...``), or
+    the placeholder's name."""
+    grapharg = ph.meta.get("grapharg")
+    return grapharg.source.name if grapharg is not None and hasattr(grapharg, "source") else ph.name
 
 
 def fqn_of(source_name: str) -> str:
@@ -82,19 +89,45 @@ def autotp_backend(gm: torch.fx.GraphModule, example_inputs: list[Any],
     ...}`` (any of :data:`BACKEND_OPTIONS`) set the matching :class:`AutoTPConfig` fields, and
     ``options={"mesh": mesh}`` runs tensor parallelism on ``mesh["tp"]`` (:func:`_backend_comm`).
 
-    Each call builds a fresh context, so compile options per graph; for a model whose graphs must
-    share one context, use :func:`make_backend`."""
+    One session per model: a graph whose parameters an earlier graph of this backend already met
+    joins that graph's session (:func:`session_of_graph`: same group size and options), so the
+    model's graphs share one graph counter, trace folder sequence, plan records and override
+    bookkeeping; a graph of new parameters starts a session."""
     options = dict(options or {})
-    comm = _backend_comm(options.pop("mesh", None))
-    attach_health(comm)  # a failed collective names the rank that failed (autotp.health)
-    trace_dir = os.environ.get("AUTOTP_TRACE_DIR")
-    verify = os.environ.get("AUTOTP_VERIFY", "") not in ("", "0")
+    mesh = options.pop("mesh", None)
     unknown = sorted(set(options) - set(BACKEND_OPTIONS))
     if unknown:
         raise AutoTPError(f"unknown autotp backend options {unknown}; known: {[*BACKEND_OPTIONS, 'mesh']}")
+    trace_dir = os.environ.get("AUTOTP_TRACE_DIR")
+    verify = os.environ.get("AUTOTP_VERIFY", "") not in ("", "0")
     fields: dict[str, Any] = {"trace_dir": Path(trace_dir) if trace_dir else None, "verify": verify, **options}
-    ctx = TPContext(comm=comm, config=AutoTPConfig(**fields))
+    config = AutoTPConfig(**fields)
+    ctx = session_of_graph(example_inputs, config)
+    if ctx is None:
+        comm = _backend_comm(mesh)
+        attach_health(comm)  # a failed collective names the rank that failed (autotp.health)
+        ctx = TPContext(comm=comm, config=config)
     return compile_graph(gm, example_inputs, ctx)
+
+
+def session_of_graph(example_inputs: list[Any], config: AutoTPConfig) -> TPContext | None:
+    """The session an earlier graph of the same model made: the one that placed any of these
+    parameters, if its options are ``config``."""
+    for value in example_inputs:
+        meta = meta_of(value) if isinstance(value, torch.Tensor) else None
+        if meta is not None and meta.session is not None and meta.session.config == config:
+            return meta.session
+    return None
+
+
+def session_of(module: torch.nn.Module) -> TPContext | None:
+    """The session (graphs, plans, options) of a model compiled with ``backend="autotp"`` or
+    ``parallelize_model``: the one that placed its parameters; None before its first graph."""
+    for p in module.parameters():
+        meta = meta_of(p)
+        if meta is not None and meta.session is not None:
+            return meta.session
+    return None
 
 
 def _backend_comm(mesh: Any) -> Comm:
@@ -132,69 +165,120 @@ def _tokens(inputs: list[tuple[torch.fx.Node, Any]]) -> int:
     return 1
 
 
+@dataclass
+class GraphInputs:
+    """A Dynamo graph's placeholders split into parameters (each with its ``ParameterMeta``) and
+    the user's inputs (token ids, masks, KV-cache entries), in placeholder order."""
+
+    placeholders: list[torch.fx.Node]
+    params: dict[torch.fx.Node, torch.Tensor]
+    user: list[tuple[torch.fx.Node, Any]]
+
+
+@dataclass
+class GraphPlan:
+    """One graph's plan, as data: the placement of every value and every collective's site (the
+    :class:`~autotp.passes.annotate.Annotation`), where it came from (``origin``: ``"solved"``,
+    ``"plan cache"``, ``"rank 0"`` or ``"one rank"``), the plan-cache lookup that keys it, and,
+    where this process solved, the solver's record and summary. :func:`plan_graph` makes it without
+    touching weights; :func:`lower_graph` turns it into per-rank code. The annotation serializes
+    (``plan_cache.encode_annotation``): that is what the plan cache stores and rank 0 broadcasts."""
+
+    graph_id: int
+    annotation: Annotation
+    origin: str
+    lookup: Lookup | None = None
+    record: SolveRecord | None = None
+    summary: dict[str, Any] | None = None
+
+
 def compile_graph(gm: torch.fx.GraphModule, example_inputs: list[Any], ctx: TPContext) -> Callable[..., Any]:
-    graph_id = ctx.graphs_compiled
-    ctx.graphs_compiled += 1
-    world = ctx.world_size
+    """Compile one Dynamo graph for this rank: :func:`plan_graph`, then :func:`lower_graph`; the
+    result is recorded in the session (``ctx.graphs``)."""
+    graph_id = ctx.next_graph_id()
     folder = graph_folder(ctx.config.trace_dir, ctx.rank, graph_id) if ctx.config.trace_dir else None
     runner = PassRunner(folder)
-    timings: dict[str, float] = {}
     if folder:
         write_text(folder, "dynamo_graph.py", gm.code)
-
-    # classify placeholders: parameters (free or pinned) vs. replicated inputs
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    param_inputs: dict[torch.fx.Node, torch.Tensor] = {}
-    user_inputs: list[tuple[torch.fx.Node, Any]] = []
-    for ph, value in zip(placeholders, example_inputs, strict=True):
-        grapharg = ph.meta.get("grapharg")
-        source = grapharg.source.name if grapharg is not None and hasattr(grapharg, "source") else ph.name
-        if isinstance(value, torch.Tensor) and (isinstance(value, torch.nn.Parameter) or meta_of(value)):
-            if meta_of(value) is None:
-                attach_meta(value, ParameterMeta(
-                    fqn=fqn_of(source), global_shape=tuple(value.shape), dtype=value.dtype,
-                    checkpoint_key=None, checkpoint=None, placement=None, tied=(fqn_of(source),)))
-            param_inputs[ph] = value
-        else:
-            user_inputs.append((ph, value))
-
+    inputs = graph_inputs(gm, example_inputs, ctx)
     checkpoints = inline_checkpoints(gm)  # checkpointed blocks are planned through (passes/checkpoint.py)
-    received: Annotation | None = None
-    if world == 1:
-        # one rank: every placement is R; only bind parameters to their (full) local tensors
-        annotation, solution, shadow, opts = replicated_annotation(gm), None, None, None
-    else:
-        lookup = _cache_lookup(gm, example_inputs, param_inputs, placeholders, ctx, graph_id)
-        shared = _plans_once(ctx)
-        if shared and ctx.rank != 0:  # rank 0 plans; this rank receives it (or is told to solve)
-            received = _receive_plan(gm, param_inputs, placeholders, lookup, ctx)
-        if lookup.cached is not None and received is None:  # a hit: the stored plan, checked against this graph
-            annotation, solution, shadow, opts = lookup.cached.annotation, None, None, None
-        elif received is not None:
-            annotation, solution, shadow, opts = received, None, None, None
+    plan = plan_graph(gm, example_inputs, inputs, ctx, graph_id, runner, folder)
+    return lower_graph(gm, example_inputs, inputs, plan, ctx, runner, folder, bool(checkpoints))
+
+
+def graph_inputs(gm: torch.fx.GraphModule, example_inputs: list[Any], ctx: TPContext) -> GraphInputs:
+    """Split the placeholders (see :class:`GraphInputs`). A parameter of an in-memory model meets
+    autotp here: it gets its ``ParameterMeta`` (FQN from Dynamo's source), owned by this session."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    params: dict[torch.fx.Node, torch.Tensor] = {}
+    user: list[tuple[torch.fx.Node, Any]] = []
+    for ph, value in zip(placeholders, example_inputs, strict=True):
+        if isinstance(value, torch.Tensor) and (isinstance(value, torch.nn.Parameter) or meta_of(value)):
+            meta = meta_of(value)
+            if meta is None:
+                fqn = fqn_of(grapharg_source(ph))
+                meta = ParameterMeta(fqn=fqn, global_shape=tuple(value.shape), dtype=value.dtype, checkpoint_key=None,
+                                     checkpoint=None, placement=None, tied=(fqn,))
+                attach_meta(value, meta)
+            if meta.session is None:
+                meta.session = ctx
+            params[ph] = value
         else:
-            try:
-                annotation, solution, shadow, opts = _solve(gm, example_inputs, param_inputs, user_inputs, ctx,
-                                                            runner, timings, folder)
-            except BaseException as e:
-                if shared and ctx.rank == 0:
-                    broadcast_object(("error", _picklable(e), None), ctx.comm)  # the others raise it too, not hang
-                raise
-            summary = _solve_summary(solution, shadow, opts, timings)
-            ctx.plan_cache.solved(lookup, gm, annotation, summary)
-        if shared and ctx.rank == 0:
-            _send_plan(gm, annotation, lookup, summary if solution is not None else None, ctx)
+            user.append((ph, value))
+    return GraphInputs(placeholders, params, user)
+
+
+def plan_graph(gm: torch.fx.GraphModule, example_inputs: list[Any], inputs: GraphInputs, ctx: TPContext,
+               graph_id: int, runner: PassRunner, folder: Path | None) -> GraphPlan:
+    """The plan of one graph, reading no weight: one rank needs none; else the plan cache's entry,
+    or the plan rank 0 made for the group (``_plans_once``), or a solve (:func:`_solve`) whose
+    result the cache stores. Parameters an earlier graph placed are pinned."""
+    if ctx.world_size == 1:  # one rank: every placement is R
+        return GraphPlan(graph_id, replicated_annotation(gm), "one rank")
+    lookup = _cache_lookup(gm, example_inputs, inputs.params, inputs.placeholders, ctx)
+    shared = _plans_once(ctx)
+    received = _receive_plan(gm, inputs.params, lookup, ctx, graph_id) if shared and ctx.rank != 0 else None
+    if received is not None:
+        plan = GraphPlan(graph_id, received, "rank 0", lookup)
+    elif lookup.cached is not None:  # a hit: the stored plan, checked against this graph
+        plan = GraphPlan(graph_id, lookup.cached.annotation, "plan cache", lookup)
+    else:
+        timings: dict[str, float] = {}
+        try:
+            record, annotation = _solve(gm, example_inputs, inputs.params, inputs.user, ctx, runner, timings, folder)
+        except BaseException as e:
+            if shared and ctx.rank == 0:
+                broadcast_object(("error", _picklable(e), None), ctx.comm)  # the others raise it too, not hang
+            raise
+        summary = _solve_summary(record.solution, record.shadow, record.opts, timings)
+        if ctx.config.overrides:  # patterns no graph of this model named so far (a later graph may)
+            summary["overrides_unmatched"] = sorted(set(ctx.config.overrides) - ctx.overrides_matched)
+        ctx.plan_cache.solved(lookup, gm, annotation, summary)
+        plan = GraphPlan(graph_id, annotation, "solved", lookup, record, summary)
+    if shared and ctx.rank == 0:
+        _send_plan(gm, plan.annotation, lookup, plan.summary, ctx)
+    return plan
+
+
+def lower_graph(gm: torch.fx.GraphModule, example_inputs: list[Any], inputs: GraphInputs, plan: GraphPlan,
+                ctx: TPContext, runner: PassRunner, folder: Path | None, checkpointed: bool) -> Callable[..., Any]:
+    """Turn ``plan`` into this rank's code: materialize (read this rank's shards), rewrite (local
+    ops and collectives), fuse sibling matmuls, save sequence shards, outline checkpointed blocks,
+    then the inner compiler. Records a :class:`~autotp.context.CompiledGraph` in the session and
+    writes the trace folder."""
+    world = ctx.world_size
+    annotation, param_inputs = plan.annotation, inputs.params
     consumers = {ph: first_consumer(ph) for ph in param_inputs}
-    check = _verification(gm, annotation, placeholders, param_inputs, example_inputs, ctx) \
+    check = _verification(gm, annotation, inputs.placeholders, param_inputs, example_inputs, ctx) \
         if ctx.config.verify and world > 1 else None
-    solver_trace = solution.trace if folder and solution is not None else None
-    if not ctx.keep_solve_records and (solution is not None or received is not None):
+    record = plan.record
+    solver_trace = record.solution.trace if folder and record is not None else None
+    if not ctx.keep_solve_records and plan.origin in ("solved", "rank 0"):
         # Memory: the shadow ATen graph and its fake tensors are garbage from here on; free them
         # and hand the pages back (autotp/memory.py). A full collection (~0.9 s with the benchmark
         # model loaded) only when this rank is about to read shards, so that the reads do not
         # stack on the tracing's garbage; a later graph (recompile, decode step) only trims.
-        shadow = solution = None
-        gm.__dict__.pop("autotp_solve", None)
+        record = plan.record = None
         reads = any(meta_of(v).local is None and meta_of(v).checkpoint is not None for v in param_inputs.values())
         release_free_memory(collect=reads)
     # with fusion on, materialize reads each group the fuse pass will fuse into one buffer
@@ -202,48 +286,48 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: list[Any], ctx: TPCo
                          gm.graph if ctx.config.fuse else None)
     report = runner.run("rewrite", rewrite, gm, annotation, locals_, ctx.comm, lint=gm)
     fusion = runner.run("fuse", fuse_sibling_matmuls, gm, lint=gm) if ctx.config.fuse else None
-    gm.autotp_fusion = fusion.as_dict() if fusion is not None else None
     # sequence parallelism: column-parallel matmuls save their input's sequence shard for backward
-    gm.autotp_save_shards = runner.run("save_shards", save_input_shards, gm, ctx.comm, lint=gm).as_dict() \
+    save_shards = runner.run("save_shards", save_input_shards, gm, ctx.comm, lint=gm).as_dict() \
         if ctx.config.sequence_parallel and world > 1 and gradient_node(gm) is not None else None
-    gm.autotp_checkpoints = runner.run("checkpoint", outline_checkpoints, gm, lint=gm).as_dict() \
-        if checkpoints else None
+    checkpoints = runner.run("checkpoint", outline_checkpoints, gm, lint=gm).as_dict() if checkpointed else None
     sharded_outputs = _sharded_outputs(gm, annotation)
-    gm.autotp_sharded_outputs = sharded_outputs
-    plan = build_plan(world, {
+    parameters = build_plan(world, {
         meta_of(v).fqn: parameter_entry(meta_of(v).placement, consumers[ph], tuple(v.shape), world)
         for ph, v in param_inputs.items()
     }, report.collectives, sharded_outputs=len(sharded_outputs))
-    gm.autotp_plan = plan
     if world > 1:
-        ctx.plan_cache.finish(lookup, plan)
-    if folder and world > 1:
-        write_json(folder, "plan_cache.json", lookup.outcome.as_dict())
-        if lookup.cached is not None:  # the solve's summary as stored; no decisions (nothing was searched)
-            write_json(folder, "summary.json", {**lookup.cached.trace_summary(),
-                                                "local_rewrites": dict(report.local_rewrites)})
-    if folder:
-        modules = "".join(f"# {name}: {mod.extra_repr()}\n" for name, mod in gm.named_children())
-        write_text(folder, "rewritten_graph.py", modules + gm.code)
-        write_json(folder, "plan.json", plan)
-        write_json(folder, "fusion.json", gm.autotp_fusion or {"disabled": True})
-        if gm.autotp_save_shards is not None:
-            write_json(folder, "save_shards.json", gm.autotp_save_shards)
-    if solver_trace is not None:
-        write_solver_trace(folder, solver_trace, {**summary, "plan_cache": lookup.outcome.status,
-                                                  "local_rewrites": dict(report.local_rewrites),
-                                                  "uneven_shards": plan.get("uneven", {})})
-    if ctx.on_plan is not None:
-        ctx.on_plan(plan)
+        ctx.plan_cache.finish(plan.lookup, parameters)
     forward, inner_info = inner_compile(gm, ctx.config.compile_inner, ctx.comm)
-    gm.autotp_inner = inner_info
-    ctx.inner_reports.append(inner_info)  # the same dict: a fallback at the first call shows there too
+    compiled = CompiledGraph(plan.graph_id, parameters, fusion.as_dict() if fusion is not None else None,
+                             save_shards, checkpoints, sharded_outputs, inner_info, record)
+    ctx.graphs.append(compiled)
     if folder:
-        write_json(folder, "inner.json", inner_info)  # the fallback of a failed first call is added then
+        _write_trace(folder, gm, plan, compiled, report, solver_trace, world)
     run = _release_after_first_call(gm, param_inputs, forward)
     if check is not None:
         run = check(run, gm)
     return _bind_sharded_values(run, sharded_outputs, example_inputs, world)
+
+
+def _write_trace(folder: Path, gm: torch.fx.GraphModule, plan: GraphPlan, compiled: CompiledGraph, report: Any,
+                 solver_trace: Any, world: int) -> None:
+    """One graph's trace folder (``docs/architecture.md``, "Traces"), after lowering."""
+    if world > 1:
+        write_json(folder, "plan_cache.json", plan.lookup.outcome.as_dict())
+        if plan.origin == "plan cache":  # the solve's summary as stored; no decisions (nothing was searched)
+            write_json(folder, "summary.json", {**plan.lookup.cached.trace_summary(),
+                                                "local_rewrites": dict(report.local_rewrites)})
+    modules = "".join(f"# {name}: {mod.extra_repr()}\n" for name, mod in gm.named_children())
+    write_text(folder, "rewritten_graph.py", modules + gm.code)
+    write_json(folder, "plan.json", compiled.plan)
+    write_json(folder, "fusion.json", compiled.fusion or {"disabled": True})
+    if compiled.save_shards is not None:
+        write_json(folder, "save_shards.json", compiled.save_shards)
+    if solver_trace is not None:
+        write_solver_trace(folder, solver_trace, {**plan.summary, "plan_cache": plan.lookup.outcome.status,
+                                                  "local_rewrites": dict(report.local_rewrites),
+                                                  "uneven_shards": compiled.plan.get("uneven", {})})
+    write_json(folder, "inner.json", compiled.inner)  # the fallback of a failed first call is added then
 
 
 def _plans_once(ctx: TPContext) -> bool:
@@ -274,8 +358,8 @@ def _send_plan(gm: torch.fx.GraphModule, annotation: Annotation, lookup: Lookup,
     broadcast_object(("plan", encoded, solve_summary), ctx.comm)
 
 
-def _receive_plan(gm: torch.fx.GraphModule, param_inputs: dict[torch.fx.Node, torch.Tensor],
-                  placeholders: list[torch.fx.Node], lookup: Lookup, ctx: TPContext) -> Annotation | None:
+def _receive_plan(gm: torch.fx.GraphModule, param_inputs: dict[torch.fx.Node, torch.Tensor], lookup: Lookup,
+                  ctx: TPContext, graph_id: int) -> Annotation | None:
     """Ranks other than 0: the annotation rank 0 planned, rebuilt on this rank's graph (None: rank 0
     asks every rank to solve). After a cache miss the entry is stored here too, as if solved."""
     kind, encoded, summary = broadcast_object(None, ctx.comm)
@@ -287,7 +371,7 @@ def _receive_plan(gm: torch.fx.GraphModule, param_inputs: dict[torch.fx.Node, to
     try:
         annotation = decode_annotation(gm, encoded, ctx.world_size, params)
     except (KeyError, TypeError, ValueError) as e:
-        raise AutoTPError(f"rank {ctx.rank} could not use the plan rank 0 made for graph {ctx.graphs_compiled - 1} "
+        raise AutoTPError(f"rank {ctx.rank} could not use the plan rank 0 made for graph {graph_id} "
                           f"({type(e).__name__}: {e}); the ranks compiled different graphs") from e
     if lookup.key is not None and lookup.cached is None and summary is not None:
         lookup.pending = (encoded, summary)
@@ -309,15 +393,14 @@ PLAN_NEUTRAL_OPTIONS = ("trace_dir", "verify", "compile_inner", "tp_size")
 
 
 def _cache_lookup(gm: torch.fx.GraphModule, example_inputs: list[Any], param_inputs: dict[torch.fx.Node, torch.Tensor],
-                  placeholders: list[torch.fx.Node], ctx: TPContext, graph_id: int) -> Lookup:
+                  placeholders: list[torch.fx.Node], ctx: TPContext) -> Lookup:
     """Key this graph for the plan cache (``autotp/plan_cache.py``) with every option that can
-    change its plan, and read its entry. Tools that re-solve from ``gm.autotp_solve`` (``autotp
+    change its plan, and read its entry. Tools that re-solve from the solver's record (``autotp
     plan``) bypass the cache: a hit has no solver record."""
     config = ctx.config
     options = {f.name: repr(getattr(config, f.name)) for f in dataclasses.fields(config)
                if f.name not in PLAN_NEUTRAL_OPTIONS}  # a new option is in the key until listed there
-    options.update(check_unmatched_overrides=bool(config.overrides) and graph_id == 0,
-                   sharded_outputs=ctx.sharded_outputs)
+    options.update(sharded_outputs=ctx.sharded_outputs)
     params = {i: meta_of(param_inputs[ph]) for i, ph in enumerate(placeholders) if ph in param_inputs}
     sharded = {i: shard[1] for i, x in enumerate(example_inputs) if (shard := shard_of(x)) is not None}
     bypass = "solver records kept for tools" if ctx.keep_solve_records else None
@@ -368,8 +451,7 @@ _SHARD_STYLE = re.compile(r"^(?:shard|s)\((-?\d+)\)$")
 
 @dataclass
 class SolveRecord:
-    """What ``_solve`` leaves on the Dynamo graph module (``gm.autotp_solve``) for tools such as
-    ``autotp plan``: the shadow graph and the exact solver inputs (so a caller can re-solve with
+    """What :func:`_solve` made, kept for tools such as ``autotp plan`` (``CompiledGraph.solve``): the shadow graph and the exact solver inputs (so a caller can re-solve with
     one parameter pinned, e.g. to cost an alternative), the solution, and the cost of the
     overrides (``free_cost`` is the unconstrained optimum, None without overrides)."""
 
@@ -426,12 +508,34 @@ def check_override_styles(overrides: Mapping[str, str]) -> None:
                               "'shard(d)', or a transformers spelling such as 'colwise_gather_output'")
 
 
+def check_names(module: torch.nn.Module, patterns: Sequence[str] | Mapping[str, str], what: str) -> None:
+    """Refuse, before anything is traced, patterns that name no parameter of ``module`` (fnmatch on
+    parameter and module names, as overrides and ``explain_matching`` read them), with close names."""
+    names = tuple(n for n, _ in module.named_parameters(remove_duplicate=False))
+    unknown = [pat for pat in patterns if not matching_overrides(names, {pat: ""})]
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], names, n=3)
+        raise AutoTPError(
+            f"{what} {unknown} match no parameter or module of {type(module).__name__} "
+            "(patterns are fnmatch on names such as 'model.layers.*.mlp.down_proj' or 'lm_head')."
+            f"{f' Close names: {close}.' if close else ''}"
+        )
+
+
+def check_overrides(module: torch.nn.Module, overrides: Mapping[str, str]) -> None:
+    """Refuse overrides with an unknown style or naming nothing in ``module``, before tracing
+    (the entry points that hold the module call this; ``backend="autotp"`` sees graphs only, and
+    its trace lists the patterns no graph matched so far)."""
+    check_override_styles(overrides)
+    check_names(module, overrides, "override pattern(s)")
+
+
 def _apply_overrides(free: dict[torch.fx.Node, ParamChoice], aten_params: dict[torch.fx.Node, tuple],
-                     overrides: Mapping[str, str], check_unmatched: bool) -> dict[str, list[str]]:
+                     overrides: Mapping[str, str]) -> dict[str, list[str]]:
     """Narrow each free parameter's options to what the overrides allow (in place); returns
-    pattern -> the parameters it pinned. An override that names no parameter (checked on the
-    first graph, which the entry points make reach every layer) or leaves a parameter no option
-    raises :class:`AutoTPError`."""
+    pattern -> the parameters of this graph it names. An override that leaves a parameter no option
+    raises :class:`AutoTPError`; one that names no parameter of this graph is not an error here
+    (another graph of the model may hold it: see :func:`check_overrides`)."""
     check_override_styles(overrides)
     used: dict[str, list[str]] = {pat: [] for pat in overrides}
     for node, (names, consumer, shape) in aten_params.items():
@@ -452,15 +556,6 @@ def _apply_overrides(free: dict[torch.fx.Node, ParamChoice], aten_params: dict[t
                 )
             options = allowed
         free[node] = free[node].narrowed(options)
-    unmatched = [pat for pat, hits in used.items() if not hits]
-    if check_unmatched and unmatched:
-        known = [names[0] for names, _, _ in aten_params.values()]
-        close = difflib.get_close_matches(unmatched[0], known, n=3)
-        raise AutoTPError(
-            f"override pattern(s) {unmatched} match no parameter of the model (patterns are fnmatch on "
-            f"parameter or module names, e.g. 'model.layers.*.mlp.down_proj')."
-            f"{f' Close names: {close}.' if close else ''}"
-        )
     return {pat: hits for pat, hits in used.items() if hits}
 
 
@@ -473,7 +568,7 @@ def _solve(gm: torch.fx.GraphModule, example_inputs: list[Any], param_inputs: di
     With overrides, the solve runs twice: constrained (the plan) and free (to report what the
     overrides cost, ``overrides_extra_cost`` in the trace summary). A constrained solve with no
     feasible plan raises :class:`AutoTPError` naming the overrides. The inputs and the solution are
-    left on ``gm.autotp_solve`` (:class:`SolveRecord`)."""
+    returned as a :class:`SolveRecord` with the annotation."""
     world = ctx.world_size
     t, c = time.perf_counter(), time.process_time()
     shadow = runner.run("decompose", decompose, gm, example_inputs)
@@ -512,8 +607,8 @@ def _solve(gm: torch.fx.GraphModule, example_inputs: list[Any], param_inputs: di
                          beam_width=ctx.config.beam_width, sharded_outputs=ctx.sharded_outputs)
     overrides = dict(ctx.config.overrides or {})
     unconstrained = dict(free)
-    used = _apply_overrides(free, aten_params, overrides, check_unmatched=ctx.graphs_compiled == 1) \
-        if overrides else {}
+    used = _apply_overrides(free, aten_params, overrides) if overrides else {}
+    ctx.overrides_matched.update(used)
     param_nodes = {aten_of[p] for p in param_inputs}
     t, c = time.perf_counter(), time.process_time()
     try:
@@ -535,11 +630,10 @@ def _solve(gm: torch.fx.GraphModule, example_inputs: list[Any], param_inputs: di
     t = time.perf_counter()
     annotation = runner.run("annotate", annotate, shadow, solution)
     timings["annotate_s"] = time.perf_counter() - t
-    gm.autotp_solve = SolveRecord(shadow, opts, fixed, free, param_nodes, solution,
-                                  {n: names[0] for n, (names, _, _) in aten_params.items()},
-                                  {n: consumer for n, (_, consumer, _) in aten_params.items()}, used, free_cost,
-                                  timings)
-    return annotation, solution, shadow, opts
+    record = SolveRecord(shadow, opts, fixed, free, param_nodes, solution,
+                         {n: names[0] for n, (names, _, _) in aten_params.items()},
+                         {n: consumer for n, (_, consumer, _) in aten_params.items()}, used, free_cost, timings)
+    return record, annotation
 
 
 def _sequence_parallel(shadow: Any, opts: SolverOptions, fixed: dict[torch.fx.Node, Placement],

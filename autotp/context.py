@@ -1,10 +1,14 @@
-"""Runtime state shared by every graph of one parallelized model: the group, the config, a graph
-counter for traces. Per-parameter state (``ParameterMeta``) lives on the parameter object itself,
-so it outlives graphs and recompiles without any global registry."""
+"""The session of one parallelized model (:class:`TPContext`): the group, the options, the plan
+cache, the graph counter for traces and every graph compiled for the model with its plan
+(:class:`CompiledGraph`). One model has one session whichever entry point compiled it:
+``parallelize_model`` makes it, and ``backend="autotp"`` finds the session of the parameters a
+graph reads (:func:`session_of`), so graph ids are unique in the model's traces and an override is
+checked against every graph of the model. Per-parameter state (``ParameterMeta``) lives on the
+parameter object itself, so it outlives graphs and recompiles without any global registry; it
+names the session that placed the parameter."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,15 +25,35 @@ META_ATTR = "_autotp_meta"
 
 
 @dataclass
+class CompiledGraph:
+    """What compiling one graph produced, kept by the session (``TPContext.graphs``): its id, the
+    per-parameter plan (``autotp/plan.py``), what lowering did (fusion, sequence-parallel saved
+    shards, checkpointed blocks), the values its result leaves sharded, what runs it (the inner
+    compiler's report) and, for tools (``TPContext.keep_solve_records``), the solver's record."""
+
+    graph_id: int
+    plan: dict[str, Any]
+    fusion: dict[str, Any] | None
+    save_shards: dict[str, Any] | None
+    checkpoints: dict[str, Any] | None
+    sharded_outputs: list[Any]
+    inner: dict[str, Any]
+    #: ``backend.SolveRecord`` where this process solved and the session keeps records, else None
+    solve: Any = None
+
+
+@dataclass
 class TPContext:
     comm: Comm
     config: AutoTPConfig = field(default_factory=AutoTPConfig)
+    #: graph ids handed out (a graph takes its id when compilation starts; ``graphs`` holds those done)
     graphs_compiled: int = 0
-    on_plan: Callable[[dict], None] | None = None
+    #: every graph compiled for this model, in order (see :class:`CompiledGraph`)
+    graphs: list[CompiledGraph] = field(default_factory=list)
     #: graph outputs may stay sharded (as :func:`sharded_standin`): the caller gathers what the
     #: user reads at the model boundary and keeps KV-cache entries sharded (``parallelize_model``)
     sharded_outputs: bool = False
-    #: keep each graph's solver record (shadow ATen graph, solution) on ``gm.autotp_solve`` for
+    #: keep each graph's solver record (shadow ATen graph, solution) in ``CompiledGraph.solve`` for
     #: tools that read it (``autotp plan``); at run time it is dropped before the weights are read,
     #: so the tracing's fake tensors and graphs are freed, not held next to the shards
     keep_solve_records: bool = False
@@ -41,8 +65,23 @@ class TPContext:
     #: only under the default collective timeout (a ``timeout=`` of a few seconds bounds peer skew,
     #: not planning). Off for ``backend="autotp"`` (the caller's group, whose timeout is its own)
     plan_once: bool = False
-    #: per compiled graph, what runs it (``autotp/inner.py``): compiler and any fallback reason
-    inner_reports: list[dict[str, Any]] = field(default_factory=list)
+    #: override patterns some graph of this model matched (``backend._apply_overrides``)
+    overrides_matched: set[str] = field(default_factory=set)
+
+    def next_graph_id(self) -> int:
+        """A new graph's id: unique among this model's graphs (trace folders ``graphNNN``)."""
+        self.graphs_compiled += 1
+        return self.graphs_compiled - 1
+
+    @property
+    def plans(self) -> list[dict[str, Any]]:
+        """The per-parameter plan of every compiled graph, in order."""
+        return [g.plan for g in self.graphs]
+
+    @property
+    def inner_reports(self) -> list[dict[str, Any]]:
+        """Per compiled graph, what runs it (``autotp/inner.py``): compiler and any fallback reason."""
+        return [g.inner for g in self.graphs]
 
     @property
     def rank(self) -> int:

@@ -13,7 +13,7 @@
 
 Inductor gets inference graphs only (no value requires grad): the functional collectives have no
 autograd conjugates here. A graph it cannot take runs eagerly, with the reason in
-``gm.autotp_inner`` and the trace (``inner.json``): a training graph, a layer that communicates
+``CompiledGraph.inner`` and the trace (``inner.json``): a training graph, a layer that communicates
 inside (``ShardedSoftmax``, ``VocabParallelLoss``) or that owns a random stream, or a failure of
 Dynamo / inductor at a call (the error is kept; the eager graph is then used for good). What Dynamo
 cannot trace (a symbolic size computation) is a graph break, not a fallback.

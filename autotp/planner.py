@@ -47,11 +47,17 @@ import torch
 import torch.fx
 
 from autotp.api import gather_user_values
-from autotp.backend import SolveRecord, check_override_styles, compile_graph, matching_overrides
+from autotp.backend import (
+    SolveRecord,
+    check_names,
+    check_overrides,
+    compile_graph,
+    grapharg_source,
+)
 from autotp.collectives import Comm, kind_of
 from autotp.compat import BackendCompilerFailed, fake_tensor_tls
 from autotp.config import AutoTPConfig, parse_dtype
-from autotp.context import TPContext, attach_meta, meta_of, output_path_of, standin
+from autotp.context import CompiledGraph, TPContext, attach_meta, meta_of, output_path_of, standin
 from autotp.errors import AutoTPError, SolverError
 from autotp.hf_config import read_config
 from autotp.kv_cache import cache_keyword, returned_cache
@@ -268,6 +274,8 @@ class _Compiled:
     example_inputs: list[Any]
     backend_s: float
     backend_cpu_s: float
+    #: the session's record of the graph (plan, sharded outputs, the solver's record)
+    graph: CompiledGraph
 
 
 def _module_path(node: torch.fx.Node) -> str:
@@ -363,7 +371,7 @@ def plan_model(model: Any, tp: int, *, dtype: str | torch.dtype | None = None, b
     _check_local_weights(model, module)
     build_s = time.perf_counter() - t_start
     overrides = dict(overrides or {})
-    _check_override_names(module, overrides)
+    check_overrides(module, overrides)
     check_names(module, list(explain_names), "explain name(s)")  # refused before the (long) plan
 
     comm = Comm.simulated_group(tp)
@@ -377,7 +385,8 @@ def plan_model(model: Any, tp: int, *, dtype: str | torch.dtype | None = None, b
     def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
         t, c = time.perf_counter(), time.process_time()
         fn = compile_graph(gm, example_inputs, ctx)
-        seen.append(_Compiled(gm, list(example_inputs), time.perf_counter() - t, time.process_time() - c))
+        seen.append(_Compiled(gm, list(example_inputs), time.perf_counter() - t, time.process_time() - c,
+                              ctx.graphs[-1]))
         return fn
 
     torch.compiler.reset()
@@ -404,7 +413,7 @@ def plan_model(model: Any, tp: int, *, dtype: str | torch.dtype | None = None, b
             warm_kwargs[keyword] = _empty_cache(config, next(module.parameters()).dtype)
         warmup, _ = _run_graph("warm-up", forward, warm_kwargs, comm, seen)
     fwd, prefill = _run_graph("forward", forward, kwargs, comm, seen)
-    record = getattr(seen[0].gm, "autotp_solve", None) if seen else None  # the free solve
+    record = seen[0].graph.solve if seen else None  # the free solve
 
     dec, note, kv_rank, kv_total = None, None, None, None
     if decode:
@@ -427,7 +436,7 @@ def plan_model(model: Any, tp: int, *, dtype: str | torch.dtype | None = None, b
 
     styles: dict[str, str] = {}
     for c in seen:
-        for name, e in (getattr(c.gm, "autotp_plan", None) or {}).get("parameters", {}).items():
+        for name, e in c.graph.plan.get("parameters", {}).items():
             styles.setdefault(name, e["style"])
     params, bytes_rank, bytes_total = _parameter_table(module, tp, styles)
     timings = {"build_s": build_s}
@@ -463,23 +472,6 @@ def _warmup_shape(tp: int) -> tuple[int, int]:
     """``(B, S)`` of ``parallelize_model``'s warm-up call (``api._warmup_inputs``), whose solve
     fixes every parameter's placement."""
     return 1, 2 * tp + 1
-
-
-def _check_override_names(module: torch.nn.Module, overrides: Mapping[str, str]) -> None:
-    check_override_styles(overrides)
-    check_names(module, overrides, "override pattern(s)")
-
-
-def check_names(module: torch.nn.Module, patterns: Sequence[str] | Mapping[str, str], what: str) -> None:
-    """Refuse, before anything is traced, patterns that name no parameter of ``module`` (fnmatch on
-    parameter and module names, as overrides and ``explain_matching`` read them)."""
-    names = tuple(n for n, _ in module.named_parameters(remove_duplicate=False))
-    unknown = [pat for pat in patterns if not matching_overrides(names, {pat: ""})]
-    if unknown:
-        raise AutoTPError(
-            f"{what} {unknown} match no parameter or module of {type(module).__name__} "
-            "(patterns are fnmatch on names such as 'model.layers.*.mlp.down_proj' or 'lm_head')."
-        )
 
 
 @contextlib.contextmanager
@@ -522,26 +514,26 @@ def _run_graph(name: str, forward: Any, kwargs: dict[str, Any], comm: Comm, seen
     sites: list[dict[str, Any]] = []
     cost, bound, extra = 0.0, 0.0, None
     for c in new:
-        rec: SolveRecord | None = getattr(c.gm, "autotp_solve", None)
+        rec: SolveRecord | None = c.graph.solve
         if rec is None:  # tp == 1: nothing solved
             continue
         for key in ("decompose_s", "solve_s", "annotate_s", "decompose_cpu_s", "solve_cpu_s"):
             timings[key] = timings.get(key, 0.0) + rec.timings.get(key, 0.0)
-        sites += _sites(rec) + _boundary_sites(c.gm, rec, out)
+        sites += _sites(rec) + _boundary_sites(c.graph, rec, out)
         cost += rec.solution.cost
         bound += rec.solution.lower_bound
         if rec.free_cost is not None:
             extra = (extra or 0.0) + rec.solution.cost - rec.free_cost
     timings["rewrite_s"] = backend_s - sum(timings.get(k, 0.0) for k in ("decompose_s", "solve_s", "annotate_s"))
     shape = tuple(kwargs["input_ids"].shape)
-    solved = any(hasattr(c.gm, "autotp_solve") for c in new)
+    solved = any(c.graph.solve is not None for c in new)
     return GraphReport(name=name, input_shape=shape, collectives=dict(sorted(comm.counts.items())),
                        collective_bytes=dict(sorted(comm.bytes.items())), sites=sites, timings=timings,
                        cost=cost if solved else None, extra_cost_of_overrides=extra,
                        lower_bound=bound if solved else None), out
 
 
-def _boundary_sites(gm: torch.fx.GraphModule, record: SolveRecord, result: Any) -> list[dict[str, Any]]:
+def _boundary_sites(graph: CompiledGraph, record: SolveRecord, result: Any) -> list[dict[str, Any]]:
     """The all-gathers ``parallelize_model`` issues when the call returns: one per sharded graph
     output the user reads (the logits), none for the KV-cache entries kept sharded (found by the
     output path their stand-ins carry)."""
@@ -551,7 +543,7 @@ def _boundary_sites(gm: torch.fx.GraphModule, record: SolveRecord, result: Any) 
     shadow, placements = record.shadow, record.solution.placements
     output_index = len(shadow.dynamo_nodes) - 1
     out = []
-    for sharded in getattr(gm, "autotp_sharded_outputs", []):
+    for sharded in graph.sharded_outputs:
         path, placement, leaf, sub = sharded.path, sharded.placement, sharded.leaf, sharded.sub
         if path in kept:
             continue
@@ -578,12 +570,11 @@ def _kv_bytes(compiled: list[_Compiled], tp: int, keyword: str) -> tuple[int | N
     per_rank = total = 0
     found = False
     for c in compiled:
-        rec: SolveRecord | None = getattr(c.gm, "autotp_solve", None)
+        rec: SolveRecord | None = c.graph.solve
         aten_of = {dyn: aten for aten, dyn in rec.shadow.placeholders} if rec else {}
         phs = [n for n in c.gm.graph.nodes if n.op == "placeholder"]
         for ph, value in zip(phs, c.example_inputs, strict=True):
-            arg = ph.meta.get("grapharg")
-            source = arg.source.name if arg is not None and hasattr(arg, "source") else ph.name
+            source = grapharg_source(ph)
             if not from_cache.search(source) or not isinstance(value, torch.Tensor):
                 continue
             found = True

@@ -757,6 +757,8 @@ class ParameterMeta:
     strided: bool = False
     local: torch.Tensor | None = field(default=None, repr=False, compare=False)
     style: str | None = None
+    #: the session (``autotp.context.TPContext``) whose graphs placed this parameter, once one has
+    session: Any = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.global_shape = tuple(int(s) for s in self.global_shape)

@@ -14,7 +14,7 @@ too). The gathered tensor is then saved by nobody and freed after the matmuls th
 Planning is untouched (the plan, its collectives and the plan cache are those of the rewrite);
 the pass is keyed on graph structure, like the fuse pass, and runs only when the graph trains
 (some value requires grad) and ``sequence_parallel`` is on. What it did is in the trace
-(``save_shards.json``) and ``gm.autotp_save_shards``.
+(``save_shards.json``) and ``CompiledGraph.save_shards``.
 """
 
 from __future__ import annotations

@@ -34,6 +34,7 @@ from typing import Any
 import pytest
 import torch
 
+from autotp import session_of
 from tests._dist import run_ranks
 from tests._tiny import ARCHS, save_tiny, tiny_config
 
@@ -142,29 +143,20 @@ def reference(case: Case, folder: Path) -> tuple[torch.Tensor, list[int] | None]
 
 def _rank(rank: int, world: int, case_id: str, folder: str) -> dict[str, Any]:
     case = BY_ID[case_id]
-    plans: list[dict] = []
     if case.path == "load":
         from autotp import parallelize_model
 
         model = parallelize_model(folder, tp_size=world)
-        plans = model.autotp.plans
     else:
-        from autotp.backend import autotp_backend
-
-        def backend(gm: torch.fx.GraphModule, example_inputs: list) -> Any:
-            compiled = autotp_backend(gm, example_inputs)
-            plans.append(gm.autotp_plan)
-            return compiled
-
         model = _model_class(case.arch).from_pretrained(folder).eval()
-        model.forward = torch.compile(model.forward, backend=backend)
+        model.forward = torch.compile(model.forward, backend="autotp")
     with torch.no_grad():
         out = _main_output(model(**_inputs(case)))
         tokens = None
         if _generates(case):
             tokens = model.generate(torch.tensor(PROMPT), max_new_tokens=NEW_TOKENS, do_sample=False,
                                     pad_token_id=PAD_ID)[0].tolist()
-    return {"output": out, "tokens": tokens, "plan": plans[0]}
+    return {"output": out, "tokens": tokens, "plan": session_of(model).plans[0]}  # the model's first graph
 
 
 def save_case(case: Case, folder: Path, **overrides: Any) -> Path:

@@ -37,10 +37,14 @@ def _param_bytes(model: torch.nn.Module) -> int:
 
 
 def _rank_compile(rank: int, world: int, folder: str) -> dict:
+    import os
+
     from transformers import AutoModelForCausalLM
 
+    from autotp import session_of
     from autotp.context import meta_of
 
+    os.environ["AUTOTP_TRACE_DIR"] = str(Path(folder) / "trace")
     model = AutoModelForCausalLM.from_pretrained(folder).eval()
     full_bytes = _param_bytes(model)
     compiled = torch.compile(model, backend="autotp")
@@ -63,6 +67,9 @@ def _rank_compile(rank: int, world: int, folder: str) -> dict:
         "same_local_objects": locals_after_first == {m.fqn: id(m.local) for m in metas.values()},
         "same_placements": placements_after_first == {m.fqn: str(m.placement) for m in metas.values()},
         "sharded_fqns": [m.fqn for m in metas.values() if "S(" in str(m.placement)],
+        "graph_ids": [g.graph_id for g in session_of(model).graphs],
+        "sessions": len({id(m.session) for m in metas.values()}),
+        "trace_folders": sorted(p.name for p in (Path(folder) / "trace" / f"rank{rank}").iterdir()),
     }
 
 
@@ -75,6 +82,11 @@ def test_compiled_in_memory_model_matches_and_keeps_one_nth_of_sharded_weights(t
         assert len(r["sharded_fqns"]) >= 15  # q/k/v/o/gate/up/down x 2 layers + embedding + lm_head
         # every 2-D weight is sharded in two: what is left is half of it plus the small replicated norms
         assert r["bytes_after_first"] < 0.55 * r["full_bytes"]
+        # one session per model: the recompiles for the longer input and after the weights were
+        # released join the first graph's session, so graph ids (and trace folders) do not repeat
+        assert r["sessions"] == 1 and len(r["graph_ids"]) >= 2
+        assert r["graph_ids"] == list(range(len(r["graph_ids"])))
+        assert r["trace_folders"] == [f"graph{i:03d}" for i in r["graph_ids"]]
 
 
 def test_backend_name_resolves_through_the_entry_point_without_importing_autotp() -> None:

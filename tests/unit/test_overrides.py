@@ -13,12 +13,12 @@ from types import SimpleNamespace
 import pytest
 import torch.nn.functional as F
 
-from autotp.backend import _apply_overrides, matching_overrides, override_placements
+from autotp.backend import _apply_overrides, check_overrides, matching_overrides, override_placements
 from autotp.errors import AutoTPError
 from autotp.passes.solve import ParamChoice
 from autotp.placement import R, Shard
 from autotp.planner import plan_model
-from tests._tiny import tiny_config
+from tests._tiny import tiny_config, tiny_model
 
 OPTIONS = [(R, 100.0), (Shard(0), 0.0), (Shard(1), 0.0)]
 
@@ -64,17 +64,24 @@ def test_patterns_match_parameter_or_module_names_and_every_tied_name() -> None:
 def test_apply_narrows_free_parameters_and_refuses_what_it_cannot_honour() -> None:
     params = {"n1": (("lm_head.weight",), _Linear(), (8, 4)), "n2": (("model.norm.weight",), None, (4,))}
     free = {"n1": ParamChoice(list(OPTIONS)), "n2": ParamChoice([(R, 1.0), (Shard(0), 0.0)])}
-    used = _apply_overrides(free, params, {"lm_head": "rowwise"}, check_unmatched=True)
+    used = _apply_overrides(free, params, {"lm_head": "rowwise"})
     assert used == {"lm_head": ["lm_head.weight"]}
     assert free["n1"].options == [(Shard(1), 0.0)] and len(free["n2"].options) == 2
     with pytest.raises(AutoTPError, match=r"override 'lm_head': 'vocab' cannot be honoured for lm_head.weight"):
-        _apply_overrides({"n1": ParamChoice(list(OPTIONS))}, params, {"lm_head": "vocab"}, check_unmatched=True)
-    with pytest.raises(AutoTPError, match=r"\['model.layers.\*.nope'\] match no parameter"):
-        _apply_overrides(dict(free), params, {"model.layers.*.nope": "colwise"}, check_unmatched=True)
+        _apply_overrides({"n1": ParamChoice(list(OPTIONS))}, params, {"lm_head": "vocab"})
     with pytest.raises(AutoTPError, match=r"override 'lm_head': unknown style 'colwize'"):
-        _apply_overrides(dict(free), params, {"lm_head": "colwize"}, check_unmatched=True)
-    # later graphs (decode steps) may hold a subset of the parameters: no complaint there
-    assert _apply_overrides(dict(free), params, {"model.layers.*.nope": "colwise"}, check_unmatched=False) == {}
+        _apply_overrides(dict(free), params, {"lm_head": "colwize"})
+    # a graph (a decode step, a graph after a break) may hold a subset of the parameters: no complaint there
+    assert _apply_overrides(dict(free), params, {"model.layers.*.nope": "colwise"}) == {}
+
+
+def test_a_pattern_naming_nothing_in_the_model_is_refused_before_tracing_with_close_names() -> None:
+    model = tiny_model("llama")
+    with pytest.raises(AutoTPError, match=r"\['model.layers.\*.mlp.down_prj'\] match no parameter .*Close names"):
+        check_overrides(model, {"model.layers.*.mlp.down_prj": "rowwise"})
+    with pytest.raises(AutoTPError, match=r"override 'lm_head': unknown style 'colwize'"):
+        check_overrides(model, {"lm_head": "colwize"})
+    check_overrides(model, {"model.layers.*.mlp.down_proj": "rowwise", "lm_head": "replicate"})
 
 
 def test_a_replicated_lm_head_is_honoured_and_costed() -> None:

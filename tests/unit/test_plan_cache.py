@@ -59,7 +59,7 @@ def _compile(cache: PlanCache, arch: str = "llama", pinned: dict[str, Any] | Non
 
     with torch.no_grad():
         out = torch.compile(model, backend=backend)(input_ids=IDS, use_cache=False).logits
-    return {"out": out, "code": [gm.code for gm in graphs], "plans": [gm.autotp_plan for gm in graphs],
+    return {"out": out, "code": [gm.code for gm in graphs], "plans": ctx.plans,
             "outcomes": [o.as_dict() for o in cache.outcomes]}
 
 
