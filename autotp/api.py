@@ -19,6 +19,7 @@ import dataclasses
 import datetime
 import inspect
 import os
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -95,6 +96,10 @@ class AutoTPHandle:
     @property
     def rank(self) -> int:
         return self.context.rank
+
+    def close(self) -> None:
+        """Release what this model's session installed in the process (``TPContext.close``)."""
+        self.context.close()
 
     @property
     def world_size(self) -> int:
@@ -393,6 +398,7 @@ def parallelize_model(
     if compile_inner is None:
         config = dataclasses.replace(config, compile_inner=default_compile_inner(device))
     show_progress = bool(progress) and comm.rank == 0
+    threads_before = torch.get_num_threads()
     threads = threads_per_rank(device, os.environ, world * layout.dp_size, os.cpu_count() or 1)
     if threads is not None:
         torch.set_num_threads(threads)
@@ -410,7 +416,9 @@ def parallelize_model(
     if device.type != "cpu":
         module.to(device)
 
-    ctx = TPContext(comm=comm, config=config, sharded_outputs=True, plan_once=timeout is None)
+    ctx = TPContext(comm=comm, config=config, sharded_outputs=True, plan_once=timeout is None,
+                    threads_before=threads_before if threads is not None else None)
+    weakref.finalize(module, ctx.close)  # what the session installed goes when the model does
     compiled = torch.compile(type(module).forward.__get__(module), backend=make_backend(ctx), dynamic=None)
     slots = [(m, n, p) for fqn, p in module.named_parameters(remove_duplicate=False)
              for m, n in [_resolve_module(module, fqn)]]

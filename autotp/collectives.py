@@ -377,6 +377,18 @@ def attach_health(comm: Comm, interval: float = 0.5) -> RankHealth | None:
     return health
 
 
+def detach_health(comm: Comm) -> None:
+    """Undo :func:`attach_health` for ``comm`` (its session closed): the process's health record
+    stops (heartbeat thread joined, ``sys.excepthook`` restored) once no communicator uses it."""
+    health, comm.health = comm.health, None
+    _HEALTH_COMMS.discard(comm)
+    if health is None or any(c.health is health for c in list(_HEALTH_COMMS)):
+        return
+    health.stop()
+    for key in [k for k, h in _HEALTH.items() if h is health]:
+        del _HEALTH[key]
+
+
 def process_health() -> RankHealth | None:
     """This process's health record (:func:`attach_health`), if one was started."""
     return next(iter(_HEALTH.values()), None)

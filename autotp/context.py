@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from autotp.collectives import Comm
+from autotp.collectives import Comm, detach_health
 from autotp.compat import grouped_mm_accepts_standins
 from autotp.config import AutoTPConfig
 from autotp.placement import GroupedShard, Shard, chunks
@@ -67,6 +67,22 @@ class TPContext:
     plan_once: bool = False
     #: override patterns some graph of this model matched (``backend._apply_overrides``)
     overrides_matched: set[str] = field(default_factory=set)
+    #: torch's intra-op thread count before the entry point set this rank's share (restored on close)
+    threads_before: int | None = None
+    closed: bool = False
+
+    def close(self) -> None:
+        """Undo what the session installed in the process: the rank-health heartbeat and excepthook
+        (once no other session's communicator uses them), the shared-memory transport's mapping,
+        and the thread count. Idempotent; ``parallelize_model`` also runs it when the model is
+        garbage-collected. The model still runs afterwards, through the process group alone."""
+        if self.closed:
+            return
+        self.closed = True
+        detach_health(self.comm)
+        self.comm.shared_memory = None  # the mapping goes with the last reference
+        if self.threads_before is not None:
+            torch.set_num_threads(self.threads_before)
 
     def next_graph_id(self) -> int:
         """A new graph's id: unique among this model's graphs (trace folders ``graphNNN``)."""

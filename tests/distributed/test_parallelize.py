@@ -120,26 +120,42 @@ def test_each_rank_holds_and_reads_only_its_shards(tmp_path: Path) -> None:
 
 
 def _rank_tied(rank: int, world: int, folder: str) -> dict:
+    import sys
+    import threading
+
     from autotp import parallelize_model
 
+    threads, hook = torch.get_num_threads(), sys.excepthook
     model = parallelize_model(folder, tp_size=world)
+    installed = {"heartbeat": any(t.name.startswith("autotp-heartbeat") for t in threading.enumerate()),
+                 "hook": sys.excepthook is not hook}
     ids = torch.tensor(PROMPT)
     with torch.no_grad():
         logits = model(input_ids=ids).logits
+    model.autotp.close()  # the session undoes what it installed in the process; the model still runs
+    with torch.no_grad():
+        after_close = model(input_ids=ids).logits
     return {
         "logits": logits,
+        "after_close": after_close,
+        "installed": installed,
+        "undone": {"heartbeat": not any(t.name.startswith("autotp-heartbeat") for t in threading.enumerate()),
+                   "hook": sys.excepthook is hook, "threads": torch.get_num_threads() == threads},
         "shared": model.lm_head.weight is model.model.embed_tokens.weight,
         "local_rows": model.lm_head.weight.shape[0],
         "style": model.autotp.plan["parameters"]["model.embed_tokens.weight"]["style"],
     }
 
 
-def test_tied_embeddings_share_one_shard_object_and_give_correct_logits(tmp_path: Path) -> None:
+def test_tied_embeddings_share_one_shard_object_and_give_correct_logits_and_close_undoes_the_session(tmp_path: Path) -> None:
     folder = save_tiny("llama", tmp_path / "tied", pad_token_id=PAD_ID, tie_word_embeddings=True)
     ref_logits, _ = _reference(folder, 1)
     for r in run_ranks(_rank_tied, 2, str(folder)):
         assert r["shared"] and r["local_rows"] == 64 and r["style"] == "vocab"
         torch.testing.assert_close(r["logits"], ref_logits, atol=1e-5, rtol=1e-4)
+        assert r["installed"] == {"heartbeat": True, "hook": True}
+        assert r["undone"] == {"heartbeat": True, "hook": True, "threads": True}
+        torch.testing.assert_close(r["after_close"], ref_logits, atol=1e-5, rtol=1e-4)
 
 
 def _rank_hub(rank: int, world: int, repo: str, cache: str) -> dict:
