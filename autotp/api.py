@@ -154,13 +154,13 @@ def check_divisible(config: Any, tp_size: int) -> None:
         sizes.append(value)
         if value % tp_size:
             problems.append(f"{name}={value} ({why})")
+    heads = getattr(config, HEADS_FIELD, None)
+    heads = heads if isinstance(heads, int) and heads > 0 else None
     kv = getattr(config, KV_HEADS_FIELD, None)
-    kv = kv if isinstance(kv, int) and kv > 0 else None
+    kv = kv if isinstance(kv, int) and kv > 0 and kv != heads else None  # multi-head: split with q
     if kv is not None and not _kv_heads_fit(kv, tp_size):
         problems.append(f"{KV_HEADS_FIELD}={kv} (key/value heads are split across ranks when tp divides "
                         "them, or held one per group of ranks when they divide tp)")
-    heads = getattr(config, HEADS_FIELD, None)
-    heads = heads if isinstance(heads, int) and heads > 0 else None
     if heads is not None and not _heads_fit(heads, kv, tp_size):
         problems.append(f"{HEADS_FIELD}={heads} (attention heads are split across ranks in whole heads, at "
                         "least one per rank; where tp does not divide them, each kv head's query heads are "

@@ -550,6 +550,12 @@ def _global_size(size: torch.Size, dim: int, world_size: int, total: int | None 
     return torch.Size(out)
 
 
+def _global_numel(numel: int, local: int, total: int) -> int:
+    """``x.numel()`` of a tensor split unevenly on a dim whose local size is ``local`` (every rank
+    holds at least one index of it) and global size ``total``."""
+    return numel // local * total
+
+
 def _global_size_at(local: int, total: int) -> int:
     """``x.size(d)`` of a dim split unevenly: the static global size (``local`` is ignored)."""
     return total
@@ -573,9 +579,11 @@ def _globalize_size_query(n: torch.fx.Node, plan: Any, world_size: int) -> bool:
     if total is not None and total % world_size == 0 and not isinstance(edge.dst, HeadShard):
         total = None  # an even shard: local size x N, as for a symbolic dim
     with graph.inserting_after(n):
-        if n.target == "numel":
-            if total is not None:
-                raise PassError(f"node {n.name}: numel() of a tensor split unevenly on dim {d} is not supported")
+        if n.target == "numel" and total is not None:  # uneven: the local count over its local dim size
+            with graph.inserting_before(n):
+                local = graph.call_method("size", (n.args[0], d))
+            fixed = graph.call_function(_global_numel, (n, local, total))
+        elif n.target == "numel":
             fixed = graph.call_function(operator.mul, (n, world_size))
         elif is_size and (len(n.args) > 1 or "dim" in n.kwargs):
             k = n.args[1] if len(n.args) > 1 else n.kwargs["dim"]
