@@ -162,9 +162,9 @@ def check_divisible(config: Any, tp_size: int) -> None:
         problems.append(f"{KV_HEADS_FIELD}={kv} (key/value heads are split across ranks when tp divides "
                         "them, or held one per group of ranks when they divide tp)")
     if heads is not None and not _heads_fit(heads, kv, tp_size):
-        problems.append(f"{HEADS_FIELD}={heads} (attention heads are split across ranks in whole heads, at "
-                        "least one per rank; where tp does not divide them, each kv head's query heads are "
-                        "shared by the ranks holding that kv head, which needs the kv heads to divide tp)")
+        problems.append(f"{HEADS_FIELD}={heads} (attention heads are split across ranks in whole heads: evenly "
+                        "where tp divides them, else unevenly with at least one head per rank and each kv "
+                        "head's query heads on the ranks holding that kv head)")
     if problems:
         limit = min(sizes + ([heads] if heads else [])) if sizes or heads else 64
         valid = [d for d in range(1, min(limit, 64) + 1) if all(s % d == 0 for s in sizes)
