@@ -507,7 +507,8 @@ def _localize_shape_args(n: torch.fx.Node, out: Shard | GroupedShard | HeadShard
         # the whole size is one runtime value (``x.view(x.size()[:-1] + (nf,))``): divide it at run time
         with n.graph.inserting_before(n):
             if isinstance(out, HeadShard):
-                args[1] = n.graph.call_function(_localize_at, (args[1], out, comm.rank, world_size))
+                args[1] = n.graph.call_function(_localize_at, (args[1], out.dim, out.heads, out.groups, comm.rank,
+                                                               world_size))
             else:
                 rank, parts = (0, chunks(out, world_size)) if isinstance(out, GroupedShard) else (comm.rank, world_size)
                 args[1] = n.graph.call_function(_divide_size_at, (args[1], out.dim, rank, parts))
@@ -536,10 +537,10 @@ def _divide_size_at(sizes: Any, dim: int, rank: int, world_size: int) -> tuple:
     return tuple(localize_sizes(list(sizes), Shard(dim), world_size, rank))
 
 
-def _localize_at(sizes: Any, placement: HeadShard, rank: int, world_size: int) -> tuple:
-    """A size list computed at run time (in global sizes), with the size on ``placement``'s dim
-    made this rank's heads."""
-    return tuple(localize_sizes(list(sizes), placement, world_size, rank))
+def _localize_at(sizes: Any, dim: int, heads: int, groups: int, rank: int, world_size: int) -> tuple:
+    """A size list computed at run time (in global sizes), with the size at ``dim`` made this
+    rank's heads of ``HeadShard(dim, heads, groups)`` (passed as numbers: FX code prints its args)."""
+    return tuple(localize_sizes(list(sizes), HeadShard(dim, heads, groups), world_size, rank))
 
 
 def _global_size(size: torch.Size, dim: int, world_size: int, total: int | None = None) -> torch.Size:

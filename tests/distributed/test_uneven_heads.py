@@ -149,3 +149,29 @@ def test_training_through_heads_no_tp_divides_is_refused_not_silently_wrong(tmp_
                        num_key_value_heads=3)
     for message in run_ranks(_rank_train, 2, str(folder)):
         assert "whole attention heads" in message and "tp_size that divides" in message, message
+
+
+def _rank_logits(rank: int, world: int, folder: str) -> dict[str, Any]:
+    from autotp import parallelize_model
+
+    model = parallelize_model(folder, tp_size=world)
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor(PROMPT)).logits
+    return {"logits": logits, "plan": model.autotp.plan}
+
+
+@pytest.mark.parametrize(("arch", "sizes"), [
+    ("gpt2", dict(n_embd=48, n_head=3)),
+    ("falcon", dict(hidden_size=48, num_attention_heads=3)),  # multi-query inside the fused projection
+], ids=["gpt2-3-heads", "falcon-3-heads-one-kv"])
+def test_a_fused_qkv_projection_with_heads_no_tp_divides_is_exact_at_tp2(tmp_path: Path, arch: str,
+                                                                        sizes: dict[str, int]) -> None:
+    """A fused q|k|v output is not split in whole heads (its segments are not head-aligned per
+    rank): attention runs on gathered activations, correct but with all-gathers in the blocks."""
+    from transformers import AutoModelForCausalLM
+
+    folder = save_tiny(arch, tmp_path / arch, pad_token_id=PAD_ID, **sizes)
+    with torch.no_grad():
+        expected = AutoModelForCausalLM.from_pretrained(folder).eval()(input_ids=torch.tensor(PROMPT)).logits
+    for r in run_ranks(_rank_logits, 2, str(folder)):
+        torch.testing.assert_close(r["logits"], expected, atol=ATOL, rtol=RTOL)
