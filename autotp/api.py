@@ -34,12 +34,12 @@ from autotp.collectives import Comm, attach_health, ensure_process_group, peer_f
 from autotp.compat import BackendCompilerFailed, maybe_mark_dynamic, no_guard_latency_profile
 from autotp.config import AutoTPConfig, parse_dtype
 from autotp.context import TPContext, attach_meta, meta_of, shard_of, standin
-from autotp.errors import AutoTPError, divisors_up_to
+from autotp.errors import AutoTPError
 from autotp.hf_config import read_config
 from autotp.inputs import InputGuard, TokenIdCheck
 from autotp.memory import release_free_memory
 from autotp.mesh import MeshLayout, check_data_parallel, check_layout, check_tp_size
-from autotp.placement import R
+from autotp.placement import R, head_split
 from autotp.progress import load_progress
 from autotp.weights import (
     Checkpoint,
@@ -48,8 +48,8 @@ from autotp.weights import (
     resolve_checkpoint,
 )
 
+HEADS_FIELD = "num_attention_heads"
 DIVISIBLE_FIELDS = (
-    ("num_attention_heads", "attention heads are split across ranks"),
     ("hidden_size", "the hidden dimension of row-parallel weights is split across ranks"),
     ("intermediate_size", "the MLP's intermediate dimension is split across ranks"),
 )
@@ -138,10 +138,23 @@ def _kv_heads_fit(kv_heads: int, tp: int) -> bool:
     return kv_heads % tp == 0 or tp % kv_heads == 0
 
 
+def _heads_fit(heads: int, kv_heads: int | None, tp: int) -> bool:
+    """Query heads split evenly, or in whole heads (``autotp/ops/heads.py``): at least one per rank,
+    following the kv heads (each of ``kv_heads`` groups of ranks shares its kv head's query heads;
+    multi-head attention is one group)."""
+    if heads % tp == 0:
+        return True
+    kv = heads if kv_heads is None else kv_heads
+    groups = 1 if kv == heads else kv if kv < tp and tp % kv == 0 else None
+    return groups is not None and head_split(0, heads, groups, tp) is not None
+
+
 def check_divisible(config: Any, tp_size: int) -> None:
     """Refuse, before any weight is read, a tp size the plan cannot split the config's dims by:
-    heads, hidden and intermediate sizes must divide by it; kv heads must divide by it or divide it
-    (past their count each rank holds the kv head its query heads use)."""
+    hidden and intermediate sizes must divide by it; kv heads must divide by it or divide it
+    (past their count each rank holds the kv head its query heads use); query heads must divide
+    by it or split in whole heads, unevenly, at least one per rank and following the kv heads
+    (:func:`_heads_fit`: Qwen2.5-7B's 28 heads over 4 kv heads at tp=8 are 4 + 3 per kv head)."""
     problems, sizes = [], []
     for name, why in DIVISIBLE_FIELDS:
         value = getattr(config, name, None)
@@ -150,15 +163,21 @@ def check_divisible(config: Any, tp_size: int) -> None:
         sizes.append(value)
         if value % tp_size:
             problems.append(f"{name}={value} ({why})")
+    heads = getattr(config, HEADS_FIELD, None)
+    heads = heads if isinstance(heads, int) and heads > 0 else None
     kv = getattr(config, KV_HEADS_FIELD, None)
-    kv = kv if isinstance(kv, int) and kv > 0 else None
+    kv = kv if isinstance(kv, int) and kv > 0 and kv != heads else None  # multi-head: split with q
     if kv is not None and not _kv_heads_fit(kv, tp_size):
         problems.append(f"{KV_HEADS_FIELD}={kv} (key/value heads are split across ranks when tp divides "
                         "them, or held one per group of ranks when they divide tp)")
+    if heads is not None and not _heads_fit(heads, kv, tp_size):
+        problems.append(f"{HEADS_FIELD}={heads} (attention heads are split across ranks in whole heads: evenly "
+                        "where tp divides them, else unevenly with at least one head per rank and each kv "
+                        "head's query heads on the ranks holding that kv head)")
     if problems:
-        limit = min(sizes) if sizes else 64
-        valid = [d for d in divisors_up_to(limit) if all(s % d == 0 for s in sizes)
-                 and (kv is None or _kv_heads_fit(kv, d))]
+        limit = min(sizes + ([heads] if heads else [])) if sizes or heads else 64
+        valid = [d for d in range(1, min(limit, 64) + 1) if all(s % d == 0 for s in sizes)
+                 and (kv is None or _kv_heads_fit(kv, d)) and (heads is None or _heads_fit(heads, kv, d))]
         raise AutoTPError(
             f"tp_size={tp_size} does not divide {', '.join(problems)}. "
             f"Valid tp sizes for this model: {valid}."

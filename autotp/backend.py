@@ -35,6 +35,7 @@ from autotp.memory import release_free_memory
 from autotp.mesh import check_layout
 from autotp.ops.embedding import vocabulary_sizes
 from autotp.ops.fused import fused_segmentations, strided_candidates
+from autotp.ops.heads import head_candidates, head_splits
 from autotp.ops.kv_heads import kv_projections
 from autotp.passes.annotate import Annotation, annotate, replicated_annotation
 from autotp.passes.checkpoint import inline_checkpoints, outline_checkpoints
@@ -45,7 +46,7 @@ from autotp.passes.pipeline import PassRunner
 from autotp.passes.rewrite import rewrite
 from autotp.passes.save_shards import save_input_shards
 from autotp.passes.solve import ParamChoice, Solution, SolverOptions, solve
-from autotp.placement import GroupedShard, Placement, R, Shard, shard_candidates
+from autotp.placement import GroupedShard, HeadShard, Placement, R, Shard, shard_candidates
 from autotp.plan import build_plan, first_consumer, gradient_node, parameter_entry, style_of
 from autotp.plan_cache import Lookup, Uncacheable, decode_annotation, encode_annotation
 from autotp.released import refuse_eager_calls
@@ -580,6 +581,7 @@ def _solve(gm: torch.fx.GraphModule, example_inputs: list[Any], param_inputs: di
     backward = gradient_node(gm) is not None
     kv_heads = kv_projections(shadow.aten.graph, world)
     vocabularies = vocabulary_sizes(shadow.aten.graph, world)  # dims that may be split unevenly
+    splits = {} if backward else head_splits(shadow.aten.graph, world)  # heads no tp divides: forward only
     fixed, free = {}, {}
     aten_params: dict[torch.fx.Node, tuple] = {}
     for ph, value in param_inputs.items():
@@ -587,12 +589,22 @@ def _solve(gm: torch.fx.GraphModule, example_inputs: list[Any], param_inputs: di
         aten_params[aten_of[ph]] = ((meta.fqn, *[n for n in meta.tied if n != meta.fqn]), first_consumer(ph),
                                     tuple(value.shape))
         if meta.placement is not None:
+            if backward and isinstance(meta.placement, HeadShard):
+                raise AutoTPError(
+                    f"{meta.fqn} is split in whole attention heads that tp={world} does not divide "
+                    f"({meta.placement}), and training through such a split is not supported yet: train "
+                    "with a tp_size that divides the model's attention heads")
             fixed[aten_of[ph]] = meta.placement
         else:
             nbytes = value.numel() * value.element_size()
             options = [(R, nbytes * (world - 1) / world)]
-            options += [(s, 0.0) for s in shard_candidates(tuple(value.shape), world, vocabularies)]
+            # a dim of whole heads no tp divides is split in whole heads, not cut inside one (a beam of
+            # 32 lost the head split among plain shards that gather q back before attention)
+            in_heads = head_candidates(tuple(value.shape), splits)
+            options += [(s, 0.0) for s in shard_candidates(tuple(value.shape), world, vocabularies)
+                        if s.dim not in {h.dim for h in in_heads}]
             options += [(s, 0.0) for s in strided_candidates(tuple(value.shape), fused)]  # fused q|k|v
+            options += [(s, 0.0) for s in in_heads]
             heads = kv_heads.get(aten_of[ph]) if not backward else None  # grouped shards: forward only
             if heads is not None:  # a k/v projection whose heads tp exceeds: kept whole, one head per rank
                 options = options[:1] + [(g, nbytes * (1 / g.groups - 1 / world))
@@ -662,7 +674,7 @@ def _release_after_first_call(gm: torch.fx.GraphModule, param_inputs: dict[torch
     recompiled graph finds every placement pinned); the original module then refuses an eager call
     (:func:`~autotp.released.refuse_eager_calls`)."""
     full = [v for v in param_inputs.values() if not _is_standin(v)
-            and isinstance(meta_of(v).placement, (Shard, GroupedShard))]
+            and isinstance(meta_of(v).placement, (Shard, GroupedShard, HeadShard))]
     if not full:
         return forward
     state = {"released": False}
@@ -687,7 +699,7 @@ class ShardedOutput(NamedTuple):
     size of the sharded dim when it is static (an uneven split needs it to trim the gather)."""
 
     path: tuple[int, ...]
-    placement: Shard | GroupedShard
+    placement: Shard | GroupedShard | HeadShard
     leaf: int
     sub: int
     symbolic_dims: tuple[int, ...]
@@ -711,7 +723,7 @@ def _sharded_outputs(gm: torch.fx.GraphModule, annotation: Any) -> list[ShardedO
             multi = isinstance(value, (tuple, list))
             for sub in range(len(value) if multi else 1):
                 e = edges.get((k, sub))
-                if e is not None and isinstance(e.dst, (Shard, GroupedShard)):
+                if e is not None and isinstance(e.dst, (Shard, GroupedShard, HeadShard)):
                     shape = getattr(value[sub] if multi else value, "shape", ())
                     symbolic = tuple(d for d, size in enumerate(shape) if not isinstance(size, int))
                     size = shape[e.dst.dim] if len(shape) > e.dst.dim else None

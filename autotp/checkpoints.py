@@ -71,7 +71,7 @@ from torch.distributed.tensor import DTensor
 from autotp.collectives import Comm, barrier, full_tensor
 from autotp.context import TPContext, meta_of
 from autotp.errors import AutoTPError, CheckpointError
-from autotp.placement import GroupedShard, Shard
+from autotp.placement import GroupedShard, HeadShard, Shard
 from autotp.safetensors_writer import SafetensorsWriter
 from autotp.weights import Checkpoint, ParameterMeta
 
@@ -370,7 +370,7 @@ def _load_optimizer(optimizer: torch.optim.Optimizer, state: Checkpoint, index: 
 def _full_tensor(local: torch.Tensor, meta: ParameterMeta, comm: Comm) -> torch.Tensor:
     """The whole parameter, on every rank, from the ranks' local shards."""
     placement = meta.placement
-    if not isinstance(placement, (Shard, GroupedShard)):  # grouped: kv heads held per group of ranks
+    if not isinstance(placement, (Shard, GroupedShard, HeadShard)):  # grouped: kv heads held per group of ranks
         return local.detach()
     size = meta.global_shape[placement.dim] if isinstance(placement, Shard) else None  # uneven: trimmed
     return full_tensor(local.detach(), placement, comm, size=size)

@@ -19,11 +19,14 @@ reverse all-to-all). All of them short-circuit at world size 1.
 ``R -> S(d/g)``               narrow to own group's chunk     unsupported (forward only)
 ``S(d/g) -> S(d)``            narrow within the group chunk   unsupported (forward only)
 ``S(d/g) -> R``               all-gather, one chunk a group   unsupported (forward only)
+``R -> S(d:Hh)``              narrow to own heads             unsupported (forward only)
+``S(d:Hh) -> R``              padded all-gather of the heads  unsupported (forward only)
 ============================  ==============================  ================================================
 
 ``S(d/g)`` is a :class:`~autotp.placement.GroupedShard` (kv heads when tp exceeds their count).
 Its redistributions are inference-only: the solver offers grouped placements in graphs without a
-backward, and their autograd Functions refuse a gradient.
+backward, and their autograd Functions refuse a gradient. ``S(d:Hh)`` is a
+:class:`~autotp.placement.HeadShard` (heads no tp divides, split in whole heads), inference-only too.
 
 Why the backward is what it is: the gradient of a ``Replicate`` or ``Partial`` tensor is the full
 logical gradient on every rank (``Replicate``); the gradient of a ``Shard(d)`` tensor is the same
@@ -77,7 +80,7 @@ import socket
 import time
 import uuid
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -86,7 +89,17 @@ from torch import Tensor
 
 from autotp.errors import AutoTPError, ShardingError
 from autotp.health import RankHealth, rank_failure
-from autotp.placement import GroupedShard, Partial, Placement, R, Replicate, Shard, StridedShard, chunk_range
+from autotp.placement import (
+    GroupedShard,
+    HeadShard,
+    Partial,
+    Placement,
+    R,
+    Replicate,
+    Shard,
+    StridedShard,
+    chunk_range,
+)
 
 __all__ = [
     "KINDS",
@@ -932,6 +945,39 @@ def _grouped_narrow(x: Tensor, src: Placement, dst: Placement, comm: Comm) -> Te
     raise _unsupported(src, dst)
 
 
+class HeadRedistribute(torch.autograd.Function):
+    """Out of or into a :class:`~autotp.placement.HeadShard`: ``S(d:Hh) -> R`` all-gathers the
+    ranks' heads (:func:`_gather_heads`), ``R -> S(d:Hh)`` narrows to this rank's heads. Forward
+    only: the solver offers head shards in inference graphs only."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, src: Placement, dst: Placement, comm: Comm) -> Tensor:
+        if isinstance(src, HeadShard):
+            return _gather_heads(x, src, comm.rank, comm.world_size,
+                                 lambda t: _all_gather(t, src.dim, comm, backward=False))
+        start, stop = dst.index_range(x.shape[dst.dim], comm.rank, comm.world_size)
+        return x.narrow(dst.dim, start, stop - start).contiguous()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> None:
+        raise AutoTPError("training through attention heads that tp_size does not divide is not supported yet; "
+                          "train with a tp_size that divides the model's attention heads")
+
+
+def _gather_heads(x: Tensor, src: HeadShard, rank: int, world_size: int, gather: Callable[[Tensor], Tensor]
+                  ) -> Tensor:
+    """The whole dim from every rank's heads: each rank's block padded to the longest (``gather``
+    concatenates the padded blocks in rank order along ``src.dim``), then each rank's valid part
+    kept. A head's width is this rank's block over its head count (every rank holds one or more)."""
+    d = src.dim
+    start, stop = src.head_range(rank, world_size)
+    unit = x.shape[d] // (stop - start)
+    widths = [n * unit for n in src.heads_per_rank(world_size)]
+    longest = max(widths)
+    gathered = gather(_pad_to(x, d, longest).contiguous())  # (.., N * longest, ..)
+    return torch.cat([gathered.narrow(d, r * longest, w) for r, w in enumerate(widths)], d)
+
+
 def _unsupported(src: Placement, dst: Placement) -> AutoTPError:
     if isinstance(src, GroupedShard) or isinstance(dst, GroupedShard):
         return AutoTPError(f"redistribution {src} -> {dst} is not supported: a grouped shard comes from R "
@@ -948,6 +994,9 @@ def is_supported(src: Placement, dst: Placement) -> bool:
     a grouped shard only from ``R`` or itself, and only to itself, ``R`` or ``Shard`` of its dim)."""
     if isinstance(src, GroupedShard) or isinstance(dst, GroupedShard):
         return _grouped_supported(src, dst)
+    if isinstance(src, HeadShard) or isinstance(dst, HeadShard):  # kept, gathered, or narrowed from R
+        return src == dst or isinstance(src, HeadShard) and isinstance(dst, Replicate) \
+            or isinstance(src, Replicate) and isinstance(dst, HeadShard)
     return not (isinstance(dst, Partial) and not isinstance(src, Partial))
 
 
@@ -964,7 +1013,7 @@ def kind_of(src: Placement, dst: Placement) -> str | None:
     (identity or ``R -> S``). Raises :class:`AutoTPError` for unsupported pairs."""
     if not is_supported(src, dst):
         raise _unsupported(src, dst)
-    if isinstance(src, GroupedShard):
+    if isinstance(src, (GroupedShard, HeadShard)):
         return "all_gather" if isinstance(dst, Replicate) else None
     if isinstance(src, Partial):
         if isinstance(dst, Replicate):
@@ -986,8 +1035,8 @@ def backward_kind_of(src: Placement, dst: Placement, grad_partial: bool = False)
         raise _unsupported(src, dst)
     if grad_partial and not isinstance(dst, Replicate):
         raise AutoTPError(f"grad_partial applies to a Replicate destination only, got {src} -> {dst}")
-    if isinstance(src, GroupedShard) or isinstance(dst, GroupedShard):
-        return None  # forward only (see the module table): GroupedRedistribute refuses a gradient
+    if isinstance(src, (GroupedShard, HeadShard)) or isinstance(dst, (GroupedShard, HeadShard)):
+        return None  # forward only (see the module table): their Functions refuse a gradient
     if isinstance(dst, Replicate):
         if not grad_partial:
             return None
@@ -1062,6 +1111,11 @@ def functional_redistribute(x: Tensor, src: Placement, dst: Placement, comm: Com
             gathered = funcol.wait_tensor(funcol.all_gather_tensor(x.contiguous(), src.dim, group))
             return _one_chunk_per_group(gathered, src, n)
         return _grouped_narrow(x, src, dst, comm)
+    if isinstance(src, HeadShard):
+        return _gather_heads(x, src, comm.rank, n,
+                             lambda t: funcol.wait_tensor(funcol.all_gather_tensor(t, src.dim, group)))
+    if isinstance(dst, HeadShard):
+        return HeadRedistribute.apply(x, src, dst, comm)
     if isinstance(src, Replicate):
         assert isinstance(dst, Shard)
         start, stop = chunk_range(x.shape[dst.dim], comm.rank, n)
@@ -1125,6 +1179,8 @@ def redistribute(
         return x
     if isinstance(src, GroupedShard) or isinstance(dst, GroupedShard):
         return GroupedRedistribute.apply(x, src, dst, comm)
+    if isinstance(src, HeadShard) or isinstance(dst, HeadShard):
+        return HeadRedistribute.apply(x, src, dst, comm)
     if isinstance(src, Replicate):
         if isinstance(dst, Replicate):
             return CopyToParallelRegion.apply(x, comm)

@@ -17,7 +17,7 @@ import torch
 from autotp.collectives import Comm, detach_health
 from autotp.compat import grouped_mm_accepts_standins
 from autotp.config import AutoTPConfig
-from autotp.placement import GroupedShard, Shard, chunks
+from autotp.placement import GroupedShard, HeadShard, Shard, chunks
 from autotp.plan_cache import PlanCache
 from autotp.weights import ParameterMeta
 
@@ -133,7 +133,7 @@ SHARD_ATTR = "_autotp_shard"
 OUTPUT_PATH_ATTR = "_autotp_output_path"
 
 
-def sharded_standin(local: torch.Tensor, placement: Shard | GroupedShard, world_size: int,
+def sharded_standin(local: torch.Tensor, placement: Shard | GroupedShard | HeadShard, world_size: int,
                     output_path: tuple[int, ...] | None = None, size: int | None = None) -> torch.Tensor:
     """A value that leaves a compiled graph sharded (a KV-cache entry), as a global-shaped,
     NaN-filled, zero-memory tensor that carries this rank's shard.
@@ -142,7 +142,7 @@ def sharded_standin(local: torch.Tensor, placement: Shard | GroupedShard, world_
     shard (see ``backend.compile_graph``), and ``parallelize_model`` gathers any such value the
     user would read. Eager code that reads the stand-in itself sees NaN, never plausible numbers.
     ``size`` is the global size of the sharded dim (needed where the ranks' chunks are uneven:
-    vocabulary logits); else it is the local size times N.
+    vocabulary logits, heads no tp divides); else it is the local size times N.
     """
     shape = list(local.shape)
     # local (.., s/N, ..) -> global (.., s, ..); an uneven split names its global size
@@ -158,7 +158,7 @@ def sharded_standin(local: torch.Tensor, placement: Shard | GroupedShard, world_
     return out
 
 
-def shard_of(t: Any) -> tuple[torch.Tensor, Shard | GroupedShard] | None:
+def shard_of(t: Any) -> tuple[torch.Tensor, Shard | GroupedShard | HeadShard] | None:
     """``(local shard, placement)`` of a :func:`sharded_standin`, else None."""
     return getattr(t, SHARD_ATTR, None) if isinstance(t, torch.Tensor) else None
 

@@ -18,6 +18,13 @@
   head its query heads use. Not a ``Shard`` (its local size is ``size / groups``, not ``size / N``),
   so nothing that handles shards meets one by accident; rules see it through the registry only
   (``autotp/ops/registry.py``).
+* ``HeadShard(dim, heads, groups)`` — ``dim`` is ``heads`` attention heads whose count no tp divides
+  (Qwen2.5-7B's 28 query heads at tp=8), split in whole heads: the heads fall into ``groups`` equal
+  groups (the kv heads of grouped-query attention, 1 for multi-head attention), group ``g`` is held
+  by ranks ``[g * N/groups, (g+1) * N/groups)``, which split its heads ``torch.chunk``-style
+  (:func:`chunk_range` in head units: 7 heads over 2 ranks are 4 + 3). Each rank's query heads then
+  use only the kv head its group holds. Like a grouped shard it is not a ``Shard``: rules see it
+  through the registry as a plain shard over ``heads`` virtual ranks, one head each.
 
 Placements are small frozen values: they hash, compare, and print as ``R``, ``S(1)``, ``P``.
 A multi-output op has a tuple of placements; a non-tensor value has ``None``.
@@ -104,7 +111,7 @@ class GroupedShard:
     plain shard is local; gathering it whole is an all-gather that keeps one chunk per group.
 
     ``inner``: the ranks of a group also split dim ``inner`` (``dim + 1``) among them, rank ``r``
-    holding chunk ``r % (N / groups)``. That is a kv head spread over its query heads,
+    holding chunk ``r % (N / groups)`` (:func:`spread_size`; uneven where they do not divide it). That is a kv head spread over its query heads,
     ``(B, KV, 1, S, D) -> (B, KV, H/KV, S, D)`` with one kv head per group: merged into
     ``(B, H, S, D)`` it is a plain ``Shard`` of the heads, each rank holding its query heads' copies
     of its kv head (what attention with ``enable_gqa`` computes on each rank's shards)."""
@@ -127,7 +134,63 @@ class GroupedShard:
         return rank * self.groups // world_size
 
 
-Placement = Replicate | Shard | Partial | GroupedShard
+@dataclass(frozen=True)
+class HeadShard:
+    """``dim`` holds ``heads`` equal blocks (a head of ``size / heads`` indices each), split over
+    the ranks in whole heads: ``groups`` equal groups of heads, group ``g`` held by the ``N /
+    groups`` consecutive ranks ``[g * N/groups, (g+1) * N/groups)``, which share its heads by
+    :func:`chunk_range` (the first ranks one head more where they do not divide). Every rank's
+    heads are contiguous and the ranks hold them in rank order, so concatenating the ranks' blocks
+    gives the whole dim. Built by :func:`head_split`, which gives a plain ``Shard`` where the split
+    is even (one name per layout)."""
+
+    dim: int
+    heads: int
+    groups: int = 1
+
+    def __post_init__(self) -> None:
+        if self.dim < 0 or self.heads < 1 or self.groups < 1 or self.heads % self.groups:
+            raise ValueError(f"HeadShard needs dim >= 0 and groups dividing heads, got {self}")
+
+    def __str__(self) -> str:
+        return f"S({self.dim}:{self.heads}h{'' if self.groups == 1 else f'/{self.groups}'})"
+
+    __repr__ = __str__
+
+    def head_range(self, rank: int, world_size: int) -> tuple[int, int]:
+        """``[start, stop)`` of the heads rank ``rank`` holds."""
+        per_group, ranks = self.heads // self.groups, world_size // self.groups
+        start, stop = chunk_range(per_group, rank % ranks, ranks)
+        base = (rank * self.groups // world_size) * per_group
+        return base + start, base + stop
+
+    def index_range(self, size: int, rank: int, world_size: int) -> tuple[int, int]:
+        """``[start, stop)`` along ``dim`` (of ``size`` indices) that rank ``rank`` holds."""
+        start, stop = self.head_range(rank, world_size)
+        unit = size // self.heads
+        return start * unit, stop * unit
+
+    def heads_per_rank(self, world_size: int) -> list[int]:
+        """Every rank's head count: ``[4, 3, 4, 3, 4, 3, 4, 3]`` for 28 heads in 4 groups at tp=8."""
+        return [b - a for a, b in (self.head_range(r, world_size) for r in range(world_size))]
+
+
+def head_split(dim: int, heads: int, groups: int, world_size: int) -> Shard | HeadShard | None:
+    """The placement of a dim of ``heads`` heads split over ``world_size`` ranks in whole heads,
+    ``groups`` groups of them per kv head (1 for multi-head attention): a plain ``Shard`` where
+    every rank gets the same count, a :class:`HeadShard` where not, None where the split cannot be
+    made (``groups`` neither divides tp nor the heads, or some rank would get no head)."""
+    if groups < 1 or heads % groups or world_size % groups or heads < world_size:
+        return None
+    per_group, ranks = heads // groups, world_size // groups
+    if per_group % ranks == 0:
+        return Shard(dim)
+    if min(chunk_sizes(per_group, ranks)) == 0:
+        return None
+    return HeadShard(dim, heads, groups)
+
+
+Placement = Replicate | Shard | Partial | GroupedShard | HeadShard
 
 R = Replicate()
 P = Partial()
@@ -146,12 +209,16 @@ def normalize_dim(dim: int, ndim: int) -> int:
 
 
 def parse(text: str) -> Placement:
-    """Inverse of ``str``: ``"R"``, ``"P"``, ``"S(2)"``, ``"S(2|64+32+32)"`` or ``"S(1/2)"``."""
+    """Inverse of ``str``: ``"R"``, ``"P"``, ``"S(2)"``, ``"S(2|64+32+32)"``, ``"S(1/2)"`` or ``"S(2:28h/4)"``."""
     text = text.strip()
     if text == "R":
         return R
     if text == "P":
         return P
+    if text.startswith("S(") and text.endswith(")") and "h" in text:
+        dim, _, heads = text[2:-1].partition(":")
+        heads, _, groups = heads.partition("h")
+        return HeadShard(int(dim), int(heads), int(groups.lstrip("/") or 1))
     if text.startswith("S(") and text.endswith(")"):
         if "/" in text:
             dim, _, groups = text[2:-1].partition("/")
@@ -198,6 +265,8 @@ def is_uneven(size: int, world_size: int) -> bool:
 
 def uneven_rows(shape: tuple[int, ...], placement: Placement | None, world_size: int) -> list[int] | None:
     """Every rank's share of the sharded dim when the ranks carry unequal work, else None."""
+    if isinstance(placement, HeadShard):
+        return [n * (shape[placement.dim] // placement.heads) for n in placement.heads_per_rank(world_size)]
     if isinstance(placement, Shard) and not isinstance(placement, StridedShard) \
             and is_uneven(shape[placement.dim], world_size):
         return chunk_sizes(shape[placement.dim], world_size)
@@ -209,6 +278,11 @@ def uneven_note(shape: tuple[int, ...], placement: Placement | None, world_size:
     rows = uneven_rows(shape, placement, world_size)
     if rows is None:
         return None
+    if isinstance(placement, HeadShard):  # "dim 0 of 3584 (28 heads of 128, 4 groups) over tp=8: heads 4/3/..."
+        groups = f", {placement.groups} kv groups" if placement.groups > 1 else ""
+        return (f"dim {placement.dim} of {shape[placement.dim]} ({placement.heads} heads of "
+                f"{shape[placement.dim] // placement.heads}{groups}) over tp={world_size}: heads "
+                f"{'/'.join(map(str, placement.heads_per_rank(world_size)))}")
     return f"dim {placement.dim} of {shape[placement.dim]} over tp={world_size}: rows {'/'.join(map(str, rows))}"
 
 
@@ -233,11 +307,24 @@ def local_shape(shape: tuple[int, ...], placement: Placement | None, world_size:
         out = list(shape)
         out[placement.dim] = shape[placement.dim] // placement.groups
         if placement.inner is not None:
-            out[placement.inner] = shape[placement.inner] // (world_size // placement.groups)
+            out[placement.inner] = spread_size(shape[placement.inner], placement, world_size, rank)
+        return tuple(out)
+    if isinstance(placement, HeadShard):
+        out = list(shape)
+        start, stop = placement.index_range(shape[placement.dim], rank, world_size)
+        out[placement.dim] = stop - start
         return tuple(out)
     return tuple(shape)
 
 
+def spread_size(size: int, placement: GroupedShard, world_size: int, rank: int) -> int:
+    """Rank ``rank``'s share of a grouped shard's ``inner`` dim (its group's query heads per kv
+    head, ``size``): ``chunk_range`` over the group's ranks, so 7 over 2 ranks is 4 + 3."""
+    ranks = world_size // placement.groups
+    return local_size(size, rank % ranks, ranks)
+
+
 def chunks(placement: Placement | None, world_size: int) -> int:
-    """How many distinct chunks of its dim a sharded placement cuts: N, or a grouped shard's groups."""
+    """How many distinct chunks of its dim a sharded placement cuts: N, or a grouped shard's groups
+    (a :class:`HeadShard`'s chunks are uneven: ask :meth:`HeadShard.index_range` for sizes)."""
     return placement.groups if isinstance(placement, GroupedShard) else world_size

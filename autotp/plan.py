@@ -16,7 +16,16 @@ import torch.fx
 import torch.nn.functional as F
 
 from autotp.compat import linear_builtin
-from autotp.placement import GroupedShard, Placement, Replicate, Shard, local_shape, uneven_note, uneven_rows
+from autotp.placement import (
+    GroupedShard,
+    HeadShard,
+    Placement,
+    Replicate,
+    Shard,
+    local_shape,
+    uneven_note,
+    uneven_rows,
+)
 
 LINEAR_LIKE = {F.linear, linear_builtin}
 MATMUL_LIKE = {torch.matmul, torch.mm, torch.bmm, torch.addmm, torch.Tensor.matmul, torch.einsum}
@@ -27,6 +36,8 @@ def style_of(placement: Placement | None, consumer: torch.fx.Node | None, ndim: 
         return "replicate"
     if isinstance(placement, GroupedShard):
         return "kv_grouped"  # a k/v projection's heads, each held by a group of ranks (autotp/ops/kv_heads.py)
+    if isinstance(placement, HeadShard):  # heads no tp divides: the column / row split of whole heads
+        placement = Shard(placement.dim)
     if not isinstance(placement, Shard):
         return str(placement)
     target = consumer.target if consumer is not None else None
@@ -86,7 +97,7 @@ def parameter_entry(placement: Placement | None, consumer: torch.fx.Node | None,
     entry = {
         "style": style_of(placement, consumer, len(global_shape)),
         "placement": str(placement),
-        "shard_dim": placement.dim if isinstance(placement, (Shard, GroupedShard)) else None,
+        "shard_dim": placement.dim if isinstance(placement, (Shard, GroupedShard, HeadShard)) else None,
         "global_shape": list(global_shape),
         "local_shape": list(local_shape(global_shape, placement, world_size)),
     }

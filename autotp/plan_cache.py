@@ -64,7 +64,16 @@ import torch.fx
 
 from autotp.compat import FakeTensor, OpOverload, OpOverloadPacket, pytree
 from autotp.passes.annotate import Annotation, EdgePlan, NodePlan
-from autotp.placement import GroupedShard, Partial, Placement, Replicate, Shard, StridedShard, parse
+from autotp.placement import (
+    GroupedShard,
+    HeadShard,
+    Partial,
+    Placement,
+    Replicate,
+    Shard,
+    StridedShard,
+    parse,
+)
 
 #: bump when the entry layout or the meaning of a key field changes
 FORMAT = 1
@@ -278,7 +287,7 @@ def _canonical(obj: Any) -> str:
 def _placement_text(p: Any) -> Any:
     if p is None:
         return None
-    if isinstance(p, (Replicate, Shard, Partial, GroupedShard)):
+    if isinstance(p, (Replicate, Shard, Partial, GroupedShard, HeadShard)):
         return str(p)
     if isinstance(p, tuple):
         return {"tuple": [_placement_text(x) for x in p]}
@@ -359,7 +368,7 @@ def _check_ranks(node: torch.fx.Node, outputs: Mapping[int, Any]) -> None:
     flat, _ = pytree.tree_flatten(node.meta.get("example_value"))
     for sub, p in outputs.items():
         value = flat[sub] if 0 <= sub < len(flat) else None
-        if isinstance(p, (Shard, GroupedShard)) and isinstance(value, torch.Tensor) and p.dim >= value.dim():
+        if isinstance(p, (Shard, GroupedShard, HeadShard)) and isinstance(value, torch.Tensor) and p.dim >= value.dim():
             raise ValueError(f"node {node.name}: {p} on a {value.dim()}-d value")
 
 
@@ -374,6 +383,10 @@ def _check_parameter(name: str, placement: Any, shape: tuple[int, ...], pinned: 
     elif isinstance(placement, GroupedShard):
         chunks = placement.groups
         if placement.dim >= len(shape) or shape[placement.dim] % chunks or world % chunks:
+            raise ValueError(f"parameter {name}: {placement} does not fit shape {shape} at world size {world}")
+    elif isinstance(placement, HeadShard):
+        if placement.dim >= len(shape) or shape[placement.dim] % placement.heads or world % placement.groups \
+                or min(placement.heads_per_rank(world)) < 1:
             raise ValueError(f"parameter {name}: {placement} does not fit shape {shape} at world size {world}")
     elif isinstance(placement, Shard):  # a dim no rank count divides is split unevenly (a vocabulary)
         if placement.dim >= len(shape) or shape[placement.dim] < world:

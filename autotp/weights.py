@@ -73,7 +73,7 @@ from autotp.checkpoint_keys import (
     stored_keys,
 )
 from autotp.errors import AutoTPError, CheckpointError, ShardingError
-from autotp.placement import GroupedShard, Placement, Replicate, Shard, StridedShard, chunk_range
+from autotp.placement import GroupedShard, HeadShard, Placement, Replicate, Shard, StridedShard, chunk_range
 from autotp.weight_files import WeightFile, open_weight_file
 
 __all__ = [
@@ -774,7 +774,7 @@ class ParameterMeta:
         p = self.placement
         if p is None or isinstance(p, Replicate):
             return None
-        if isinstance(p, (Shard, GroupedShard)):
+        if isinstance(p, (Shard, GroupedShard, HeadShard)):
             if p.dim >= len(self.global_shape):
                 raise ShardingError(
                     f"{self.fqn}: placement {p} names dim {p.dim} but the parameter has shape {self.global_shape}."
@@ -786,10 +786,13 @@ class ParameterMeta:
 
     def index_range(self, rank: int, world_size: int) -> tuple[int, int] | None:
         """``[start, stop)`` of this rank's chunk on :attr:`shard_dim` (torch.chunk), None if replicated;
-        a grouped shard's is its group's chunk (kv heads shared by ``N / groups`` ranks)."""
+        a grouped shard's is its group's chunk (kv heads shared by ``N / groups`` ranks), a head
+        shard's the rows or columns of this rank's heads."""
         dim = self.shard_dim
         if dim is None:
             return None
+        if isinstance(self.placement, HeadShard):
+            return self.placement.index_range(self.global_shape[dim], rank, world_size)
         if isinstance(self.placement, GroupedShard):
             return chunk_range(self.global_shape[dim], self.placement.group(rank, world_size), self.placement.groups)
         return chunk_range(self.global_shape[dim], rank, world_size)

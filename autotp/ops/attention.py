@@ -13,6 +13,11 @@ q ``(B, Hq, L, E)``, k ``(B, Hk, S, E)``, v ``(B, Hk, S, Ev)``, optional mask br
   ``S(1/Hk)`` (:class:`~autotp.placement.GroupedShard`, one kv head per rank) -> ``S(1)``: rank r's
   query heads ``[r*Hq/N, (r+1)*Hq/N)`` all use kv head ``r*Hk//N``, the one it holds, which
   ``enable_gqa`` pairs with every local query head;
+* heads no tp divides (:class:`~autotp.placement.HeadShard`, whole heads per rank): q ``S(1:Hh/G)``
+  with k, v alike (multi-head attention, or kv heads already spread over the query heads), with k, v
+  ``R`` of one kv head (multi-query), or, when
+  ``G`` is the kv head count, with k, v ``S(1/G)`` (each group of ranks holds its kv head and
+  shares its query heads unevenly, 7 over 2 ranks as 4 + 3) -> ``S(1:Hh/G)``;
 * q, k, v all ``S(0)`` (batch) -> ``S(0)``;
 * the mask (and the math kernel's dropout mask) must be sharded like q where it has that dim at
   full size, and Replicate where it broadcasts (size 1 or missing);
@@ -32,7 +37,7 @@ from dataclasses import dataclass
 
 from autotp.ops._common import R, aten_ops, out_spec, tensor_index
 from autotp.ops.registry import OWN, Candidate, OpCall, TensorSpec, register, reject
-from autotp.placement import GroupedShard, Partial, Placement, Replicate, Shard
+from autotp.placement import GroupedShard, HeadShard, Partial, Placement, Replicate, Shard
 
 OUT, LSE, ATTN = "out", "lse", "attn"
 
@@ -79,6 +84,27 @@ def _result(op: OpCall, kind: str | None, index: int, q: TensorSpec, p: Placemen
     return None
 
 
+def _head_split_attention(op: OpCall, layout: Layout, inputs: Sequence[Placement | None],
+                          extras: list[tuple[str, int]]) -> list[Candidate]:
+    """q split in whole heads no tp divides (see the module docstring)."""
+    q, k = op.tensor_inputs[:2]
+    pq, pk, pv = inputs[:3]
+    if q.ndim != 4 or pq.dim != 1:
+        return reject(f"q is {pq}: only a split of the heads dim (1) is exact")
+    grouped = GroupedShard(1, pq.groups) if pq.groups >= 2 else None
+    single_kv = k.shape[1] == 1 and isinstance(pk, Replicate) and isinstance(pv, Replicate)  # multi-query
+    if not (pk == pq == pv or single_kv or grouped is not None and pk == grouped == pv and k.shape[1] == pq.groups):
+        return reject(f"k, v {pk}, {pv} do not hold the kv heads of q {pq}'s query heads")
+    for name, i in extras:
+        need = _mask_need(op.tensor_inputs[i], 1)
+        need = HeadShard(need.dim, pq.heads, pq.groups) if isinstance(need, Shard) else need
+        if inputs[i] != need:
+            return reject(f"the {name} is {inputs[i]}, needs {need} with q {pq}")
+    if layout.results is None:
+        return [Candidate(pq)]
+    return [Candidate(tuple(_result(op, kind, j, q, pq) for j, kind in enumerate(layout.results)))]
+
+
 @register(*_BY_TARGET, grouped=OWN)
 def sdpa_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate]:
     """Attention over heads or batch shards (see the module docstring)."""
@@ -95,6 +121,8 @@ def sdpa_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate]
                 extras.append((name, i))
     if isinstance(pq, GroupedShard):
         return reject("q is a grouped shard: only k and v may hold their heads in groups")
+    if isinstance(pq, HeadShard):
+        return _head_split_attention(op, layout, inputs, extras)
     if isinstance(pq, Replicate):
         if all(isinstance(p, Replicate) for p in inputs):
             shard: Placement = R

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from autotp.placement import GroupedShard, Partial, Placement, Replicate, Shard, StridedShard
+from autotp.placement import GroupedShard, HeadShard, Partial, Placement, Replicate, Shard, StridedShard
 
 PlacementOut = Placement | tuple[Placement | None, ...] | None
 
@@ -167,8 +167,10 @@ def _checked(fn: Rule, strided: str | None = None, grouped: str | None = None) -
     @functools.wraps(fn)
     def rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate]:
         for i, p in enumerate(inputs):
-            if not isinstance(p, (Replicate, Shard, Partial, GroupedShard)):
+            if not isinstance(p, (Replicate, Shard, Partial, GroupedShard, HeadShard)):
                 return reject(f"tensor input {i} has no single placement ({p!r})")
+        if grouped != OWN and any(isinstance(p, HeadShard) for p in inputs):
+            return over_heads(fn, op, inputs)
         if grouped != OWN and any(isinstance(p, GroupedShard) for p in inputs):
             return over_groups(fn, op, inputs)
         if strided != OWN and any(isinstance(p, StridedShard) for p in inputs):
@@ -252,6 +254,35 @@ def over_groups(fn: Rule, op: OpCall, inputs: Sequence[Placement]) -> list[Candi
            if c.local in (None, "shape") and not c.collectives
            and not any(isinstance(q, (Partial, StridedShard)) for q in leaves(c.output))]
     return out if out else reject(f"no candidate of {op.target} keeps the grouped shards of {list(inputs)}")
+
+
+def over_heads(fn: Rule, op: OpCall, inputs: Sequence[Placement]) -> list[Candidate]:
+    """Run a rule on :class:`~autotp.placement.HeadShard` inputs as on plain shards over the heads:
+    ``heads`` virtual ranks of one head each, of which every rank holds a contiguous run. Whatever
+    the rule claims for a shard over ``heads`` ranks holds head by head, and so for a run of heads:
+    its ``Shard`` results are head shards of the same heads and groups, and its ``Partial`` results
+    stay partial (every head is on exactly one rank, so the sum over heads is the sum over ranks).
+    Refused: inputs that mix it with plain or grouped shards or another head split; fused (strided)
+    results; local rewrites other than ``shape`` (which localizes by the rank's heads,
+    ``autotp/ops/shape.py: localize_sizes``) and any that communicate."""
+    heads = {(p.heads, p.groups) for p in inputs if isinstance(p, HeadShard)}
+    if len(heads) > 1 or any(isinstance(p, (Shard, GroupedShard)) for p in inputs):
+        return reject(f"head shards meet other shards at {op.target}: {list(inputs)}")
+    ((h, g),) = heads
+    cands = fn(dataclasses.replace(op, world_size=h), [Shard(p.dim) if isinstance(p, HeadShard) else p for p in inputs])
+
+    def leaves(p: Any) -> list[Any]:
+        return [q for x in p for q in leaves(x)] if isinstance(p, tuple) else [p]
+
+    def rehead(p: Any) -> Any:
+        if isinstance(p, tuple):
+            return tuple(rehead(q) for q in p)
+        return HeadShard(p.dim, h, g) if isinstance(p, Shard) else p
+
+    out = [dataclasses.replace(c, output=rehead(c.output)) for c in cands
+           if c.local in (None, "shape") and not c.collectives
+           and not any(isinstance(q, StridedShard) for q in leaves(c.output))]
+    return out if out else reject(f"no candidate of {op.target} keeps the head shards of {list(inputs)}")
 
 
 def register_local(name: str, *, across_ranks: bool = False) -> Callable[[LocalImpl], LocalImpl]:

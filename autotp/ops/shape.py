@@ -40,20 +40,24 @@ from autotp.ops.registry import (
     Candidate,
     OpCall,
     over_groups,
+    over_heads,
     register,
     register_local,
     reject,
 )
 from autotp.placement import (
     GroupedShard,
+    HeadShard,
     Partial,
     Placement,
     Replicate,
     Shard,
     StridedShard,
     chunks,
+    head_split,
     local_size,
     normalize_dim,
+    spread_size,
 )
 
 
@@ -62,8 +66,9 @@ def localize_sizes(sizes: Sequence[Any], out_placement: Any, world_size: int, ra
 
     The size at the output's shard dim becomes rank ``rank``'s chunk of it
     (:func:`autotp.placement.local_size`: ``size / N``, or a short last chunk of a dim split
-    unevenly), or, for a grouped shard, the size divided by its groups (raising ``ValueError``
-    when it does not divide); a ``-1`` (inferred) stays ``-1``; other placements leave the sizes
+    unevenly), for a grouped shard the size divided by its groups (raising ``ValueError``
+    when it does not divide) and its spread dim by :func:`autotp.placement.spread_size`, for a head
+    shard the rank's heads (:meth:`autotp.placement.HeadShard.index_range`); a ``-1`` (inferred) stays ``-1``; other placements leave the sizes
     unchanged. ``(2, 6, 8, 8)`` with ``S(2)`` over 2 ranks becomes ``(2, 6, 4, 8)``.
     """
     sizes = list(sizes)
@@ -74,8 +79,13 @@ def localize_sizes(sizes: Sequence[Any], out_placement: Any, world_size: int, ra
             if isinstance(size, int) and size % parts != 0:
                 raise ValueError(f"size {size} at dim {d} does not divide by {parts} chunks")
             sizes[d] = size // parts
-        if out_placement.inner is not None:
-            sizes[out_placement.inner] //= world_size // out_placement.groups  # a static spread of kv heads
+        if out_placement.inner is not None:  # a static spread of kv heads
+            sizes[out_placement.inner] = spread_size(sizes[out_placement.inner], out_placement, world_size, rank)
+    elif isinstance(out_placement, HeadShard):
+        d = out_placement.dim
+        if not (isinstance(sizes[d], int) and sizes[d] == -1):
+            start, stop = out_placement.index_range(sizes[d], rank, world_size)
+            sizes[d] = stop - start
     elif isinstance(out_placement, Shard):
         d = out_placement.dim
         size = sizes[d]
@@ -124,6 +134,8 @@ def view_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate]
     and becomes strided if it is merged behind other dims (see the module docstring). A grouped
     shard is reasoned about over its groups; one spread over its inner dim merges into a Shard."""
     p = inputs[0]
+    if isinstance(p, HeadShard):
+        return over_heads(view_rule, op, inputs)
     if isinstance(p, GroupedShard):
         if p.inner is None:
             return over_groups(view_rule, op, inputs)
@@ -131,9 +143,11 @@ def view_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate]
         out = _resolved_out_shape(op, x.numel, op.arg(1, "size", op.kwargs.get("shape")))
         merged = x.shape[p.dim] * x.shape[p.inner]
         for o in range(len(out)):
-            if out[o] == merged and math.prod(out[o:]) == math.prod(x.shape[p.dim:]) and out[o] % op.world_size == 0:
+            split = head_split(o, merged, p.groups, op.world_size)
+            if out[o] == merged and math.prod(out[o:]) == math.prod(x.shape[p.dim:]) and split is not None:
                 # (B, KV, H/KV, S, D) S(1/KV:2) -> (B, H, S, D) S(1): each rank its query heads' kv copies
-                return [Candidate(Shard(o), local="shape")]
+                # (S(1:Hh/KV) where the group's ranks do not divide its query heads: 7 over 2 are 4 + 3)
+                return [Candidate(split, local="shape")]
         return reject(f"a view of {x.shape} does not merge the spread kv heads {p} into one dim: {out}")
     if isinstance(p, (Replicate, Partial)):
         return same(p)
@@ -215,6 +229,8 @@ def expand_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidat
     may also spread over a broadcast dim right after it (``(B, KV, 1, S, D) -> (B, KV, H/KV, S, D)``:
     ``S(1/KV:2)``, each rank its query heads' copies)."""
     p = inputs[0]
+    if isinstance(p, HeadShard):
+        return over_heads(expand_rule, op, inputs)
     if isinstance(p, GroupedShard):
         if p.inner is not None:
             return reject(f"{p} is expanded again")
@@ -226,7 +242,7 @@ def expand_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidat
         d, n = p.dim + off, op.world_size
         inner = d + 1
         if x.shape[p.dim] == p.groups and inner < spec.ndim and x.shape[p.dim + 1] == 1 \
-                and spec.shape[inner] % (n // p.groups) == 0:
+                and head_split(inner, p.groups * spec.shape[inner], p.groups, n) is not None:
             cands = [*cands, Candidate(GroupedShard(d, p.groups, inner), local="shape")]
         return cands
     x = op.tensor_inputs[0]

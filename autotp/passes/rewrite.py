@@ -50,7 +50,7 @@ from autotp.ops.reduction import SHARDED_MEAN
 from autotp.ops.shape import localize_sizes
 from autotp.passes.annotate import Annotation
 from autotp.passes.hosts import GATHER_FUNCTIONS, SOFTMAX_FUNCTIONS, SOFTMAX_METHODS
-from autotp.placement import GroupedShard, Replicate, Shard, chunks
+from autotp.placement import GroupedShard, HeadShard, Replicate, Shard, chunks
 from autotp.plan import gradient_node
 from autotp.rng import RankStreamCall
 
@@ -286,7 +286,7 @@ def _apply_local(gm: torch.fx.GraphModule, n: torch.fx.Node, tag: str, out: Any,
                  params: dict[torch.fx.Node, LocalParam], attr_nodes: dict, comm: Comm,
                  report: RewriteReport) -> None:
     if tag == "shape":
-        if not isinstance(out, (Shard, GroupedShard)):
+        if not isinstance(out, (Shard, GroupedShard, HeadShard)):
             return
         if n.op == "call_method" and n.target in SHAPE_METHODS or n.op == "call_function" and n.target in SHAPE_FUNCTIONS:
             _localize_shape_args(n, out, comm)
@@ -496,23 +496,29 @@ def _localize_segment_slice(n: torch.fx.Node, plan: Any, world_size: int) -> Non
     raise PassError(f"node {n.name}: could not find the fused dim {dim} in the index {index!r}")
 
 
-def _localize_shape_args(n: torch.fx.Node, out: Shard | GroupedShard, comm: Comm) -> None:
+def _localize_shape_args(n: torch.fx.Node, out: Shard | GroupedShard | HeadShard, comm: Comm) -> None:
     """Divide the size on the output's sharded dim by the chunks it is cut in: constants directly
     (to this rank's chunk, which may be short, see :func:`autotp.placement.chunk_range`; a grouped
-    shard's size by its groups), a symbolic size (a Node computed from global sizes, see
-    :func:`_globalize_size_query`; never uneven) by a floordiv node."""
+    shard's size by its groups; a head shard's to this rank's heads), a symbolic size (a Node
+    computed from global sizes, see :func:`_globalize_size_query`; never uneven) by a floordiv node."""
     world_size = comm.world_size
     args = list(n.args)
     if len(args) == 2 and isinstance(args[1], torch.fx.Node):
         # the whole size is one runtime value (``x.view(x.size()[:-1] + (nf,))``): divide it at run time
         with n.graph.inserting_before(n):
-            rank, parts = (0, chunks(out, world_size)) if isinstance(out, GroupedShard) else (comm.rank, world_size)
-            args[1] = n.graph.call_function(_divide_size_at, (args[1], out.dim, rank, parts))
+            if isinstance(out, HeadShard):
+                args[1] = n.graph.call_function(_localize_at, (args[1], out.dim, out.heads, out.groups, comm.rank,
+                                                               world_size))
+            else:
+                rank, parts = (0, chunks(out, world_size)) if isinstance(out, GroupedShard) else (comm.rank, world_size)
+                args[1] = n.graph.call_function(_divide_size_at, (args[1], out.dim, rank, parts))
         n.args = tuple(args)
         return
     packed = n.target in ("new_empty", "new_zeros", "new_ones") or (
         len(args) == 2 and isinstance(args[1], (tuple, list, torch.Size)))
     sizes = list(args[1]) if packed else args[1:]
+    if isinstance(sizes[out.dim], torch.fx.Node) and isinstance(out, HeadShard):
+        raise PassError(f"node {n.name}: a symbolic size on a dim split in whole heads ({out})")
     if isinstance(sizes[out.dim], torch.fx.Node):
         with n.graph.inserting_before(n):
             sizes[out.dim] = n.graph.call_function(operator.floordiv, (sizes[out.dim], chunks(out, world_size)))
@@ -531,12 +537,24 @@ def _divide_size_at(sizes: Any, dim: int, rank: int, world_size: int) -> tuple:
     return tuple(localize_sizes(list(sizes), Shard(dim), world_size, rank))
 
 
+def _localize_at(sizes: Any, dim: int, heads: int, groups: int, rank: int, world_size: int) -> tuple:
+    """A size list computed at run time (in global sizes), with the size at ``dim`` made this
+    rank's heads of ``HeadShard(dim, heads, groups)`` (passed as numbers: FX code prints its args)."""
+    return tuple(localize_sizes(list(sizes), HeadShard(dim, heads, groups), world_size, rank))
+
+
 def _global_size(size: torch.Size, dim: int, world_size: int, total: int | None = None) -> torch.Size:
     """A local ``x.size()`` of a tensor sharded on ``dim``, turned back into the global size
     (``total``, when the dim is static: an uneven chunk times N is not the global size)."""
     out = list(size)
     out[dim] = out[dim] * world_size if total is None else total
     return torch.Size(out)
+
+
+def _global_numel(numel: int, local: int, total: int) -> int:
+    """``x.numel()`` of a tensor split unevenly on a dim whose local size is ``local`` (every rank
+    holds at least one index of it) and global size ``total``."""
+    return numel // local * total
 
 
 def _global_size_at(local: int, total: int) -> int:
@@ -553,18 +571,20 @@ def _globalize_size_query(n: torch.fx.Node, plan: Any, world_size: int) -> bool:
     if not (is_size or is_shape):
         return False
     edge = plan.edges.get((0, 0))
-    if edge is None or not isinstance(edge.dst, (Shard, GroupedShard)):
+    if edge is None or not isinstance(edge.dst, (Shard, GroupedShard, HeadShard)):
         return False
     d, world_size = edge.dst.dim, chunks(edge.dst, world_size)
     graph = n.graph
     users = list(n.users)
     total = _static_size(n.args[0], d)
-    if total is not None and total % world_size == 0:
+    if total is not None and total % world_size == 0 and not isinstance(edge.dst, HeadShard):
         total = None  # an even shard: local size x N, as for a symbolic dim
     with graph.inserting_after(n):
-        if n.target == "numel":
-            if total is not None:
-                raise PassError(f"node {n.name}: numel() of a tensor split unevenly on dim {d} is not supported")
+        if n.target == "numel" and total is not None:  # uneven: the local count over its local dim size
+            with graph.inserting_before(n):
+                local = graph.call_method("size", (n.args[0], d))
+            fixed = graph.call_function(_global_numel, (n, local, total))
+        elif n.target == "numel":
             fixed = graph.call_function(operator.mul, (n, world_size))
         elif is_size and (len(n.args) > 1 or "dim" in n.kwargs):
             k = n.args[1] if len(n.args) > 1 else n.kwargs["dim"]

@@ -125,6 +125,7 @@ from autotp.passes.decompose import EDGE, MARK, SYMBOLIC_DIMS, ShadowGraph
 from autotp.passes.hosts import hosted_tags, needs_host
 from autotp.placement import (
     GroupedShard,
+    HeadShard,
     Partial,
     Placement,
     R,
@@ -339,7 +340,7 @@ def _shards_symbolic_dim(out: Any, spec: Any) -> bool:
     """True if placement ``out`` shards a dim that ``spec`` marks symbolic."""
     if isinstance(out, tuple) and isinstance(spec, tuple):
         return any(_shards_symbolic_dim(o, s) for o, s in zip(out, spec, strict=False))
-    if isinstance(out, GroupedShard):
+    if isinstance(out, (GroupedShard, HeadShard)):
         return isinstance(spec, TensorSpec) and out.dim in spec.symbolic
     return isinstance(out, Shard) and isinstance(spec, TensorSpec) and not spec.shardable(out.dim, out)
 
@@ -374,6 +375,8 @@ def edge_targets(p: Placement, spec: TensorSpec, world_size: int, kv_groups: tup
     out: list[Placement] = [p]
     if isinstance(p, StridedShard):  # a fused layout is consumed in place, never redistributed
         return out
+    if isinstance(p, HeadShard):  # heads no tp divides: kept, or gathered (never moved to another split)
+        return [*out, R]
     if isinstance(p, GroupedShard):  # kv heads: narrowed to a plain shard of their dim, or gathered
         if p.inner is not None:  # spread over its query heads: merged by the next view, never moved
             return out
@@ -962,7 +965,7 @@ class _Search:
             if isinstance(src, StridedShard):
                 return []  # a fused layout cannot be gathered in order
             gathered = _Option(R, cost=0.0 if R in paid else edge_cost(src, R, step.spec, self.opts))
-            if self.opts.sharded_outputs and isinstance(src, (Shard, GroupedShard)):
+            if self.opts.sharded_outputs and isinstance(src, (Shard, GroupedShard, HeadShard)):
                 return [_Option(src), gathered]
             return [gathered]
         if step.spec is None or not self.alive_after(step.index, here):

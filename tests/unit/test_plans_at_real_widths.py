@@ -149,14 +149,38 @@ def test_an_untied_lm_head_over_a_vocabulary_with_one_added_token_is_split_like_
     assert [s["origin"] for s in report.forward.sites if s["kind"] == "all_gather"] == ["lm_head"]
 
 
+def test_qwen2_5_7b_plans_at_tp8_with_its_28_heads_split_4_and_3_per_kv_head() -> None:
+    """28 query heads over 4 kv heads at tp=8: 4 groups of 2 ranks, each group holds its kv head and
+    shares its 7 query heads as 4 + 3, so attention stays on each rank. Prefill and decode step
+    communicate as Megatron's (2 all-reduces per block, only the logits gathered), and the plan says
+    where ranks carry unequal work."""
+    report = plan_model(_config("qwen2"), 8)
+
+    for step in (report.forward, report.decode):
+        assert collectives_per_block(step.sites) == {layer: {"all_reduce": 2} for layer in range(2)}
+        assert [s["origin"] for s in step.sites if s["kind"] == "all_gather"] == ["lm_head"]
+    params = report.parameters
+    attn = "model.layers.0.self_attn."
+    assert {name: params[attn + name]["placement"] for name in ("q_proj.weight", "q_proj.bias", "k_proj.weight",
+                                                                 "v_proj.weight", "o_proj.weight")} == {
+        "q_proj.weight": "S(0:28h/4)", "q_proj.bias": "S(0:28h/4)", "k_proj.weight": "S(0/4)",
+        "v_proj.weight": "S(0/4)", "o_proj.weight": "S(1:28h/4)"}
+    assert params[attn + "q_proj.weight"]["rows_per_rank"] == [512, 384] * 4
+    assert params[attn + "o_proj.weight"]["uneven"] == \
+        "dim 1 of 3584 (28 heads of 128, 4 kv groups) over tp=8: heads 4/3/4/3/4/3/4/3"
+    assert params[attn + "q_proj.weight"]["local_shape"] == [512, 3584]  # rank 0's: 4 heads
+
+
 @pytest.mark.parametrize(("cls", "fields", "tp", "named", "valid"), [
-    ("Qwen2Config", REAL_WIDTHS["qwen2"][2], 8, "num_attention_heads=28", "[1, 2, 4]"),  # Qwen2.5-7B at tp=8
-    ("FalconConfig", dict(hidden_size=4544, num_attention_heads=71, vocab_size=65024), 2,
-     "num_attention_heads=71", "[1]"),  # Falcon-7B
-], ids=["qwen2.5-7b-tp8", "falcon-7b-tp2"])
-def test_a_head_count_no_tp_divides_is_refused_with_the_valid_tps(cls: str, fields: dict, tp: int, named: str,
-                                                                   valid: str) -> None:
-    """Heads are not split unevenly (yet): the refusal names the count and lists the tps that work."""
+    # Qwen2.5-7B at tp=32: 7 query heads per kv head over 8 ranks would leave a rank without one
+    ("Qwen2Config", REAL_WIDTHS["qwen2"][2], 32, "num_attention_heads=28", "[1, 2, 4, 8, 16]"),
+    # GPT-2's 12 heads at tp=8: 2 heads on each of 6 ranks would leave 2 ranks without one
+    ("GPT2Config", REAL_WIDTHS["gpt2"][2], 8, "num_attention_heads=12", "[1, 2, 3, 4, 6, 12]"),
+], ids=["qwen2.5-7b-tp32", "gpt2-tp8"])
+def test_a_head_count_no_split_serves_is_refused_with_the_valid_tps(cls: str, fields: dict, tp: int, named: str,
+                                                                    valid: str) -> None:
+    """Heads split in whole heads, at least one per rank: the refusal names the count and lists the
+    tps that work."""
     from autotp.errors import AutoTPError
 
     config = getattr(transformers, cls)(**fields, num_hidden_layers=2)

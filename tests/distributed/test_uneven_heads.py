@@ -1,0 +1,177 @@
+"""Attention heads no tp divides are split in whole heads, unevenly, and match one process.
+
+Tiny seeded checkpoints (``tests/_tiny.py``, hidden 48, 2 layers) loaded with ``parallelize_model``
+on gloo ranks and compared with one plain transformers process:
+
+* Qwen2 (q/k/v biases) with 6 query heads over 2 kv heads at tp=4: the ranks form 2 groups of 2,
+  each group holds its kv head (``S(0/2)``) and shares the kv head's 3 query heads as 2 + 1
+  (``S(0:6h/2)``), so attention stays on each rank;
+* Llama with 3 heads (multi-head attention) at tp=2: q, k and v split 2 + 1 alike (``S(0:3h)``).
+
+Logits of one forward and the tokens of a greedy ``generate`` must equal one process; the plan must
+be Megatron's (2 all-reduces per block and the embedding's one, no all-gather in the graph: the
+logits leave it sharded), each rank's weights and KV cache hold only its own heads, and the plan
+says where ranks carry unequal work.
+
+Tolerance: atol 1e-5, rtol 1e-4 (fp32), as in tests/distributed/test_parallelize.py (row-parallel
+partial sums reorder fp32 additions).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests._dist import run_ranks
+from tests._tiny import save_tiny
+
+pytestmark = pytest.mark.dist
+
+PAD_ID = 120
+PROMPT = [[5, 17, 99, 3, 64, 12, 7]]
+NEW_TOKENS = 6
+ATOL, RTOL = 1e-5, 1e-4
+LAYERS = 2
+
+
+def _reference(folder: Path) -> tuple[torch.Tensor, list[int]]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    ids = torch.tensor(PROMPT)
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+        tokens = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=PAD_ID)
+    return logits, tokens[0].tolist()
+
+
+def _rank(rank: int, world: int, folder: str) -> dict[str, Any]:
+    from autotp import parallelize_model
+    from autotp.context import shard_of
+
+    model = parallelize_model(folder, tp_size=world)
+    ids = torch.tensor(PROMPT)
+    with torch.no_grad():
+        out = model(input_ids=ids, use_cache=True)
+        tokens = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=PAD_ID)
+    local_kv_heads = []
+    for layer in out.past_key_values.layers:
+        for entry in (layer.keys, layer.values):
+            shard = shard_of(entry)
+            local_kv_heads.append(shard[0].shape[1] if shard is not None else entry.shape[1])
+    q_proj = model.model.layers[0].self_attn.q_proj
+    return {
+        "logits": out.logits,
+        "tokens": tokens[0].tolist(),
+        "plan": model.autotp.plan,
+        "local_kv_heads": local_kv_heads,
+        "q_rows": q_proj.weight.shape[0],
+    }
+
+
+@pytest.mark.parametrize(
+    ("arch", "heads", "kv_heads", "world", "q_placement", "kv_placement", "q_heads", "kv_local"),
+    [
+        # 2 groups of 2 ranks, 3 query heads per kv head: 2 + 1; each rank holds its group's kv head
+        ("qwen2", 6, 2, 4, "S(0:6h/2)", "S(0/2)", [2, 1, 2, 1], [1, 1, 1, 1]),
+        # multi-head attention, 3 heads over 2 ranks: 2 + 1 of q, k and v
+        ("llama", 3, 3, 2, "S(0:3h)", "S(0:3h)", [2, 1], [2, 1]),
+    ],
+    ids=["qwen2-6-heads-2-kv-tp4", "llama-mha-3-heads-tp2"],
+)
+def test_heads_no_tp_divides_match_one_process_with_megatrons_plan(
+    tmp_path: Path, arch: str, heads: int, kv_heads: int, world: int, q_placement: str, kv_placement: str,
+    q_heads: list[int], kv_local: list[int]
+) -> None:
+    folder = save_tiny(arch, tmp_path / arch, pad_token_id=PAD_ID, hidden_size=48, num_attention_heads=heads,
+                       num_key_value_heads=kv_heads)
+    head_dim = 48 // heads
+    ref_logits, ref_tokens = _reference(folder)
+    results = run_ranks(_rank, world, str(folder))
+    for rank, r in enumerate(results):
+        torch.testing.assert_close(r["logits"], ref_logits, atol=ATOL, rtol=RTOL)
+        assert r["tokens"] == ref_tokens
+        assert r["q_rows"] == q_heads[rank] * head_dim  # this rank's query heads only
+        assert r["local_kv_heads"] == [kv_local[rank]] * (2 * LAYERS)  # the cache holds its kv heads only
+        params = r["plan"]["parameters"]
+        for i in range(LAYERS):
+            attn = f"model.layers.{i}.self_attn."
+            assert params[attn + "q_proj.weight"]["placement"] == q_placement
+            assert params[attn + "q_proj.weight"]["style"] == "colwise"
+            assert params[attn + "o_proj.weight"]["placement"] == q_placement.replace("S(0", "S(1")
+            assert params[attn + "o_proj.weight"]["style"] == "rowwise"
+            assert params[attn + "o_proj.weight"]["rows_per_rank"] == [n * head_dim for n in q_heads]
+            for name in ("k_proj.weight", "v_proj.weight"):
+                assert params[attn + name]["placement"] == kv_placement
+        assert r["plan"]["uneven"]["model.layers.0.self_attn.q_proj.weight"].endswith(
+            f"over tp={world}: heads {'/'.join(map(str, q_heads))}")
+        # 2 all-reduces per block + the vocab-parallel embedding's; no all-gather in the graph
+        assert r["plan"]["collectives"] == {"all_reduce": 2 * LAYERS + 1}
+
+
+def _rank_redistribute(rank: int, world: int) -> dict[str, bool]:
+    from autotp.collectives import Comm, redistribute
+    from autotp.placement import HeadShard, R
+
+    comm = Comm.from_default_group()
+    full = torch.arange(2 * 6 * 3, dtype=torch.float32).reshape(2, 6, 3)  # (B, heads, D)
+    split = HeadShard(1, 6, 2)  # 2 groups of 3 heads, each shared by 2 ranks as 2 + 1
+    start, stop = [(0, 2), (2, 3), (3, 5), (5, 6)][rank]
+    mine = full[:, start:stop]
+    return {
+        "narrowed from R": torch.equal(redistribute(full, R, split, comm), mine),
+        "gathered": torch.equal(redistribute(mine.contiguous(), split, R, comm), full),
+    }
+
+
+def test_head_shards_narrow_locally_and_gather_in_rank_order() -> None:
+    for checks in run_ranks(_rank_redistribute, 4):
+        assert checks == {name: True for name in checks}
+
+
+def _rank_train(rank: int, world: int, folder: str) -> str:
+    from autotp import AutoTPError, parallelize_model
+
+    model = parallelize_model(folder, tp_size=world)
+    model.train()
+    try:
+        model(input_ids=torch.tensor(PROMPT), labels=torch.tensor(PROMPT)).loss.backward()
+    except AutoTPError as e:
+        return str(e)
+    return "trained"
+
+
+def test_training_through_heads_no_tp_divides_is_refused_not_silently_wrong(tmp_path: Path) -> None:
+    folder = save_tiny("llama", tmp_path / "llama", pad_token_id=PAD_ID, hidden_size=48, num_attention_heads=3,
+                       num_key_value_heads=3)
+    for message in run_ranks(_rank_train, 2, str(folder)):
+        assert "whole attention heads" in message and "tp_size that divides" in message, message
+
+
+def _rank_logits(rank: int, world: int, folder: str) -> dict[str, Any]:
+    from autotp import parallelize_model
+
+    model = parallelize_model(folder, tp_size=world)
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor(PROMPT)).logits
+    return {"logits": logits, "plan": model.autotp.plan}
+
+
+@pytest.mark.parametrize(("arch", "sizes"), [
+    ("gpt2", dict(n_embd=48, n_head=3)),
+    ("falcon", dict(hidden_size=48, num_attention_heads=3)),  # multi-query inside the fused projection
+], ids=["gpt2-3-heads", "falcon-3-heads-one-kv"])
+def test_a_fused_qkv_projection_with_heads_no_tp_divides_is_exact_at_tp2(tmp_path: Path, arch: str,
+                                                                        sizes: dict[str, int]) -> None:
+    """A fused q|k|v output is not split in whole heads (its segments are not head-aligned per
+    rank): attention runs on gathered activations, correct but with all-gathers in the blocks."""
+    from transformers import AutoModelForCausalLM
+
+    folder = save_tiny(arch, tmp_path / arch, pad_token_id=PAD_ID, **sizes)
+    with torch.no_grad():
+        expected = AutoModelForCausalLM.from_pretrained(folder).eval()(input_ids=torch.tensor(PROMPT)).logits
+    for r in run_ranks(_rank_logits, 2, str(folder)):
+        torch.testing.assert_close(r["logits"], expected, atol=ATOL, rtol=RTOL)
