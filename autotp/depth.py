@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import copy
 import fnmatch
+import functools
 import re
 import types
 from collections import Counter
@@ -173,6 +174,8 @@ def _value(v: Any, configs: tuple[Any, ...]) -> Any:
         return ("tensor", tuple(v.shape), str(v.dtype))
     if any(v is c for c in configs):
         return "<config>"
+    if isinstance(v, functools.partial):  # GELU-tanh activations: partial(gelu, approximate="tanh")
+        return ("partial", _value(v.func, configs), _value(v.args, configs), _value(v.keywords, configs))
     if isinstance(v, (types.FunctionType, types.BuiltinFunctionType, type)):
         return ("callable", getattr(v, "__module__", None), getattr(v, "__qualname__", repr(v)))
     return ("object", type(v).__qualname__, id(v))  # compared by identity: tells layers apart
