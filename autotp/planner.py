@@ -173,6 +173,22 @@ class PlanReport:
             "depth": self.depth,
         }
 
+    #: what :meth:`to_json` holds about how the plan was computed rather than what it is
+    COMPUTATION = ("timings", "solver", "depth")
+    COMPUTATION_PER_GRAPH = ("timings", "cost", "lower_bound", "extra_cost_of_overrides")
+
+    def plan_json(self) -> dict[str, Any]:
+        """:meth:`to_json` less how the plan was computed (timings, the solver's cost and
+        certificate, ``depth``): what a stand-in's expanded report and the full-depth one share
+        (``autotp/depth.py``)."""
+        out = self.to_json()
+        for key in self.COMPUTATION:
+            out.pop(key)
+        for graph in out["graphs"]:
+            for key in self.COMPUTATION_PER_GRAPH:
+                graph.pop(key)
+        return out
+
     def transformers_tp_plan(self) -> dict[str, str]:
         """``tp_plan``, or the :class:`AutoTPError` that says why transformers cannot express it."""
         if self.tp_plan is None:
