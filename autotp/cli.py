@@ -618,6 +618,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             local_files_only=args.local_files_only,
             explain_names=args.explain,
             full_depth=args.full_depth,
+            report_cache=True,
         )
         explanations = [e for name in args.explain for e in explain_matching(report, name)]
     if args.html:

@@ -70,6 +70,7 @@ from autotp.placement import (
     uneven_rows,
 )
 from autotp.plan import style_of
+from autotp.report_cache import ReportCache
 
 __all__ = ["GraphReport", "PlanReport", "check_names", "explain", "explain_matching", "load_config", "plan_model",
            "to_tp_plan"]
@@ -98,6 +99,10 @@ class GraphReport:
     #: the solver's certificate, summed over the graph's solves: no plan costs less than
     #: ``lower_bound``; ``gap = cost - lower_bound`` (0: proved optimal)
     lower_bound: float | None = None
+
+    @classmethod
+    def from_state(cls, state: Mapping[str, Any]) -> GraphReport:
+        return cls(**{**state, "input_shape": tuple(state["input_shape"])})
 
     @property
     def gap(self) -> float | None:
@@ -172,6 +177,18 @@ class PlanReport:
             "tp_plan_refusal": self.tp_plan_refusal,
             "depth": self.depth,
         }
+
+    def to_state(self) -> dict[str, Any]:
+        """Every field but the solver record, as JSON-able values (the report cache's entry)."""
+        state = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "record"}
+        state["forward"] = asdict(self.forward)
+        state["decode"] = asdict(self.decode) if self.decode is not None else None
+        return state
+
+    @classmethod
+    def from_state(cls, state: Mapping[str, Any]) -> PlanReport:
+        return cls(**{**state, "forward": GraphReport.from_state(state["forward"]),
+                      "decode": GraphReport.from_state(state["decode"]) if state["decode"] is not None else None})
 
     #: what :meth:`to_json` holds about how the plan was computed rather than what it is
     COMPUTATION = ("timings", "solver", "depth")
@@ -372,7 +389,7 @@ def plan_model(model: Any, tp: int, *, dtype: str | torch.dtype | None = None, b
                memory_weight: float = 1.0, beam_width: int = 32, revision: str | None = None,
                cache_dir: str | os.PathLike | None = None, local_files_only: bool = False,
                sequence_parallel: bool = False, explain_names: Sequence[str] = (),
-               full_depth: bool = False) -> PlanReport:
+               full_depth: bool = False, report_cache: bool = False) -> PlanReport:
     """Plan ``model`` (a Hub id, a folder, or a transformers config) for ``tp`` ranks, in this
     process, on the meta device (see the module docstring). ``seq_len`` defaults to ``2*tp+1``.
     ``overrides`` and ``sequence_parallel`` are ``parallelize_model``'s. ``explain_names`` (for
@@ -383,11 +400,14 @@ def plan_model(model: Any, tp: int, *, dtype: str | torch.dtype | None = None, b
     full depth instead); ``full_depth=True`` always traces every layer, and so do ``explain_names``
     (an explanation re-solves the full graph). ``PlanReport.depth`` says which was done.
 
+    ``report_cache=True`` (``autotp plan``) reads and keeps the report in the report cache
+    (``autotp/report_cache.py``): a hit returns the stored report (no solver record; timings of
+    the read only) without building or tracing anything.
+
     Resets Dynamo's caches first (``torch._dynamo.reset()``): every plan compiles the same
     ``forward`` code object, and planning several models in one process would otherwise run into
     Dynamo's recompile limit. Refuses (``AutoTPError``) a ``tp`` that does not divide the config,
     and overrides that name nothing or use an unknown style, before tracing anything."""
-    from autotp import depth
     from autotp.api import check_divisible
 
     if not isinstance(tp, int) or tp < 1:
@@ -399,23 +419,59 @@ def plan_model(model: Any, tp: int, *, dtype: str | torch.dtype | None = None, b
     config = load_config(model, revision=revision, cache_dir=cache_dir, local_files_only=local_files_only)
     check_divisible(config, tp)
     torch_dtype = parse_dtype(dtype)
-    module = _build(config, torch_dtype)
-    _check_local_weights(model, module)
     overrides = dict(overrides or {})
-    _check_override_names(module, overrides)
-    check_names(module, list(explain_names), "explain name(s)")  # refused before the (long) plan
     options = AutoTPConfig(tp_size=tp, dtype=torch_dtype, overrides=overrides, memory_weight=memory_weight,
                            beam_width=beam_width, sequence_parallel=sequence_parallel)
     shape = (batch, seq_len)
     name = os.fspath(model) if isinstance(model, (str, os.PathLike)) \
         else (getattr(config, "name_or_path", "") or f"{type(config).__name__}()")
+    cache = ReportCache.from_environment() if report_cache and not explain_names and not _holds_weights(model) \
+        else ReportCache(None)
+    key = cache.key(config=config, model=name, tp=tp, dtype=torch_dtype, batch=batch, seq_len=seq_len,
+                    decode=decode, options=options, full_depth=full_depth) if cache.root is not None else None
+    state = cache.load(key) if key is not None else None
+    if state is not None:  # stored after the checks below passed for this very key
+        report = PlanReport.from_state(state)
+        report.timings = {"total_s": time.perf_counter() - t_start, "total_cpu_s": time.process_time() - cpu_start}
+        report.depth = f"{report.depth}; read from the report cache (autotp/report_cache.py)"
+        return report
+    module = _build(config, torch_dtype)
+    _check_local_weights(model, module)
+    _check_override_names(module, overrides)
+    check_names(module, list(explain_names), "explain name(s)")  # refused before the (long) plan
+    report = _plan(config, module, name, options, shape, decode, explain_names, full_depth, t_start, cpu_start)
+    if key is not None:
+        cache.store(key, report.to_state())
+    return report
 
+
+def _holds_weights(model: Any) -> bool:
+    """``model`` is a folder with weights (checked against the config on every plan)."""
+    from autotp.weights import _bin_files, _safetensors_files
+
+    if not isinstance(model, str | os.PathLike):
+        return False
+    folder = Path(os.fspath(model)).expanduser()
+    return folder.is_dir() and bool(_safetensors_files(folder) or _bin_files(folder))
+
+
+def _plan(config: Any, module: torch.nn.Module, name: str, options: AutoTPConfig, shape: tuple[int, int],
+          decode: bool, explain_names: Sequence[str], full_depth: bool, t_start: float, cpu_start: float
+          ) -> PlanReport:
+    """Trace and solve: a stand-in for the repeated layers where ``autotp/depth.py`` allows it,
+    else every layer."""
+    from autotp import depth
+
+    tp, (batch, seq_len), overrides = options.tp_size, shape, dict(options.overrides)
     why = ("full_depth=True" if full_depth else "explain names re-solve the full graph" if explain_names
            else "tp=1 solves nothing" if tp == 1 else None)
     if why is None:
         try:
             short = depth.shorten(config, module, overrides)
-            stand_in = _build(short.config, torch_dtype)
+            try:
+                stand_in = _build(short.config, options.dtype)
+            except Exception as e:  # a config that refuses the cut lists: trace every layer instead
+                raise depth.CannotShorten(f"the stand-in did not build ({type(e).__name__}: {e})") from e
             depth.check_stand_in(short, module, stand_in)
             build_s = time.perf_counter() - t_start
             run = _trace(short.config, stand_in, options, shape, decode)
