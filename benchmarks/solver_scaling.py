@@ -17,8 +17,8 @@ The plot shows CPU seconds per phase (and the whole process's CPU and wall time)
 
 Since ``autotp/depth.py`` a deep model is planned from a shortened stand-in; ``--full-depth`` also
 plans each point tracing every layer and records whether the two reports are equal
-(``PlanReport.plan_json`` digests), ``--cached`` plans each point with an empty, then a filled
-``AUTOTP_CACHE_DIR``, ``--label`` keeps a note (such as how loaded the machine was) in the JSON.
+(``PlanReport.plan_json`` digests), ``--cached`` plans each point as ``autotp plan`` does (with
+its report cache, ``autotp/report_cache.py``) in a fresh ``AUTOTP_CACHE_DIR``, empty, then again, ``--label`` keeps a note (such as how loaded the machine was) in the JSON.
 
 Output: one JSON line per point on stdout, ``solver_scaling.json`` (all points plus the machine;
 ``--name`` renames it) and ``solver_scaling.png`` (matplotlib, if installed; otherwise a message says it was skipped) in
@@ -96,7 +96,8 @@ def make_config(shape: str, layers: int | None = None) -> Any:
     return config
 
 
-def child(shape: str, layers: int | None, tp: int, decode: bool, full_depth: bool = False) -> dict[str, Any]:
+def child(shape: str, layers: int | None, tp: int, decode: bool, full_depth: bool = False,
+          report_cache: bool = False) -> dict[str, Any]:
     """One point, in this (fresh) process."""
     import hashlib
 
@@ -105,7 +106,7 @@ def child(shape: str, layers: int | None, tp: int, decode: bool, full_depth: boo
 
     import_s = time.perf_counter() - wall0
     config = make_config(shape, layers)
-    report = plan_model(config, tp, decode=decode, full_depth=full_depth)
+    report = plan_model(config, tp, decode=decode, full_depth=full_depth, report_cache=report_cache)
     plan = json.dumps(report.plan_json(), sort_keys=True, default=str)
     return {
         "shape": shape,
@@ -135,7 +136,7 @@ def run_point(shape: str, layers: int | None, tp: int, decode: bool, timeout: fl
               cache_dir: str | None = None) -> dict[str, Any]:
     cmd = [sys.executable, __file__, "--child", shape, str(layers or 0), "--tp", str(tp)] + (
         ["--decode"] if decode else []
-    ) + (["--full-depth"] if full_depth else [])
+    ) + (["--full-depth"] if full_depth else []) + (["--report-cache"] if cache_dir else [])
     env = dict(os.environ, AUTOTP_CACHE_DIR=cache_dir) if cache_dir else None
     start = time.perf_counter()
     try:
@@ -214,10 +215,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per point")
     parser.add_argument("--child", nargs=2, metavar=("SHAPE", "LAYERS"), help=argparse.SUPPRESS)
+    parser.add_argument("--report-cache", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
         shape, layers = args.child[0], int(args.child[1]) or None
-        print(json.dumps(child(shape, layers, args.tp, args.decode, args.full_depth)), flush=True)
+        print(json.dumps(child(shape, layers, args.tp, args.decode, args.full_depth, args.report_cache)), flush=True)
         return 0
 
     provenance = Provenance.start(argv)
