@@ -28,6 +28,10 @@ rest), where each collective sits (the module whose output it redistributes, rea
 solution's edges), the solver record of the graph that fixed the plan (:class:`autotp.backend.SolveRecord`),
 which :func:`explain` uses to say why a parameter got its placement by re-solving with that
 parameter pinned to each alternative, and :func:`to_tp_plan` for transformers' ``tp_plan``.
+
+Depth: a deep model is traced as a shortened stand-in whose report is expanded to every layer
+(``autotp/depth.py`` says why that is the full-depth report and when it is not done); ``autotp
+plan`` keeps whole reports (``autotp/report_cache.py``).
 """
 
 from __future__ import annotations

@@ -15,14 +15,16 @@ time other processes took, CPU seconds do not. ``--extra llama3-70b mixtral-8x7b
 
 The plot shows CPU seconds per phase (and the whole process's CPU and wall time).
 
-Since ``autotp/depth.py`` a deep model is planned from a shortened stand-in; ``--full-depth`` also
-plans each point tracing every layer and records whether the two reports are equal
-(``PlanReport.plan_json`` digests), ``--cached`` plans each point as ``autotp plan`` does (with
-its report cache, ``autotp/report_cache.py``) in a fresh ``AUTOTP_CACHE_DIR``, empty, then again, ``--label`` keeps a note (such as how loaded the machine was) in the JSON.
+Since ``autotp/depth.py`` a deep model is planned from a shortened stand-in. ``--full-depth``
+also plans each point tracing every layer and records whether the two reports are equal
+(``PlanReport.plan_json`` digests); ``--cached`` plans each point as ``autotp plan`` does (with
+its report cache, ``autotp/report_cache.py``) in a fresh ``AUTOTP_CACHE_DIR``, empty, then again;
+``--label`` keeps a note (such as how loaded the machine was) in the JSON; ``--shape`` picks the
+shape ``--layers`` varies.
 
 Output: one JSON line per point on stdout, ``solver_scaling.json`` (all points plus the machine;
-``--name`` renames it) and ``solver_scaling.png`` (matplotlib, if installed; otherwise a message says it was skipped) in
-``--out`` (default ``benchmarks/results``).
+``--name`` renames it) and ``solver_scaling.png`` (matplotlib, if installed; otherwise a message
+says it was skipped) in ``--out`` (default ``benchmarks/results``).
 
     python benchmarks/solver_scaling.py [--layers 8 16 32 80] [--tp 8] [--decode] [--extra llama3-70b]
         [--full-depth] [--cached] [--label TEXT] [--name NAME]
