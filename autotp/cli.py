@@ -617,6 +617,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             revision=args.revision,
             local_files_only=args.local_files_only,
             explain_names=args.explain,
+            full_depth=args.full_depth,
+            report_cache=True,
         )
         explanations = [e for name in args.explain for e in explain_matching(report, name)]
     if args.html:
@@ -644,6 +646,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         print(json.dumps(report.transformers_tp_plan(), indent=1))
     else:
         print(render_text(report))
+        print(f"layers: {report.depth}")
         for e in explanations:
             print(e.text())
         for path in (args.html, args.png):
@@ -712,6 +715,12 @@ def _add_plan_parser(sub: Any) -> None:
         help="also draw the plan into this PNG file (needs matplotlib: the [plot] extra)",
     )
     plan.add_argument("--no-decode", action="store_true", help="plan the forward only (skip the decode step)")
+    plan.add_argument(
+        "--full-depth",
+        action="store_true",
+        help="trace and solve every layer (by default a deep model is planned from a few layers that stand "
+        "for the repeated ones, and the report expanded: autotp/depth.py)",
+    )
     plan.add_argument("--revision", default=None, help="Hub revision (branch, tag or commit)")
     plan.add_argument(
         "--local-files-only", action="store_true", help="do not download; use the Hub cache only"

@@ -28,11 +28,16 @@ rest), where each collective sits (the module whose output it redistributes, rea
 solution's edges), the solver record of the graph that fixed the plan (:class:`autotp.backend.SolveRecord`),
 which :func:`explain` uses to say why a parameter got its placement by re-solving with that
 parameter pinned to each alternative, and :func:`to_tp_plan` for transformers' ``tp_plan``.
+
+Depth: a deep model is traced as a shortened stand-in whose report is expanded to every layer
+(``autotp/depth.py`` says why that is the full-depth report and when it is not done); ``autotp
+plan`` keeps whole reports (``autotp/report_cache.py``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fnmatch
 import os
 import re
@@ -75,6 +80,7 @@ from autotp.placement import (
     uneven_rows,
 )
 from autotp.plan import style_of
+from autotp.report_cache import ReportCache
 
 __all__ = ["GraphReport", "PlanReport", "check_names", "explain", "explain_matching", "load_config", "plan_model",
            "to_tp_plan"]
@@ -103,6 +109,10 @@ class GraphReport:
     #: the solver's certificate, summed over the graph's solves: no plan costs less than
     #: ``lower_bound``; ``gap = cost - lower_bound`` (0: proved optimal)
     lower_bound: float | None = None
+
+    @classmethod
+    def from_state(cls, state: Mapping[str, Any]) -> GraphReport:
+        return cls(**{**state, "input_shape": tuple(state["input_shape"])})
 
     @property
     def gap(self) -> float | None:
@@ -136,6 +146,9 @@ class PlanReport:
     #: why ``tp_plan`` is None: the parameter whose layout transformers cannot express
     tp_plan_refusal: str | None = None
     record: SolveRecord | None = field(default=None, repr=False)
+    #: how the layers were planned: expanded from a shortened stand-in (``autotp/depth.py``) or at
+    #: full depth, and why
+    depth: str | None = None
 
     @property
     def collectives(self) -> dict[str, int]:
@@ -172,7 +185,36 @@ class PlanReport:
             "overrides": self.overrides,
             "tp_plan": self.tp_plan,
             "tp_plan_refusal": self.tp_plan_refusal,
+            "depth": self.depth,
         }
+
+    def to_state(self) -> dict[str, Any]:
+        """Every field but the solver record, as JSON-able values (the report cache's entry)."""
+        state = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "record"}
+        state["forward"] = asdict(self.forward)
+        state["decode"] = asdict(self.decode) if self.decode is not None else None
+        return state
+
+    @classmethod
+    def from_state(cls, state: Mapping[str, Any]) -> PlanReport:
+        return cls(**{**state, "forward": GraphReport.from_state(state["forward"]),
+                      "decode": GraphReport.from_state(state["decode"]) if state["decode"] is not None else None})
+
+    #: what :meth:`to_json` holds about how the plan was computed rather than what it is
+    COMPUTATION = ("timings", "solver", "depth")
+    COMPUTATION_PER_GRAPH = ("timings", "cost", "lower_bound", "extra_cost_of_overrides")
+
+    def plan_json(self) -> dict[str, Any]:
+        """:meth:`to_json` less how the plan was computed (timings, the solver's cost and
+        certificate, ``depth``): what a stand-in's expanded report and the full-depth one share
+        (``autotp/depth.py``)."""
+        out = self.to_json()
+        for key in self.COMPUTATION:
+            out.pop(key)
+        for graph in out["graphs"]:
+            for key in self.COMPUTATION_PER_GRAPH:
+                graph.pop(key)
+        return out
 
     def transformers_tp_plan(self) -> dict[str, str]:
         """``tp_plan``, or the :class:`AutoTPError` that says why transformers cannot express it."""
@@ -276,6 +318,9 @@ class _Compiled:
     backend_cpu_s: float
     #: the session's record of the graph (plan, sharded outputs, the solver's record)
     graph: CompiledGraph
+    #: the graph as Dynamo traced it, before the backend rewrote it: name, op, target, module of
+    #: each node (``autotp/depth.py`` reads the layers off it)
+    traced: list[tuple[str, str, str, str]]
 
 
 def _module_path(node: torch.fx.Node) -> str:
@@ -338,19 +383,38 @@ def _sites(record: SolveRecord) -> list[dict[str, Any]]:
             "into": consumer.name if consumer is not None else "?",
             "layer": int(layer.group(1)) if layer else None,
             "global_shape": list(val.shape) if isinstance(val, torch.Tensor) else None,
+            "bytes_per_rank": _payload(val, src, record.opts.world_size),
         })
     return out
+
+
+def _payload(val: Any, src: Any, tp: int) -> int | None:
+    """Bytes one rank sends into a collective that moves ``val`` from ``src``: its local shard of
+    the value (what the communicator counts)."""
+    if not isinstance(val, torch.Tensor):
+        return None
+    return _numel(local_shape(tuple(val.shape), src, tp)) * val.element_size()
 
 
 def plan_model(model: Any, tp: int, *, dtype: str | torch.dtype | None = None, batch: int = 1,
                seq_len: int | None = None, decode: bool = True, overrides: Mapping[str, str] | None = None,
                memory_weight: float = 1.0, beam_width: int = 32, revision: str | None = None,
                cache_dir: str | os.PathLike | None = None, local_files_only: bool = False,
-               sequence_parallel: bool = False, explain_names: Sequence[str] = ()) -> PlanReport:
+               sequence_parallel: bool = False, explain_names: Sequence[str] = (),
+               full_depth: bool = False, report_cache: bool = False) -> PlanReport:
     """Plan ``model`` (a Hub id, a folder, or a transformers config) for ``tp`` ranks, in this
     process, on the meta device (see the module docstring). ``seq_len`` defaults to ``2*tp+1``.
     ``overrides`` and ``sequence_parallel`` are ``parallelize_model``'s. ``explain_names`` (for
     :func:`explain_matching` afterwards) are checked, like override patterns, before tracing.
+
+    A deep model is traced and solved as a shortened stand-in whose report is expanded to every
+    layer (``autotp/depth.py``: why that is the full-depth report, what is checked, when it plans at
+    full depth instead); ``full_depth=True`` always traces every layer, and so do ``explain_names``
+    (an explanation re-solves the full graph). ``PlanReport.depth`` says which was done.
+
+    ``report_cache=True`` (``autotp plan``) reads and keeps the report in the report cache
+    (``autotp/report_cache.py``): a hit returns the stored report (no solver record; timings of
+    the read only) without building or tracing anything.
 
     Resets Dynamo's caches first (``torch._dynamo.reset()``): every plan compiles the same
     ``forward`` code object, and planning several models in one process would otherwise run into
@@ -367,26 +431,120 @@ def plan_model(model: Any, tp: int, *, dtype: str | torch.dtype | None = None, b
     config = load_config(model, revision=revision, cache_dir=cache_dir, local_files_only=local_files_only)
     check_divisible(config, tp)
     torch_dtype = parse_dtype(dtype)
+    overrides = dict(overrides or {})
+    options = AutoTPConfig(tp_size=tp, dtype=torch_dtype, overrides=overrides, memory_weight=memory_weight,
+                           beam_width=beam_width, sequence_parallel=sequence_parallel)
+    shape = (batch, seq_len)
+    name = os.fspath(model) if isinstance(model, (str, os.PathLike)) \
+        else (getattr(config, "name_or_path", "") or f"{type(config).__name__}()")
+    cache = ReportCache.from_environment() if report_cache and not explain_names and not _holds_weights(model) \
+        else ReportCache(None)
+    key = cache.key(config=config, model=name, tp=tp, dtype=torch_dtype, batch=batch, seq_len=seq_len,
+                    decode=decode, options=options, full_depth=full_depth) if cache.root is not None else None
+    state = cache.load(key) if key is not None else None
+    if state is not None:  # stored after the checks below passed for this very key
+        report = PlanReport.from_state(state)
+        report.timings = {"total_s": time.perf_counter() - t_start, "total_cpu_s": time.process_time() - cpu_start}
+        report.depth = f"{report.depth}; read from the report cache (autotp/report_cache.py)"
+        return report
     module = _build(config, torch_dtype)
     _check_local_weights(model, module)
-    build_s = time.perf_counter() - t_start
-    overrides = dict(overrides or {})
     check_overrides(module, overrides)
     check_names(module, list(explain_names), "explain name(s)")  # refused before the (long) plan
+    report = _plan(config, module, name, options, shape, decode, explain_names, full_depth, t_start, cpu_start)
+    if key is not None:
+        cache.store(key, report.to_state())
+    return report
 
+
+def _holds_weights(model: Any) -> bool:
+    """``model`` is a folder with weights (checked against the config on every plan)."""
+    from autotp.weights import _bin_files, _safetensors_files
+
+    if not isinstance(model, str | os.PathLike):
+        return False
+    folder = Path(os.fspath(model)).expanduser()
+    return folder.is_dir() and bool(_safetensors_files(folder) or _bin_files(folder))
+
+
+def _plan(config: Any, module: torch.nn.Module, name: str, options: AutoTPConfig, shape: tuple[int, int],
+          decode: bool, explain_names: Sequence[str], full_depth: bool, t_start: float, cpu_start: float
+          ) -> PlanReport:
+    """Trace and solve: a stand-in for the repeated layers where ``autotp/depth.py`` allows it,
+    else every layer."""
+    from autotp import depth
+
+    tp, (batch, seq_len), overrides = options.tp_size, shape, dict(options.overrides)
+    why = ("full_depth=True" if full_depth else "explain names re-solve the full graph" if explain_names
+           else "tp=1 solves nothing" if tp == 1 else None)
+    if why is None:
+        try:
+            short = depth.shorten(config, module, overrides)
+            try:
+                stand_in = _build(short.config, options.dtype)
+            except Exception as e:  # a config that refuses the cut lists: trace every layer instead
+                raise depth.CannotShorten(f"the stand-in did not build ({type(e).__name__}: {e})") from e
+            depth.check_stand_in(short, module, stand_in)
+            build_s = time.perf_counter() - t_start
+            run = _trace(short.config, stand_in, options, shape, decode)
+            return _expanded(name, config, module, stand_in, short, run, options, shape,
+                             build_s, t_start, cpu_start)
+        except depth.CannotShorten as e:
+            why = str(e)
+    build_s = time.perf_counter() - t_start
+    run = _trace(config, module, options, shape, decode)
+    params, bytes_rank, bytes_total = _parameter_table(module, tp, run.styles)
+    kv_rank, kv_total = _kv_totals(run.kv_by_layer)
+    try:
+        tp_plan, refusal = to_tp_plan(params, module, run.record), None
+    except AutoTPError as e:  # a layout transformers cannot spell: the plan itself stands
+        tp_plan, refusal = None, str(e)
+    return PlanReport(
+        model=name, architecture=type(module).__name__, tp=tp, dtype=_dtype_name(module), batch=batch,
+        seq_len=seq_len, num_layers=_num_layers(config), parameters=params, param_bytes_per_rank=bytes_rank,
+        param_bytes_total=bytes_total, forward=run.forward, decode=run.decode, decode_note=run.decode_note,
+        kv_cache_bytes_per_rank=kv_rank, kv_cache_bytes_total=kv_total,
+        timings=_timings(run, build_s, t_start, cpu_start), tp_plan=tp_plan, tp_plan_refusal=refusal,
+        overrides=overrides, record=run.record, depth=f"planned at full depth: {why}",
+    )
+
+
+@dataclass
+class _Run:
+    """What tracing one model through the backend gave: the graphs' reports and what the report
+    is computed from."""
+
+    warmup: GraphReport | None
+    forward: GraphReport
+    decode: GraphReport | None
+    decode_note: str | None
+    #: the solve that fixed the plan (the first graph's)
+    record: SolveRecord | None
+    #: cache layer -> KV-cache bytes (per rank, global) of the decode graph; None without one
+    kv_by_layer: dict[int | None, tuple[int, int]] | None
+    #: parameter name -> style, as the compiled plans report it
+    styles: dict[str, str]
+    #: graph name ("forward", "decode") -> the Dynamo graphs its call compiled
+    compiled: dict[str, list[_Compiled]]
+
+
+def _trace(config: Any, module: torch.nn.Module, options: AutoTPConfig, shape: tuple[int, int], decode: bool
+           ) -> _Run:
+    """Compile ``module``'s forward with the autotp backend over a simulated group: the warm-up
+    (when ``shape`` is not its shape), the prefill and the decode step (module docstring)."""
+    tp = options.tp_size
     comm = Comm.simulated_group(tp)
-    ctx = TPContext(comm=comm, config=AutoTPConfig(tp_size=tp, dtype=torch_dtype, overrides=overrides,
-                                                   memory_weight=memory_weight, beam_width=beam_width,
-                                                   sequence_parallel=sequence_parallel),
+    ctx = TPContext(comm=comm, config=options,
                     sharded_outputs=True,  # as parallelize_model: KV cache sharded, logits gathered on return
                     keep_solve_records=True)  # explain / alternatives re-solve from the record
     seen: list[_Compiled] = []
 
     def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        traced = [(n.name, n.op, str(n.target), _module_path(n)) for n in gm.graph.nodes]
         t, c = time.perf_counter(), time.process_time()
         fn = compile_graph(gm, example_inputs, ctx)
         seen.append(_Compiled(gm, list(example_inputs), time.perf_counter() - t, time.process_time() - c,
-                              ctx.graphs[-1]))
+                              ctx.graphs[-1], traced))
         return fn
 
     torch.compiler.reset()
@@ -394,14 +552,14 @@ def plan_model(model: Any, tp: int, *, dtype: str | torch.dtype | None = None, b
     # Dynamo's automatic dynamic shapes (symbolic sequence lengths), which costs a quarter of the
     # whole plan and changes no collective: the plan is for the given B and S
     forward = torch.compile(type(module).forward.__get__(module), backend=backend, dynamic=False)
-    ids = torch.zeros((batch, seq_len), dtype=torch.long, device="meta")  # (B, S)
+    ids = torch.zeros(shape, dtype=torch.long, device="meta")  # (B, S)
     keyword = cache_keyword(type(module).forward) if decode else None
+    dtype = next(module.parameters()).dtype
     # the forward is the prefill when a decode step follows: it leaves the (sharded) KV cache
-    kwargs = {"input_ids": ids, keyword: _empty_cache(config, next(module.parameters()).dtype),
-              "use_cache": True} if keyword \
+    kwargs = {"input_ids": ids, keyword: _empty_cache(config, dtype), "use_cache": True} if keyword \
         else {"input_ids": ids, "use_cache": False}
     warmup = None
-    if (batch, seq_len) != _warmup_shape(tp):
+    if shape != _warmup_shape(tp):
         # parallelize_model fixes every parameter's placement in its warm-up call and solves later
         # graphs (a long prefill) with them pinned; plan the same way, so the report is what the
         # ranks issue. (A free solve at the requested shape is a larger search whose beam can end
@@ -410,22 +568,25 @@ def plan_model(model: Any, tp: int, *, dtype: str | torch.dtype | None = None, b
         warm = torch.zeros(_warmup_shape(tp), dtype=torch.long, device="meta")  # (1, 2*tp+1)
         warm_kwargs = {**kwargs, "input_ids": warm}
         if keyword:  # a fresh cache: the prefill fills the one it gets
-            warm_kwargs[keyword] = _empty_cache(config, next(module.parameters()).dtype)
+            warm_kwargs[keyword] = _empty_cache(config, dtype)
         warmup, _ = _run_graph("warm-up", forward, warm_kwargs, comm, seen)
+    first = len(seen)
     fwd, prefill = _run_graph("forward", forward, kwargs, comm, seen)
+    compiled = {"forward": seen[first:]}
     record = seen[0].graph.solve if seen else None  # the free solve
 
-    dec, note, kv_rank, kv_total = None, None, None, None
+    dec, note, kv = None, None, None
     if decode:
         try:
             cache = returned_cache(prefill)
             if cache is None or keyword is None:
                 raise AutoTPError(f"{type(module).__name__}'s forward returned no KV cache")
-            new = torch.zeros((batch, 1), dtype=torch.long, device="meta")  # (B, 1)
+            new = torch.zeros((shape[0], 1), dtype=torch.long, device="meta")  # (B, 1)
             first = len(seen)
             dec, _ = _run_graph("decode", forward, {"input_ids": new, keyword: cache, "use_cache": True},
                                 comm, seen)
-            kv_rank, kv_total = _kv_bytes(seen[first:], tp, keyword)
+            compiled["decode"] = seen[first:]
+            kv = _kv_bytes(seen[first:], tp, keyword)
         except SolverError:
             raise
         except Exception as e:  # a model whose decode step does not trace on meta: say so, don't guess
@@ -436,36 +597,86 @@ def plan_model(model: Any, tp: int, *, dtype: str | torch.dtype | None = None, b
 
     styles: dict[str, str] = {}
     for c in seen:
-        for name, e in c.graph.plan.get("parameters", {}).items():
-            styles.setdefault(name, e["style"])
+        for fqn, e in c.graph.plan.get("parameters", {}).items():
+            styles.setdefault(fqn, e["style"])
+    return _Run(warmup=warmup, forward=fwd, decode=dec, decode_note=note, record=record, kv_by_layer=kv,
+                styles=styles, compiled=compiled)
+
+
+def _expanded(name: str, config: Any, module: torch.nn.Module, stand_in: torch.nn.Module, short: Any,
+              run: _Run, options: AutoTPConfig, shape: tuple[int, int], build_s: float, t_start: float,
+              cpu_start: float) -> PlanReport:
+    """The full model's report from its stand-in's (``autotp/depth.py``, step 4); raises
+    ``CannotShorten`` where the stand-in's plan does not show the steady state."""
+    from autotp import depth
+
+    tp = options.tp_size
+    graphs = {}
+    for key, g in (("forward", run.forward), ("decode", run.decode)):
+        if g is None:
+            continue
+        compiled = run.compiled[key]
+        if len(compiled) != 1:
+            raise depth.CannotShorten(f"the stand-in's {key} call compiled {len(compiled)} graphs (graph breaks)")
+        layout = depth.graph_layout(short, compiled[0].traced)
+        depth.check_sites_add_up(g.sites, g.collectives, g.collective_bytes)
+        sites, period = depth.expand_sites(short, g.sites, layout)
+        graphs[key] = dataclasses.replace(
+            g, sites=sites, collectives=depth.grown(g.collectives, period, None, short.copies),
+            collective_bytes=depth.grown(g.collective_bytes, period, "bytes_per_rank", short.copies))
+    kv_rank, kv_total = depth.expand_kv(short, run.kv_by_layer) if run.kv_by_layer is not None else (None, None)
+    depth.transfer_placements(short, module, stand_in, meta_of)
+    full_names = [n for n, _ in module.named_parameters(remove_duplicate=False)]
+    styles = {n: run.styles[short.short_name(n)] for n in full_names if short.short_name(n) in run.styles}
     params, bytes_rank, bytes_total = _parameter_table(module, tp, styles)
+    try:
+        gathered, split = _module_context(run.record) if run.record is not None else (set(), set())
+        context = (depth.expand_names(short, [n for n, _ in module.named_modules()], gathered),
+                   depth.expand_names(short, full_names, split))
+        tp_plan, refusal = to_tp_plan(params, module, context=context), None
+    except AutoTPError as e:  # a layout transformers cannot spell: the plan itself stands
+        tp_plan, refusal = None, str(e)
+    return PlanReport(
+        model=name, architecture=type(module).__name__, tp=tp, dtype=_dtype_name(module), batch=shape[0],
+        seq_len=shape[1], num_layers=_num_layers(config), parameters=params, param_bytes_per_rank=bytes_rank,
+        param_bytes_total=bytes_total, forward=graphs["forward"], decode=graphs.get("decode"),
+        decode_note=run.decode_note, kv_cache_bytes_per_rank=kv_rank, kv_cache_bytes_total=kv_total,
+        timings=_timings(run, build_s, t_start, cpu_start), tp_plan=tp_plan, tp_plan_refusal=refusal,
+        overrides=dict(options.overrides), record=None, depth=short.describe(),
+    )
+
+
+def _kv_totals(by_layer: Mapping[int | None, tuple[int, int]] | None) -> tuple[int | None, int | None]:
+    if by_layer is None:
+        return None, None
+    return sum(r for r, _ in by_layer.values()), sum(t for _, t in by_layer.values())
+
+
+def _num_layers(config: Any) -> int | None:
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return getattr(text, "num_hidden_layers", None)
+
+
+def _dtype_name(module: torch.nn.Module) -> str:
+    return str(next(module.parameters()).dtype).replace("torch.", "")
+
+
+def _timings(run: _Run, build_s: float, t_start: float, cpu_start: float) -> dict[str, float]:
+    """Wall seconds per phase summed over the graphs (and CPU seconds of trace, decompose, solve)."""
     timings = {"build_s": build_s}
-    graphs = [g for g in (warmup, fwd, dec) if g is not None]
+    graphs = [g for g in (run.warmup, run.forward, run.decode) if g is not None]
     for key in ("trace_s", "decompose_s", "solve_s", "annotate_s", "rewrite_s"):
         timings[key] = sum(g.timings.get(key, 0.0) for g in graphs)
-    if warmup is not None:
-        timings["warmup_s"] = warmup.timings["total_s"]
-    timings["forward_s"] = fwd.timings["total_s"]
-    if dec is not None:
-        timings["decode_s"] = dec.timings["total_s"]
+    if run.warmup is not None:
+        timings["warmup_s"] = run.warmup.timings["total_s"]
+    timings["forward_s"] = run.forward.timings["total_s"]
+    if run.decode is not None:
+        timings["decode_s"] = run.decode.timings["total_s"]
     timings["total_s"] = time.perf_counter() - t_start
     for key in ("trace_cpu_s", "decompose_cpu_s", "solve_cpu_s"):
         timings[key] = sum(g.timings.get(key, 0.0) for g in graphs)
     timings["total_cpu_s"] = time.process_time() - cpu_start
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    try:
-        tp_plan, refusal = to_tp_plan(params, module, record), None
-    except AutoTPError as e:  # a layout transformers cannot spell: the plan itself stands
-        tp_plan, refusal = None, str(e)
-    return PlanReport(
-        model=os.fspath(model) if isinstance(model, (str, os.PathLike))
-        else (getattr(config, "name_or_path", "") or f"{type(config).__name__}()"),
-        architecture=type(module).__name__, tp=tp, dtype=str(next(module.parameters()).dtype).replace("torch.", ""),
-        batch=batch, seq_len=seq_len, num_layers=getattr(text, "num_hidden_layers", None),
-        parameters=params, param_bytes_per_rank=bytes_rank, param_bytes_total=bytes_total,
-        forward=fwd, decode=dec, decode_note=note, kv_cache_bytes_per_rank=kv_rank, kv_cache_bytes_total=kv_total,
-        timings=timings, tp_plan=tp_plan, tp_plan_refusal=refusal, overrides=overrides, record=record,
-    )
+    return timings
 
 
 def _warmup_shape(tp: int) -> tuple[int, int]:
@@ -555,19 +766,23 @@ def _boundary_sites(graph: CompiledGraph, record: SolveRecord, result: Any) -> l
             else producer.name
         layer = _LAYER.search("." + origin + ".")
         val = edge.meta.get("val")
-        out.append({"kind": "all_gather", "src": str(placements.get(producer, placement)), "dst": "R",
+        src = placements.get(producer, placement)
+        out.append({"kind": "all_gather", "src": str(src), "dst": "R",
                     "after": origin, "origin": origin, "into": "return (gathered by parallelize_model)",
                     "layer": int(layer.group(1)) if layer else None,
-                    "global_shape": list(val.shape) if isinstance(val, torch.Tensor) else None})
+                    "global_shape": list(val.shape) if isinstance(val, torch.Tensor) else None,
+                    "bytes_per_rank": _payload(val, src, record.opts.world_size)})
     return out
 
 
-def _kv_bytes(compiled: list[_Compiled], tp: int, keyword: str) -> tuple[int | None, int | None]:
-    """KV-cache bytes (global and per rank) the decode graph reads: the inputs Dynamo found under
-    the cache ``keyword`` (source ``L['kwargs']['cache']...`` or placeholder
-    ``l_kwargs_cache_layers_0_keys``), with the placement the solver held them at."""
+def _kv_bytes(compiled: list[_Compiled], tp: int, keyword: str) -> dict[int | None, tuple[int, int]] | None:
+    """KV-cache bytes (per rank and global) the decode graph reads, by cache layer (None: an entry
+    whose layer the source does not say): the inputs Dynamo found under the cache ``keyword``
+    (source ``L['kwargs']['cache'].layers[0].keys`` or placeholder ``l_kwargs_cache_layers_0_keys``),
+    with the placement the solver held them at. None when the graph reads no cache."""
     from_cache = re.compile(rf"\['{keyword}'\]|^l_(?:kwargs_)?{keyword}_")
-    per_rank = total = 0
+    cache_layer = re.compile(r"layers(?:\[|_)(\d+)")
+    by_layer: dict[int | None, tuple[int, int]] = {}
     found = False
     for c in compiled:
         rec: SolveRecord | None = c.graph.solve
@@ -580,9 +795,12 @@ def _kv_bytes(compiled: list[_Compiled], tp: int, keyword: str) -> tuple[int | N
             found = True
             placement = rec.fixed.get(aten_of.get(ph), R) if rec else R
             shape = tuple(value.shape)
-            total += value.numel() * value.element_size()
-            per_rank += _numel(local_shape(shape, placement, tp)) * value.element_size()
-    return (per_rank, total) if found else (None, None)
+            m = cache_layer.search(source)
+            layer = int(m.group(1)) if m else None
+            per_rank, total = by_layer.get(layer, (0, 0))
+            by_layer[layer] = (per_rank + _numel(local_shape(shape, placement, tp)) * value.element_size(),
+                               total + value.numel() * value.element_size())
+    return by_layer if found else None
 
 
 def _numel(shape: Sequence[int]) -> int:
@@ -642,14 +860,17 @@ def _wildcard(name: str) -> str:
 
 
 def to_tp_plan(parameters: Mapping[str, Mapping[str, Any]], module: torch.nn.Module | None = None,
-               record: SolveRecord | None = None) -> dict[str, str]:
+               record: SolveRecord | None = None, *, context: tuple[set[str], set[str]] | None = None
+               ) -> dict[str, str]:
     """The plan as a transformers ``tp_plan`` for ``DistributedConfig(tp_plan=...)``: module (or
     parameter) name -> style, layer indices as ``*`` where every layer agrees.
 
     Keys: a ``weight``/``bias`` is keyed by its module (a module's style is its weight's; biases
     follow their weight); any other parameter (stacked experts' ``gate_up_proj``) by its own name,
     as transformers' MoE plans are. Styles, read off the placement, the consumer's style and, with
-    ``record`` (the solve that fixed the plan), what happens around the module:
+    ``record`` (the solve that fixed the plan), what happens around the module (or ``context``,
+    what :func:`_module_context` reads off it: the modules whose output is all-gathered, the
+    parameters whose consumer slices a replicated input):
 
     * column-parallel: ``colwise``, or ``colwise_gather_output`` when autotp all-gathers the
       module's output (the output embedding always: autotp gathers the logits at the model
@@ -679,7 +900,9 @@ def to_tp_plan(parameters: Mapping[str, Mapping[str, Any]], module: torch.nn.Mod
         out_emb = next((n for n, m in module.named_modules() if m is emb), None) if emb is not None else None
         embeddings = {n for n, m in module.named_modules() if isinstance(m, torch.nn.Embedding)}
         own_plan = dict(getattr(module, "tp_plan", None) or {})
-    gathered, split_inputs = _module_context(record) if record is not None else (set(), set())
+    if context is None:
+        context = _module_context(record) if record is not None else (set(), set())
+    gathered, split_inputs = context
     by_key: dict[str, str] = {}
     for fqn, e in parameters.items():
         if e.get("tied_to"):
@@ -836,6 +1059,9 @@ def explain(report: PlanReport, fqn: str) -> Explanation:
                           f"{f' Did you mean one of {close}?' if close else ''}")
     fqn = entry.get("tied_to") or fqn
     rec = report.record
+    if rec is None and report.tp > 1:
+        raise AutoTPError(f"this plan has no solver record to explain {fqn} from ({report.depth}); plan with "
+                          "explain_names (autotp plan --explain) or full_depth=True")
     if rec is None:
         return Explanation(fqn, entry["placement"], entry["style"],
                            ["tp=1: nothing is solved, every placement is R"], [])

@@ -15,11 +15,19 @@ time other processes took, CPU seconds do not. ``--extra llama3-70b mixtral-8x7b
 
 The plot shows CPU seconds per phase (and the whole process's CPU and wall time).
 
-Output: one JSON line per point on stdout, ``solver_scaling.json`` (all points plus the machine)
-and ``solver_scaling.png`` (matplotlib, if installed; otherwise a message says it was skipped) in
-``--out`` (default ``benchmarks/results``).
+Since ``autotp/depth.py`` a deep model is planned from a shortened stand-in. ``--full-depth``
+also plans each point tracing every layer and records whether the two reports are equal
+(``PlanReport.plan_json`` digests); ``--cached`` plans each point as ``autotp plan`` does (with
+its report cache, ``autotp/report_cache.py``) in a fresh ``AUTOTP_CACHE_DIR``, empty, then again;
+``--label`` keeps a note (such as how loaded the machine was) in the JSON; ``--shape`` picks the
+shape ``--layers`` varies.
+
+Output: one JSON line per point on stdout, ``solver_scaling.json`` (all points plus the machine;
+``--name`` renames it) and ``solver_scaling.png`` (matplotlib, if installed; otherwise a message
+says it was skipped) in ``--out`` (default ``benchmarks/results``).
 
     python benchmarks/solver_scaling.py [--layers 8 16 32 80] [--tp 8] [--decode] [--extra llama3-70b]
+        [--full-depth] [--cached] [--label TEXT] [--name NAME]
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -89,19 +98,28 @@ def make_config(shape: str, layers: int | None = None) -> Any:
     return config
 
 
-def child(shape: str, layers: int | None, tp: int, decode: bool) -> dict[str, Any]:
+def child(shape: str, layers: int | None, tp: int, decode: bool, full_depth: bool = False,
+          report_cache: bool = False) -> dict[str, Any]:
     """One point, in this (fresh) process."""
+    import hashlib
+
     cpu0, wall0 = time.process_time(), time.perf_counter()
     from autotp.planner import plan_model
 
     import_s = time.perf_counter() - wall0
     config = make_config(shape, layers)
-    report = plan_model(config, tp, decode=decode)
+    report = plan_model(config, tp, decode=decode, full_depth=full_depth, report_cache=report_cache)
+    plan = json.dumps(report.plan_json(), sort_keys=True, default=str)
     return {
         "shape": shape,
         "layers": config.num_hidden_layers,
         "tp": tp,
         "decode": decode,
+        "full_depth": full_depth,
+        "depth": report.depth,
+        "cache_dir": os.environ.get("AUTOTP_CACHE_DIR"),
+        # equal digests: equal reports, less how they were computed (PlanReport.plan_json)
+        "plan_digest": hashlib.sha256(plan.encode()).hexdigest(),
         "timings": report.timings,
         "import_s": import_s,
         "process_wall_s": time.perf_counter() - wall0,
@@ -116,13 +134,15 @@ def child(shape: str, layers: int | None, tp: int, decode: bool) -> dict[str, An
     }
 
 
-def run_point(shape: str, layers: int | None, tp: int, decode: bool, timeout: float) -> dict[str, Any]:
+def run_point(shape: str, layers: int | None, tp: int, decode: bool, timeout: float, full_depth: bool = False,
+              cache_dir: str | None = None) -> dict[str, Any]:
     cmd = [sys.executable, __file__, "--child", shape, str(layers or 0), "--tp", str(tp)] + (
         ["--decode"] if decode else []
-    )
+    ) + (["--full-depth"] if full_depth else []) + (["--report-cache"] if cache_dir else [])
+    env = dict(os.environ, AUTOTP_CACHE_DIR=cache_dir) if cache_dir else None
     start = time.perf_counter()
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
         return {"shape": shape, "layers": layers, "tp": tp, "error": f"timed out after {timeout:.0f} s"}
     wall = time.perf_counter() - start
@@ -135,12 +155,21 @@ def run_point(shape: str, layers: int | None, tp: int, decode: bool, timeout: fl
     return point
 
 
+def _compare_depths(points: list[dict[str, Any]]) -> None:
+    """Mark each stand-in point with whether its report equals the full-depth point's."""
+    full = {(p["shape"], p["layers"]): p.get("plan_digest") for p in points if p.get("full_depth") and "error" not in p}
+    for p in points:
+        key = (p["shape"], p["layers"])
+        if not p.get("full_depth") and key in full and "error" not in p:
+            p["same_plan_as_full_depth"] = p["plan_digest"] == full[key]
+
+
 def plot(points: list[dict[str, Any]], path: Path) -> str:
     plt = pyplot()
     if plt is None:
         return "no PNG written"
     ok = sorted(
-        (p for p in points if "error" not in p and p["shape"] == "llama3-8b"), key=lambda p: p["layers"]
+        (p for p in points if "error" not in p and p["shape"] == points[0]["shape"]), key=lambda p: p["layers"]
     )
     if not ok:
         return "no successful point to plot"
@@ -150,7 +179,7 @@ def plot(points: list[dict[str, Any]], path: Path) -> str:
         ax.plot(xs, [p["timings"][f"{key}_cpu_s"] for p in ok], marker="o", label=f"{label} (CPU)")
     ax.plot(xs, [p["process_cpu_s"] for p in ok], marker="s", linestyle="--", label="whole process (CPU)")
     ax.plot(xs, [p["process_wall_s"] for p in ok], marker="x", linestyle=":", label="whole process (wall)")
-    ax.set_xlabel("decoder layers (Llama-3-8B shape)")
+    ax.set_xlabel(f"decoder layers ({ok[0]['shape']} shape)")
     ax.set_ylabel("seconds")
     ax.set_title(f"autotp plan time against depth, tp={ok[0]['tp']}")
     ax.grid(alpha=0.3)
@@ -164,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, nargs="+", default=[8, 16, 32, 80])
     parser.add_argument("--tp", type=int, default=8)
+    parser.add_argument("--shape", default="llama3-8b", choices=list(SHAPES), help="the shape --layers varies")
     parser.add_argument(
         "--decode", action="store_true", help="also plan a decode step (two graphs per point)"
     )
@@ -174,26 +204,44 @@ def main(argv: list[str] | None = None) -> int:
         choices=[s for s in SHAPES if s != "llama3-8b"],
         help="also plan these full-size shapes",
     )
+    parser.add_argument(
+        "--full-depth", action="store_true", help="also plan every point tracing every layer (no stand-in), "
+        "and say whether its report equals the stand-in's (PlanReport.plan_json)"
+    )
+    parser.add_argument(
+        "--cached", action="store_true", help="plan every point twice with a fresh AUTOTP_CACHE_DIR: "
+        "empty, then again with what the first run stored"
+    )
+    parser.add_argument("--label", default="", help="a note kept in the JSON (e.g. 'machine loaded by others')")
+    parser.add_argument("--name", default="solver_scaling", help="the JSON / PNG file name (without suffix)")
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per point")
     parser.add_argument("--child", nargs=2, metavar=("SHAPE", "LAYERS"), help=argparse.SUPPRESS)
+    parser.add_argument("--report-cache", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
         shape, layers = args.child[0], int(args.child[1]) or None
-        print(json.dumps(child(shape, layers, args.tp, args.decode)), flush=True)
+        print(json.dumps(child(shape, layers, args.tp, args.decode, args.full_depth, args.report_cache)), flush=True)
         return 0
 
     provenance = Provenance.start(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     points = []
-    todo = [("llama3-8b", n) for n in args.layers] + [(s, None) for s in args.extra]
+    todo = [(args.shape, n) for n in args.layers] + [(s, None) for s in args.extra]
     for shape, layers in todo:
-        point = run_point(shape, layers, args.tp, args.decode, args.timeout)
-        print(json.dumps(point), flush=True)
-        points.append(point)
-    write_result(out / "solver_scaling.json", {"tp": args.tp, "points": points}, provenance)
-    print(plot(points, out / "solver_scaling.png"))
+        runs = [dict(full_depth=False)] + ([dict(full_depth=True)] if args.full_depth else [])
+        for run in runs:
+            cache = tempfile.mkdtemp(prefix="autotp-plan-cache-") if args.cached and not run["full_depth"] else None
+            for cache_state in ("empty", "cached") if cache else (None,):
+                point = run_point(shape, layers, args.tp, args.decode, args.timeout, cache_dir=cache, **run)
+                point["plan_cache"] = cache_state
+                print(json.dumps(point), flush=True)
+                points.append(point)
+    _compare_depths(points)
+    write_result(out / f"{args.name}.json", {"tp": args.tp, "label": args.label, "points": points}, provenance)
+    print(plot([p for p in points if not p.get("full_depth") and p.get("plan_cache") != "cached"],
+               out / f"{args.name}.png"))
     return 0 if all("error" not in p for p in points) else 1
 
 
