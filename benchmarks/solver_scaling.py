@@ -28,6 +28,17 @@ says it was skipped) in ``--out`` (default ``benchmarks/results``).
 
     python benchmarks/solver_scaling.py [--layers 8 16 32 80] [--tp 8] [--decode] [--extra llama3-70b]
         [--full-depth] [--cached] [--label TEXT] [--name NAME]
+
+``--compare REV`` times the solver alone against another revision instead: the revision is checked
+out in a throwaway git worktree, and for each ``--shapes`` entry (default ``gemma2-9b``, the widths
+of tests/unit/test_plans_at_real_widths.py: fp32, tied, eager attention) at ``--tp`` with the first
+``--layers`` value, a fresh process per tree and round (the trees alternate, ``--rounds`` times)
+plans the model once, keeps the exact solver inputs of its graph, and solves them again
+``--repeat`` times, each timed in process CPU seconds (``time.process_time``: the machine may be
+shared). The medians over all repetitions, their ratio, each tree's cost and certificate
+(``lower_bound``, ``gap``, where the revision has them) go to ``solver_compare.json``:
+
+    python benchmarks/solver_scaling.py --compare e39f0a3^ --layers 8 --tp 2 [--shapes gemma2-9b llama3-8b]
 """
 
 from __future__ import annotations
@@ -83,6 +94,19 @@ SHAPES: dict[str, dict[str, Any]] = {
         num_experts_per_tok=2,
         num_hidden_layers=32,
     ),
+    # the widths the real-width plan tests use (fp32, tied embeddings, eager attention)
+    "gemma2-9b": dict(
+        cls="Gemma2Config",
+        arch="Gemma2ForCausalLM",
+        hidden_size=3584,
+        num_attention_heads=16,
+        head_dim=256,
+        num_key_value_heads=8,
+        intermediate_size=14336,
+        vocab_size=256000,
+        num_hidden_layers=42,
+        test_widths=True,
+    ),
 }
 
 
@@ -90,10 +114,14 @@ def make_config(shape: str, layers: int | None = None) -> Any:
     import transformers
 
     spec = dict(SHAPES[shape])
-    cls, arch = spec.pop("cls"), spec.pop("arch")
+    cls, arch, test_widths = spec.pop("cls"), spec.pop("arch"), spec.pop("test_widths", False)
     if layers is not None:
         spec["num_hidden_layers"] = layers
-    config = getattr(transformers, cls)(**spec, dtype="bfloat16", tie_word_embeddings=False)
+    if test_widths:
+        config = getattr(transformers, cls)(**spec)
+        config._attn_implementation = "eager"  # Gemma-2's soft-capping needs it
+    else:
+        config = getattr(transformers, cls)(**spec, dtype="bfloat16", tie_word_embeddings=False)
     config.architectures = [arch]
     return config
 
@@ -132,6 +160,82 @@ def child(shape: str, layers: int | None, tp: int, decode: bool, full_depth: boo
         ),
         "param_bytes_per_rank": report.param_bytes_per_rank,
     }
+
+
+def child_resolve(shape: str, layers: int, tp: int, repeat: int) -> dict[str, Any]:
+    """Plan once, then time ``repeat`` solves of the same solver inputs (in this fresh process,
+    with whichever autotp ``PYTHONPATH`` selects)."""
+    import inspect
+
+    import autotp.backend as backend
+    from autotp.planner import plan_model
+
+    calls: list[tuple[tuple, dict]] = []
+    solve = backend.solve
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        calls.append((args, kwargs))
+        return solve(*args, **kwargs)
+
+    backend.solve = spy  # every revision's backend calls the solver through this module global
+    # every layer traced and solved in every tree (a tree with autotp/depth.py would otherwise
+    # solve a shortened stand-in and time a smaller graph)
+    whole = {"full_depth": True} if "full_depth" in inspect.signature(plan_model).parameters else {}
+    try:
+        plan_model(make_config(shape, layers), tp, decode=False, **whole)
+    finally:
+        backend.solve = solve
+    args, kwargs = calls[-1]
+    cpu = []
+    for _ in range(repeat):
+        start = time.process_time()
+        solution = solve(*args, **kwargs)
+        cpu.append(time.process_time() - start)
+    return {"shape": shape, "layers": layers, "tp": tp, "solve_cpu_s": cpu, "cost": solution.cost,
+            "lower_bound": getattr(solution, "lower_bound", None), "gap": getattr(solution, "gap", None),
+            "reused_nodes": solution.trace.reused_nodes, "pruned_states": solution.trace.pruned_states}
+
+
+def compare(rev: str, shapes: list[str], layers: int, tp: int, rounds: int, repeat: int, out: Path,
+            provenance: Provenance) -> int:
+    """Solver CPU time of this tree against revision ``rev`` (see the module docstring)."""
+    import statistics
+    import tempfile
+
+    from _record import ROOT, stats
+
+    base = Path(tempfile.mkdtemp(prefix="autotp-compare-")) / "tree"
+    subprocess.run(["git", "worktree", "add", "--detach", os.fspath(base), rev], cwd=ROOT, check=True,
+                   capture_output=True)
+    trees = {"this": ROOT, rev: base}
+    results: dict[str, Any] = {}
+    try:
+        for shape in shapes:
+            runs: dict[str, list[dict[str, Any]]] = {name: [] for name in trees}
+            for _ in range(rounds):
+                for name, tree in trees.items():  # alternate, so drift on the machine hits both alike
+                    cmd = [sys.executable, __file__, "--child-resolve", shape, str(layers), "--tp", str(tp),
+                           "--repeat", str(repeat)]
+                    env = {**os.environ, "PYTHONPATH": os.fspath(tree)}
+                    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tree, env=env)
+                    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+                    if proc.returncode != 0 or not lines:
+                        raise RuntimeError(f"{name} {shape}: {proc.stderr[-2000:]}")
+                    runs[name].append(json.loads(lines[-1]))
+                    print(json.dumps({"tree": name, **runs[name][-1]}), flush=True)
+            entry = {name: {"solve_cpu_s": stats([t for r in rs for t in r["solve_cpu_s"]]),
+                            **{k: rs[-1][k] for k in ("cost", "lower_bound", "gap", "reused_nodes", "pruned_states")}}
+                     for name, rs in runs.items()}
+            entry["ratio"] = statistics.median(entry["this"]["solve_cpu_s"]["all"]) / statistics.median(
+                entry[rev]["solve_cpu_s"]["all"])
+            results[shape] = entry
+            print(f"{shape} layers={layers} tp={tp}: solve CPU median {entry['this']['solve_cpu_s']['median']:.3f} s "
+                  f"here, {entry[rev]['solve_cpu_s']['median']:.3f} s at {rev} (x{entry['ratio']:.2f})", flush=True)
+    finally:
+        subprocess.run(["git", "worktree", "remove", "--force", os.fspath(base)], cwd=ROOT, capture_output=True)
+    write_result(out / "solver_compare.json", {"rev": rev, "layers": layers, "tp": tp, "rounds": rounds,
+                                               "repeat": repeat, "shapes": results}, provenance)
+    return 0
 
 
 def run_point(shape: str, layers: int | None, tp: int, decode: bool, timeout: float, full_depth: bool = False,
@@ -216,17 +320,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--name", default="solver_scaling", help="the JSON / PNG file name (without suffix)")
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per point")
+    parser.add_argument("--compare", metavar="REV", help="time the solver alone against git revision REV")
+    parser.add_argument("--shapes", nargs="+", default=["gemma2-9b"], choices=list(SHAPES),
+                        help="shapes --compare solves")
+    parser.add_argument("--rounds", type=int, default=3, help="--compare: fresh processes per tree")
+    parser.add_argument("--repeat", type=int, default=3, help="--compare: solves per process")
     parser.add_argument("--child", nargs=2, metavar=("SHAPE", "LAYERS"), help=argparse.SUPPRESS)
     parser.add_argument("--report-cache", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--child-resolve", nargs=2, metavar=("SHAPE", "LAYERS"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
         shape, layers = args.child[0], int(args.child[1]) or None
         print(json.dumps(child(shape, layers, args.tp, args.decode, args.full_depth, args.report_cache)), flush=True)
         return 0
+    if args.child_resolve:
+        shape, layers = args.child_resolve[0], int(args.child_resolve[1])
+        print(json.dumps(child_resolve(shape, layers, args.tp, args.repeat)), flush=True)
+        return 0
 
     provenance = Provenance.start(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.compare:
+        return compare(args.compare, args.shapes, args.layers[0], args.tp, args.rounds, args.repeat, out, provenance)
     points = []
     todo = [(args.shape, n) for n in args.layers] + [(s, None) for s in args.extra]
     for shape, layers in todo:
