@@ -194,6 +194,9 @@ class _SwappingForward:
         self.comm = comm
         self.guard = guard  # token ids and the KV cache, checked before anything runs (autotp/inputs.py)
         self.logits_with_loss = logits_with_loss  # see gather_user_values
+        #: while set (the warm-up, :func:`_warm_up`), the token dim of every call's ids is marked
+        #: dynamic, so the graph compiled then serves every length
+        self.dynamic_tokens = False
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.guard is not None:
@@ -206,6 +209,11 @@ class _SwappingForward:
         return self._run(args, kwargs)
 
     def _run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if self.dynamic_tokens:
+            for key in TOKEN_INPUTS:
+                ids = kwargs.get(key)
+                if isinstance(ids, torch.Tensor) and ids.dim() == 2:
+                    maybe_mark_dynamic(ids, 1)  # (batch, tokens)
         for module, name, stand in self.slots:
             module._parameters[name] = stand
         if self.comm.health is not None:
@@ -449,8 +457,7 @@ def parallelize_model(
     if warmup:
         with load_progress(checkpoint, len({id(p) for _, _, p in slots}), show_progress), \
                 peer_failures(comm, "the model was loading"), _failures_recorded(health):
-            with torch.no_grad():
-                module(**_on_device(_warmup_inputs(module, world), device))
+            _warm_up(module, forward, world, device)
             _load_untouched(slots, ctx)
         forward.swap_out()
         checkpoint.close()  # every shard is loaded: drop file handles (and .bin mappings)
@@ -504,36 +511,75 @@ def _install_standins(module: torch.nn.Module, checkpoint: Checkpoint, dtype: to
         seen[id(param)] = stand
 
 
+#: keyword inputs whose dim 1 is the token dim the warm-up marks dynamic
+TOKEN_INPUTS = ("input_ids", "decoder_input_ids")
+
+
+def _warm_up(module: torch.nn.Module, forward: _SwappingForward, world_size: int, device: torch.device) -> None:
+    """The call that compiles the first graph, which solves the plan (pinning every parameter it
+    reaches) and loads this rank's slices. It is the graph a user's first calls reuse:
+
+    * a decoder-only model that generates with transformers' default dynamic cache warms up with
+      ``generate(ids, max_new_tokens=1)`` (greedy, so no random number is drawn): its one forward
+      is the prefill a user's ``generate`` makes, with the same keywords (the fresh cache,
+      ``use_cache``, ``return_dict``), so that ``generate`` compiles only its decode graph (two
+      graphs per job instead of three);
+    * any other model calls ``forward`` with :func:`_warmup_inputs` (its ``dummy_inputs`` keys and
+      its own ``use_cache`` default), the graph a plain ``model(input_ids=...)`` call reuses.
+
+    Either way the ids are one sequence of ``2N+1`` tokens (neither batch nor length divides by
+    ``N``, so the plan splits heads and hidden features, not the warm-up's batch or sequence) whose
+    token dim the entry marks dynamic (``_SwappingForward.dynamic_tokens``): the graph serves any
+    length, its length is symbolic and never split (``passes/decompose.py: mark_symbolic_dims``)."""
+    forward.dynamic_tokens = True
+    try:
+        with torch.no_grad():
+            if _generates_with_dynamic_cache(module):
+                ids, pad = _warmup_ids(module, world_size)
+                module.generate(ids.to(device), max_new_tokens=1, min_new_tokens=1, do_sample=False, num_beams=1,
+                                pad_token_id=pad)
+            else:
+                module(**{k: v.to(device) if isinstance(v, torch.Tensor) else v
+                          for k, v in _warmup_inputs(module, world_size).items()})
+    finally:
+        forward.dynamic_tokens = False
+
+
+def _generates_with_dynamic_cache(module: torch.nn.Module) -> bool:
+    """A decoder-only model whose ``generate`` makes transformers' default dynamic cache (the
+    models :func:`_warm_up` warms up with a one-token ``generate``)."""
+    try:
+        return (not getattr(module.config, "is_encoder_decoder", False) and module.can_generate()
+                and module._supports_default_dynamic_cache())
+    except (AttributeError, TypeError):
+        return False
+
+
+def _warmup_ids(module: torch.nn.Module, world_size: int) -> tuple[torch.Tensor, int]:
+    """``(1, 2N+1)`` token ids for the generate warm-up, none of them the pad or end-of-sequence id
+    (a pad id in the prompt would make ``generate`` pass an attention mask a user's prompt does not
+    need, and compile another prefill), and the pad id to pass (the model's, else its first end-of-
+    sequence id, as ``generate`` itself picks; passing it keeps ``generate`` from warning)."""
+    config = module.generation_config
+    eos = config.eos_token_id if isinstance(config.eos_token_id, list) else [config.eos_token_id]
+    eos = [e for e in eos if e is not None]
+    pad = config.pad_token_id if config.pad_token_id is not None else (eos[0] if eos else 0)
+    special = {pad, *eos}
+    ids = [t for t in range(1, 2 * world_size + 2 + len(special) + 1) if t not in special][: 2 * world_size + 1]
+    return torch.tensor(ids).unsqueeze(0), pad
+
+
 def _warmup_inputs(module: torch.nn.Module, world_size: int) -> dict[str, Any]:
-    """A tiny call that reaches every layer: the model's own ``dummy_inputs`` keys, one sequence of
-    ``2N+1`` tokens (neither batch nor length divides by ``N``, so the plan that pins every
-    parameter splits heads and hidden features, not the warm-up's batch or sequence), and the
-    model's own ``use_cache`` default. The token dim is marked dynamic, so the warm-up's graph
-    is the one a user's first plain call ``model(input_ids=...)`` (any length, same keywords)
-    runs, instead of a recompile of several seconds and a second graph's memory; its length is
-    symbolic and never split (``passes/decompose.py: mark_symbolic_dims``)."""
+    """The plain warm-up call's inputs (:func:`_warm_up`): the model's own ``dummy_inputs`` keys,
+    ``(1, 2N+1)`` ids for each token input, and the model's own ``use_cache`` default."""
     dummy = getattr(module, "dummy_inputs", None)
     inputs: dict[str, Any] = dict(dummy) if isinstance(dummy, dict) and dummy else {}
     ids = torch.arange(1, 2 * world_size + 2).unsqueeze(0)  # (1, 2N+1)
-    for key in ("input_ids", "decoder_input_ids"):
+    for key in TOKEN_INPUTS:
         if key in inputs or key == "input_ids":
             inputs[key] = ids.clone()
-            maybe_mark_dynamic(inputs[key], 1)
     inputs.pop("attention_mask", None)
     return inputs
-
-
-def _on_device(inputs: dict[str, Any], device: torch.device) -> dict[str, Any]:
-    """``inputs`` moved to ``device``; a tensor's dynamic-dim mark goes with it."""
-    out = {}
-    for k, v in inputs.items():
-        if isinstance(v, torch.Tensor) and v.device != device:
-            moved = v.to(device)
-            for dim in getattr(v, "_dynamo_weak_dynamic_indices", ()):
-                maybe_mark_dynamic(moved, dim)
-            v = moved
-        out[k] = v
-    return out
 
 
 def _load_untouched(slots: list[tuple[torch.nn.Module, str, torch.nn.Parameter]], ctx: TPContext) -> None:

@@ -13,7 +13,8 @@ checkpoints need them).
 wraps a backend's error in: autotp unwraps its own ``AutoTPError``), ``maybe_mark_dynamic`` (a
 dynamic-size hint without a recompile), ``OpOverload`` / ``OpOverloadPacket`` (the type of an ATen
 op in a graph), ``FakeTensor`` / ``FakeTensorMode`` / ``fake_tensor_tls`` (tracing with no data),
-``core_aten_decompositions`` (the decomposition table to core ATen), ``linear_builtin``
+``core_aten_decompositions`` (the decomposition table to core ATen), ``LazyGraphModule`` (a
+GraphModule whose code is generated on first use: the shadow graph is analysed, not run), ``linear_builtin``
 (``torch._C._nn.linear``, what Dynamo records for ``F.linear``), ``legacy_get_string``, ``pytree``,
 :func:`functional_collectives` and :func:`no_guard_latency_profile` (Dynamo's guard-latency
 profiler, see ``autotp/memory.py``).
@@ -66,6 +67,7 @@ __all__ = [
     "BackendCompilerFailed",
     "FakeTensor",
     "FakeTensorMode",
+    "LazyGraphModule",
     "OpOverload",
     "OpOverloadPacket",
     "TorchDynamoException",
@@ -136,6 +138,9 @@ OpOverloadPacket: type = require("torch._ops", "OpOverloadPacket")
 FakeTensor: type = require("torch._subclasses.fake_tensor", "FakeTensor")
 FakeTensorMode: type = require("torch._subclasses.fake_tensor", "FakeTensorMode")
 fake_tensor_tls: Any = require("torch._subclasses.fake_tensor", "fake_tensor_tls")
+#: a GraphModule that writes its Python code only when it is first read or called; the shadow
+#: graph is analysed, never run, so the code (about a quarter of a decomposition) is usually never written
+LazyGraphModule: type = require("torch.fx._lazy_graph_module", "_LazyGraphModule")
 core_aten_decompositions: Callable[[], dict[Any, Callable[..., Any]]] = require(
     "torch._decomp", "core_aten_decompositions"
 )

@@ -157,7 +157,8 @@ def _phases(rec: dict[str, Any], ckpt_bytes: int) -> dict[str, dict[str, float]]
     ``trace_solve`` (process group, meta model, torch.compile's stack, Dynamo tracing,
     decomposition and solving of the warm-up graph: everything before the first checkpoint read), ``reads`` (first to last slice read), ``warmup_rest`` (the rest of
     ``parallelize_model``: rewriting, the warm-up's run); for transformers ``load``; then
-    ``forward`` (the 8-token forward; for autotp it reuses the warm-up's dynamic-length graph)."""
+    ``forward`` (the 8-token forward; for autotp a plain call compiles its own graph, since a
+    generating model's warm-up is ``generate``'s prefill: ``api._warm_up``)."""
     marks = [("imports", rec["baseline"]["peak_rss"])]
     if rec.get("reads"):
         marks += [

@@ -31,7 +31,7 @@ import torch.fx
 from torch import Tensor
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from autotp.compat import FakeTensorMode, OpOverload, core_aten_decompositions, pytree
+from autotp.compat import FakeTensorMode, LazyGraphModule, OpOverload, core_aten_decompositions, pytree
 
 
 @torch.library.custom_op("autotp::edge", mutates_args=())
@@ -139,7 +139,10 @@ def decompose(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> ShadowGrap
     reused for every length and a length that does not divide by the world size could not be split."""
     with torch.set_grad_enabled(torch.is_grad_enabled()):  # a traced grad-mode switch must not leak
         try:
-            build, shadow = decompose_by_node, decompose_by_node(gm, example_inputs)
+            # the shifted-size decomposition shares the traces: a node whose inputs' sizes do not
+            # move (in a decode step, all but attention over the cache) is traced once, not twice
+            build = functools.partial(decompose_by_node, memo={})
+            shadow = build(gm, example_inputs)
         except NotNodeLocal:
             build, shadow = decompose_whole, decompose_whole(gm, example_inputs)
         mark_symbolic_dims(shadow, build)
@@ -291,7 +294,7 @@ def _trace_node(n: torch.fx.Node, flat: list[Any], spec: Any, fake_mode: FakeTen
 
 
 def decompose_by_node(gm: torch.fx.GraphModule, example_inputs: list[Any],
-                      resized: dict[int, Any] | None = None) -> ShadowGraph:
+                      resized: dict[int, Any] | None = None, memo: dict[tuple, Any] | None = None) -> ShadowGraph:
     """Build the shadow graph by decomposing each Dynamo node on its own and copying the result.
 
     Each node's decomposition depends only on its target, its constants and its inputs' metadata
@@ -302,19 +305,21 @@ def decompose_by_node(gm: torch.fx.GraphModule, example_inputs: list[Any],
     so the local write lands in the very tensor later readers of that value see, with the
     placement they expect. A node that mutates otherwise, or changes global state, raises
     :class:`NotNodeLocal` and :func:`decompose` falls back to the whole-graph trace. ``resized``:
-    see :func:`_fake_input`."""
-    return _NodeByNode(gm, example_inputs, resized or {}).build()
+    see :func:`_fake_input`. ``memo``: traces by node key, to share with another decomposition
+    (a trace depends on nothing but its key; only its values' metadata is read)."""
+    return _NodeByNode(gm, example_inputs, resized or {}, {} if memo is None else memo).build()
 
 
 class _NodeByNode:
     """The state of :func:`decompose_by_node`: the ATen graph being built, the traces by key, and
     the value of every Dynamo node seen so far (tensors as :class:`_Ref`)."""
 
-    def __init__(self, gm: torch.fx.GraphModule, example_inputs: list[Any], resized: dict[int, Any]) -> None:
+    def __init__(self, gm: torch.fx.GraphModule, example_inputs: list[Any], resized: dict[int, Any],
+                 memo: dict[tuple, _NodeTrace]) -> None:
         self.fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
         self.resized = resized
         self.table = decomposition_table()
-        self.memo: dict[tuple, _NodeTrace] = {}
+        self.memo = memo
         self.graph = torch.fx.Graph()
         self.root = torch.nn.Module()
         self.constants = itertools.count()
@@ -355,7 +360,7 @@ class _NodeByNode:
                 if key is not None:
                     self.memo[key] = traced
             self.env[n] = self.copy_trace(n, dst, traced, [v.node for v in flat if isinstance(v, _Ref)])
-        shadow.aten = torch.fx.GraphModule(self.root, self.graph)
+        shadow.aten = LazyGraphModule(self.root, self.graph)  # code written only if read (a trace folder)
         return shadow
 
     def bracket_inputs(self, n: torch.fx.Node, dst: int) -> tuple[Any, Any]:

@@ -87,3 +87,23 @@ def test_each_rank_caches_only_its_kv_heads_and_64_tokens_compile_a_constant_num
         # at most the prefill and one decode graph, dynamic in the cache length from the first step
         # (the prefill's symbolic length stays symbolic in the cache it hands on): not one per token
         assert r["graphs_for_generate"] <= 2
+
+
+def _rank_first_generate(rank: int, world: int, folder: str, new_tokens: int) -> dict:
+    from autotp import parallelize_model
+
+    model = parallelize_model(folder, tp_size=world)
+    graphs_loaded = model.autotp.context.graphs_compiled
+    with torch.no_grad():
+        greedy = model.generate(torch.tensor(PROMPT), max_new_tokens=new_tokens, do_sample=False, pad_token_id=PAD_ID)
+    return {"graphs_loaded": graphs_loaded, "graphs_for_generate": model.autotp.context.graphs_compiled - graphs_loaded,
+            "greedy": greedy[0].tolist()}
+
+
+def test_a_greedy_generate_right_after_loading_reuses_the_warm_up_as_its_prefill(tmp_path: Path) -> None:
+    folder = save_tiny("llama", tmp_path / "ckpt", seed=0, num_hidden_layers=2, max_position_embeddings=128)
+    ref = _reference(folder, 8)
+    for r in run_ranks(_rank_first_generate, 2, str(folder), 8):
+        assert r["greedy"] == ref["greedy"]
+        assert r["graphs_loaded"] == 1  # the warm-up: generate's prefill at a dynamic length
+        assert r["graphs_for_generate"] == 1  # the decode graph only
