@@ -6,6 +6,8 @@ transformers architectures (nobody here wrote their modeling code), just small:
 * ``tiny_config("llama" | "mistral" | "qwen2", **overrides)`` - hidden 64, 8 heads, 4 kv heads
   (head_dim 8), 2 layers, vocab 128, intermediate 128, untied embeddings. qwen2 carries q/k/v biases.
 * ``tiny_model(arch, seed=0, dtype=..., **overrides)`` - that model, initialized under ``seed``.
+* ``tiny_plan(arch, tp=2, dtype=None, overrides=None, **config_overrides)`` - its forward plan
+  (``autotp.planner.plan_model``, meta device), planned once per session for the same arguments.
 * ``save_tiny(arch, folder, seed=0, shards=1, dtype=..., **overrides)`` - ``save_pretrained`` output
   (config.json, generation_config.json, model.safetensors), or ``shards`` files
   ``model-0000i-of-0000N.safetensors`` plus ``model.safetensors.index.json``.
@@ -31,7 +33,7 @@ from typing import Any
 import pytest
 import torch
 
-__all__ = ["ARCHS", "make_hf_cache", "offline_hub", "save_tiny", "tiny_config", "tiny_model"]
+__all__ = ["ARCHS", "make_hf_cache", "offline_hub", "save_tiny", "tiny_config", "tiny_model", "tiny_plan"]
 
 #: Common sizes: small, but with kv heads != heads and head_dim > 1 so GQA and rotary are exercised.
 _COMMON: dict[str, Any] = dict(
@@ -83,6 +85,28 @@ def tiny_model(arch: str, *, seed: int = 0, dtype: torch.dtype = torch.float32, 
     torch.manual_seed(seed)
     model = model_cls(config)
     return model.to(dtype).eval()
+
+
+#: tiny_plan's reports, by their arguments (one pytest session)
+_PLANS: dict[str, Any] = {}
+
+
+def tiny_plan(arch: str, tp: int = 2, *, dtype: str | None = None, overrides: dict[str, str] | None = None,
+              **config_overrides: Any) -> Any:
+    """``plan_model(tiny_config(arch, **config_overrides), tp, dtype=dtype, decode=False,
+    overrides=overrides)``: the tiny model's forward plan, in this process on the meta device.
+
+    Planned once per session for the same arguments: several test files assert different facts of
+    the same plan (the matrix's per-block counts, the MoE placements, the exported ``tp_plan``), and
+    each plan traces, decomposes and solves the model again. The report is shared: read it, never
+    change it. Tests about planning itself (errors, timings, options) call ``plan_model``."""
+    key = json.dumps([arch, tp, dtype, overrides, config_overrides], sort_keys=True, default=str)
+    if key not in _PLANS:
+        from autotp.planner import plan_model
+
+        _PLANS[key] = plan_model(tiny_config(arch, **config_overrides), tp, dtype=dtype, decode=False,
+                                 overrides=overrides)
+    return _PLANS[key]
 
 
 def save_tiny(

@@ -36,7 +36,7 @@ import torch
 
 from autotp import session_of
 from tests._dist import run_ranks
-from tests._tiny import ARCHS, save_tiny, tiny_config
+from tests._tiny import ARCHS, save_tiny, tiny_config, tiny_plan
 
 pytestmark = pytest.mark.dist
 
@@ -126,7 +126,8 @@ def _main_output(out: Any) -> torch.Tensor:
 
 
 def _generates(case: Case) -> bool:
-    return case.kind == "decoder"
+    """Decoders and T5 (whose ``generate`` runs the encoder outside ``forward``) generate; encoders do not."""
+    return case.kind in ("decoder", "seq2seq")
 
 
 def reference(case: Case, folder: Path) -> tuple[torch.Tensor, list[int] | None]:
@@ -233,10 +234,9 @@ _LAYER_INDEX = re.compile(r"\.(\d+)(?=\.)")
 STATISTIC = " of a statistic"
 
 
-def _plan(arch: str, world: int = 2) -> Any:
-    from autotp.planner import plan_model
-
-    return plan_model(tiny_config(arch, pad_token_id=PAD_ID), world, decode=False)
+def _plan(arch: str, dtype: str | None = None) -> Any:
+    """The matrix's tiny ``arch`` planned at tp=2 (once per session: other files read the same plans)."""
+    return tiny_plan(arch, dtype=dtype, pad_token_id=PAD_ID)
 
 
 @pytest.mark.parametrize("arch", [
@@ -281,11 +281,7 @@ def test_bf16_moe_plans_like_fp32() -> None:
     its ``grouped_mm_fallback`` op); the planner traces parallelize_model's stride-0 stand-ins,
     whose strides ``_grouped_mm``'s meta kernel used to reject. The bf16 plan is the fp32 plan,
     block by block."""
-    from autotp.planner import plan_model
-
-    config = tiny_config("mixtral", pad_token_id=PAD_ID)
-    fp32 = plan_model(config, 2, decode=False)
-    bf16 = plan_model(config, 2, dtype="bfloat16", decode=False)
+    fp32, bf16 = _plan("mixtral"), _plan("mixtral", dtype="bfloat16")
     assert _grouped_mms(bf16) == 4 and _grouped_mms(fp32) == 0  # gate_up and down of both blocks
     assert collectives_per_block(bf16.forward.sites) == collectives_per_block(fp32.forward.sites) \
         == {layer: {"all_reduce": 2} for layer in range(2)}
@@ -328,23 +324,3 @@ def test_bf16_mixtral_loads_and_matches_one_process(tmp_path: Path) -> None:
         assert r["logits"].dtype == torch.bfloat16
         torch.testing.assert_close(r["logits"], expected, atol=BF16_ATOL, rtol=BF16_RTOL)
         assert_moe_is_tensor_parallel(r["plan"]["parameters"], num_layers=2)
-
-
-def _rank_seq2seq_generate(rank: int, world: int, folder: str) -> list[int]:
-    from autotp import parallelize_model
-
-    model = parallelize_model(folder, tp_size=world)
-    with torch.no_grad():
-        return model.generate(torch.tensor(PROMPT), max_new_tokens=NEW_TOKENS, do_sample=False,
-                              pad_token_id=PAD_ID)[0].tolist()
-
-
-def test_t5_greedy_generate_matches_one_process(tmp_path: Path) -> None:
-    case = BY_ID["t5"]
-    folder = save_case(case, tmp_path / "t5")
-    model = _model_class("t5").from_pretrained(folder).eval()
-    with torch.no_grad():
-        expected = model.generate(torch.tensor(PROMPT), max_new_tokens=NEW_TOKENS, do_sample=False,
-                                  pad_token_id=PAD_ID)[0].tolist()
-    for tokens in run_ranks(_rank_seq2seq_generate, 2, str(folder)):
-        assert tokens == expected

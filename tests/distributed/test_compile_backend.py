@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -37,11 +36,13 @@ def _param_bytes(model: torch.nn.Module) -> int:
 
 
 def _rank_compile(rank: int, world: int, folder: str) -> dict:
+    """Compile an in-memory Llama, run it at two lengths, then call the original module (sharded in
+    place by the first call) and the compiled one again."""
     import os
 
     from transformers import AutoModelForCausalLM
 
-    from autotp import session_of
+    from autotp import AutoTPError, session_of
     from autotp.context import meta_of
 
     os.environ["AUTOTP_TRACE_DIR"] = str(Path(folder) / "trace")
@@ -59,6 +60,12 @@ def _rank_compile(rank: int, world: int, folder: str) -> dict:
     bytes_after_first = _param_bytes(model)
     with torch.no_grad():
         out_long = compiled(input_ids=long, use_cache=False).logits
+        try:
+            eager = model(input_ids=short, use_cache=False).logits
+            error = f"no error; logits finite: {bool(torch.isfinite(eager).all())}"
+        except AutoTPError as e:
+            error = str(e)
+        again = compiled(input_ids=short, use_cache=False).logits  # the compiled model is unaffected
     return {
         "short_err": (out_short - ref_short).abs().max().item(),
         "long_err": (out_long - ref_long).abs().max().item(),
@@ -70,13 +77,20 @@ def _rank_compile(rank: int, world: int, folder: str) -> dict:
         "graph_ids": [g.graph_id for g in session_of(model).graphs],
         "sessions": len({id(m.session) for m in metas.values()}),
         "trace_folders": sorted(p.name for p in (Path(folder) / "trace" / f"rank{rank}").iterdir()),
+        "error": error,
+        "again_err": (again - ref_short).abs().max().item(),
     }
 
 
-def test_compiled_in_memory_model_matches_and_keeps_one_nth_of_sharded_weights(tmp_path: Path) -> None:
-    folder = save_tiny("llama", tmp_path / "llama")
-    results = run_ranks(_rank_compile, 2, str(folder), timeout=600)
-    for r in results:
+@pytest.fixture(scope="module")
+def compiled_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    """:func:`_rank_compile` on 2 ranks, once for the tests of this module that read it."""
+    folder = save_tiny("llama", tmp_path_factory.mktemp("compile") / "llama")
+    return run_ranks(_rank_compile, 2, str(folder), timeout=600)
+
+
+def test_compiled_in_memory_model_matches_and_keeps_one_nth_of_sharded_weights(compiled_ranks: list[dict]) -> None:
+    for r in compiled_ranks:
         assert r["short_err"] < 1e-4 and r["long_err"] < 1e-4
         assert r["same_local_objects"] and r["same_placements"]
         assert len(r["sharded_fqns"]) >= 15  # q/k/v/o/gate/up/down x 2 layers + embedding + lm_head
@@ -106,31 +120,9 @@ def test_backend_name_resolves_through_the_entry_point_without_importing_autotp(
     assert out.stdout.strip().endswith("ok")
 
 
-def _rank_original_after_release(rank: int, world: int, folder: str) -> dict:
-    from transformers import AutoModelForCausalLM
-
-    from autotp import AutoTPError
-
-    model = AutoModelForCausalLM.from_pretrained(folder).eval()
-    ids = torch.tensor([[3, 9, 27, 81, 4]])
-    with torch.no_grad():
-        ref = model(input_ids=ids, use_cache=False).logits
-        compiled = torch.compile(model, backend="autotp")
-        first = compiled(input_ids=ids, use_cache=False).logits  # shards the weights in place
-        try:
-            eager = model(input_ids=ids, use_cache=False).logits
-            error = f"no error; logits finite: {bool(torch.isfinite(eager).all())}"
-        except AutoTPError as e:
-            error = str(e)
-        again = compiled(input_ids=ids, use_cache=False).logits  # the compiled model is unaffected
-    return {"error": error, "first_err": (first - ref).abs().max().item(),
-            "again_err": (again - ref).abs().max().item()}
-
-
-def test_the_original_module_refuses_to_run_once_the_backend_sharded_it(tmp_path: Path) -> None:
+def test_the_original_module_refuses_to_run_once_the_backend_sharded_it(compiled_ranks: list[dict]) -> None:
     # Before: the uncompiled model computed with the NaN stand-ins and returned NaN logits, no error.
-    folder = save_tiny("llama", tmp_path / "llama")
-    for r in run_ranks(_rank_original_after_release, 2, str(folder), timeout=600):
+    for r in compiled_ranks:
         assert "was sharded in place by torch.compile(model, backend='autotp')" in r["error"], r["error"]
         assert "Call the module torch.compile returned instead" in r["error"]
-        assert r["first_err"] < 1e-4 and r["again_err"] < 1e-4  # atol as in the module docstring
+        assert r["short_err"] < 1e-4 and r["again_err"] < 1e-4  # atol as in the module docstring

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import statistics
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -75,10 +76,27 @@ def _one_process(folder: Path) -> list[float]:
     return _losses(AutoModelForCausalLM.from_pretrained(folder))[0]
 
 
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> Callable[[Callable[[Path, float], Path], float], tuple]:
+    """``trained(build, dropout)`` -> (folder, the ranks' results of :func:`_rank_losses`): each model
+    trains on 2 ranks once per module (the eager-attention stream test reads the rank_rng rewrites
+    of the same dropout-0.1 Llama run whose losses the distribution test compares)."""
+    runs: dict[tuple[str, float], tuple[Path, list[dict]]] = {}
+
+    def run(build: Callable[[Path, float], Path], dropout: float) -> tuple[Path, list[dict]]:
+        key = (build.__name__, dropout)
+        if key not in runs:
+            root = tmp_path_factory.mktemp(f"{build.__name__}-{dropout}")
+            folder = build(root / "model", dropout)
+            runs[key] = folder, run_ranks(_rank_losses, 2, str(folder), str(root / "trace"))
+        return runs[key]
+
+    return run
+
+
 @pytest.mark.parametrize("build", [_tiny_llama, _gpt2], ids=["llama-eager-attention", "gpt2"])
-def test_dropout_keeps_ranks_in_sync_and_matches_one_process_in_distribution(tmp_path: Path, build) -> None:
-    folder = build(tmp_path / "model", 0.1)
-    ranks = run_ranks(_rank_losses, 2, str(folder), str(tmp_path / "trace"))
+def test_dropout_keeps_ranks_in_sync_and_matches_one_process_in_distribution(trained, build) -> None:
+    folder, ranks = trained(build, 0.1)
     for other in ranks[1:]:  # replicated regions drew the same masks on every rank
         assert other["losses"] == ranks[0]["losses"]
         for a, b in zip(other["logits"], ranks[0]["logits"], strict=True):
@@ -93,15 +111,13 @@ def test_dropout_keeps_ranks_in_sync_and_matches_one_process_in_distribution(tmp
 
 
 @pytest.mark.parametrize("build", [_tiny_llama, _gpt2], ids=["llama-eager-attention", "gpt2"])
-def test_training_with_dropout_zero_equals_one_process(tmp_path: Path, build) -> None:
-    folder = build(tmp_path / "model", 0.0)
-    ranks = run_ranks(_rank_losses, 2, str(folder), str(tmp_path / "trace"))
+def test_training_with_dropout_zero_equals_one_process(trained, build) -> None:
+    folder, ranks = trained(build, 0.0)
     reference = _one_process(folder)
     for r in ranks:
         assert r["losses"] == pytest.approx(reference, rel=1e-5)
 
 
-def test_eager_attention_dropout_runs_on_the_ranks_own_streams(tmp_path: Path) -> None:
-    folder = _tiny_llama(tmp_path / "model", 0.1)
-    (rank0, _) = run_ranks(_rank_losses, 2, str(folder), str(tmp_path / "trace"))
+def test_eager_attention_dropout_runs_on_the_ranks_own_streams(trained) -> None:
+    _, (rank0, _) = trained(_tiny_llama, 0.1)
     assert rank0["rewrites"].get("rank_rng", 0) >= 2  # one per layer: each rank's heads, its own stream
