@@ -891,19 +891,26 @@ class GroupedRedistribute(torch.autograd.Function):
         raise _grouped_gradient_error()
 
 
-class RefuseGroupedGradient(torch.autograd.Function):
-    """Identity on a k/v projection held per group of ranks; its backward refuses. Each rank of a
-    group uses its own query heads' share of the kv head, so the projection's gradient is partial
-    over the group, and no reduction within groups is planned yet: a wrong gradient must not pass
-    silently. The rewrite puts it on such a parameter's use in every graph that may train."""
+class RefuseGradient(torch.autograd.Function):
+    """Identity on a parameter whose layout autotp cannot train through yet; its backward raises
+    the ``AutoTPError`` its maker gives. The rewrite puts it on such a parameter's use in every
+    graph that may train, so a wrong gradient never passes silently:
+
+    * a k/v projection held per group of ranks (``GroupedShard``): each rank of a group uses its own
+      query heads' share of the kv head, so the projection's gradient is partial over the group, and
+      no reduction within groups is planned yet;
+    * a fused projection with segments every rank holds whole (``StridedShard.whole``: Falcon's one
+      k and v head beside its split q heads): the gradient into its input would count those
+      segments' share once per rank."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor) -> Tensor:
+    def forward(ctx: Any, x: Tensor, error: Callable[[], AutoTPError]) -> Tensor:
+        ctx.error = error
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> None:
-        raise _grouped_gradient_error()
+        raise ctx.error()
 
 
 def _grouped_gradient_error() -> AutoTPError:
@@ -914,9 +921,25 @@ def _grouped_gradient_error() -> AutoTPError:
         "training call places them (sharded, then gathered for attention)")
 
 
-def refuse_grouped_gradient(x: Tensor) -> Tensor:
-    """:class:`RefuseGroupedGradient` (a plain function, for an FX ``call_function`` node)."""
-    return RefuseGroupedGradient.apply(x)
+def _whole_segment_gradient_error() -> AutoTPError:
+    return AutoTPError(
+        "training through a fused projection whose key/value heads every rank holds whole (Falcon's "
+        "multi-query query_key_value, its q heads split) is not supported yet: the gradient into its input "
+        "would count those heads once per rank. Load with parallelize_model(..., warmup=False) so that the "
+        "first, training call places it (sharded, then gathered for attention)")
+
+
+def refuse_gradient(x: Tensor, placement: Placement) -> Tensor:
+    """:class:`RefuseGradient` for a parameter stored at ``placement`` (a plain function, for an FX
+    ``call_function`` node); see :func:`refuses_gradient`."""
+    error = _grouped_gradient_error if isinstance(placement, GroupedShard) else _whole_segment_gradient_error
+    return RefuseGradient.apply(x, error)
+
+
+def refuses_gradient(placement: Placement | None) -> bool:
+    """Whether a parameter stored at ``placement`` is bound through :func:`refuse_gradient` in a
+    graph that may train (see :class:`RefuseGradient`)."""
+    return isinstance(placement, GroupedShard) or isinstance(placement, StridedShard) and bool(placement.whole)
 
 
 def _one_chunk_per_group(gathered: Tensor, src: GroupedShard, world_size: int) -> Tensor:
@@ -1150,8 +1173,10 @@ def full_tensor(local: Tensor, placement: Placement, comm: Comm, size: int | Non
         return redistribute(local, placement, R, comm, size=size)
     n, dim = comm.world_size, placement.dim
     gathered = redistribute(local, Shard(dim), R, comm)  # (.., [seg_0 / N | seg_1 / N | ...] x N ranks, ..)
-    per_rank = [chunk.split([s // n for s in placement.segments], dim) for chunk in gathered.chunk(n, dim)]
-    return torch.cat([per_rank[r][s] for s in range(len(placement.segments)) for r in range(n)], dim)
+    per_rank = [chunk.split(placement.local_segments(n), dim) for chunk in gathered.chunk(n, dim)]
+    # a whole segment is the same on every rank: rank 0's copy
+    return torch.cat([per_rank[r][s] for s in range(len(placement.segments))
+                      for r in (range(1) if s in placement.whole else range(n))], dim)
 
 
 def redistribute(

@@ -11,7 +11,9 @@
 * ``StridedShard(dim, segments)`` — a ``Shard(dim)`` of a fused tensor (q | k | v): rank ``r`` holds
   chunk ``r`` of each segment. Produced by parameters whose fused output is split later, and by
   merging a sharded dim behind other dims (eager attention's ``(B, heads) -> B*heads`` with heads
-  sharded is ``B`` equal segments of ``heads``).
+  sharded is ``B`` equal segments of ``heads``). Segments listed in ``whole`` are held whole by
+  every rank: Falcon's fused multi-query ``query_key_value`` (q heads | one k head | one v head),
+  its q split by heads and its single k and v head on every rank.
 * ``GroupedShard(dim, groups)`` — ``groups`` (a divisor of N, below N) chunks of ``dim``, each held
   by ``N / groups`` consecutive ranks: rank ``r`` holds chunk ``r * groups // N``. The placement of
   key/value heads when tp exceeds their count (grouped-query attention): each rank holds the kv
@@ -64,14 +66,46 @@ class StridedShard(Shard):
     concatenated in segment order. Its local size is ``sum(segments) / N`` like a plain shard's, but
     the rows differ, so it never equals ``Shard(dim)`` and no collective moves it (an all-gather
     would interleave the segments). Rules must opt in to see one (``register(..., strided=...)``).
+
+    ``whole``: the indices of segments every rank holds whole instead (replicated within the fused
+    tensor): a segment of one kv head that no rank count divides, beside q heads that are split.
+    Rank ``r`` then holds chunk ``r`` of each other segment and all of these, in segment order;
+    its local size is ``sum(split segments) / N + sum(whole segments)``. Printed with an ``r``:
+    ``S(2|8+1r+1r)``.
     """
 
     segments: tuple[int, ...] = ()
+    whole: tuple[int, ...] = ()
 
     def __str__(self) -> str:
-        return f"S({self.dim}|{'+'.join(str(s) for s in self.segments)})"
+        segments = (f"{s}r" if i in self.whole else str(s) for i, s in enumerate(self.segments))
+        return f"S({self.dim}|{'+'.join(segments)})"
 
     __repr__ = __str__
+
+    def local_segments(self, world_size: int) -> list[int]:
+        """Each segment's length on every rank, in segment order: ``size / N`` or, whole, ``size``."""
+        return [s if i in self.whole else s // world_size for i, s in enumerate(self.segments)]
+
+    def local_length(self, world_size: int) -> int:
+        """The length of ``dim`` on every rank."""
+        return sum(self.local_segments(world_size))
+
+    def bounds(self) -> list[tuple[int, int]]:
+        """``[start, stop)`` of each segment along the global ``dim``."""
+        out, offset = [], 0
+        for size in self.segments:
+            out.append((offset, offset + size))
+            offset += size
+        return out
+
+    def local_bounds(self, world_size: int) -> list[tuple[int, int]]:
+        """``[start, stop)`` of each segment's piece along the local ``dim`` (the same on every rank)."""
+        out, offset = [], 0
+        for size in self.local_segments(world_size):
+            out.append((offset, offset + size))
+            offset += size
+        return out
 
     @property
     def segment_size(self) -> int | None:
@@ -80,16 +114,22 @@ class StridedShard(Shard):
         Equal segments are what merging a sharded dim behind other dims gives (``(B, heads) ->
         B*heads``): the layout then means the same whatever the number of segments, so it may
         lie on a dim of symbolic size (a dynamic batch) as long as the segment size is static."""
-        return self.segments[0] if self.segments and len(set(self.segments)) == 1 else None
+        if self.whole or not self.segments or len(set(self.segments)) != 1:
+            return None
+        return self.segments[0]
 
     def pieces(self, rank: int, world_size: int) -> list[tuple[int, int]]:
         """``[start, stop)`` along ``dim`` of each piece rank ``rank`` holds, in local order."""
-        out, offset = [], 0
-        for size in self.segments:
-            step = size // world_size
-            out.append((offset + rank * step, offset + (rank + 1) * step))
-            offset += size
+        out = []
+        for i, (start, stop) in enumerate(self.bounds()):
+            step = (stop - start) // world_size
+            out.append((start, stop) if i in self.whole else (start + rank * step, start + (rank + 1) * step))
         return out
+
+    def fits(self, size: int, world_size: int) -> bool:
+        """Whether the segments tile a dim of ``size`` and every split one divides by ``world_size``."""
+        return sum(self.segments) == size and all(s % world_size == 0 for i, s in enumerate(self.segments)
+                                                   if i not in self.whole)
 
 
 @dataclass(frozen=True)
@@ -209,7 +249,8 @@ def normalize_dim(dim: int, ndim: int) -> int:
 
 
 def parse(text: str) -> Placement:
-    """Inverse of ``str``: ``"R"``, ``"P"``, ``"S(2)"``, ``"S(2|64+32+32)"``, ``"S(1/2)"`` or ``"S(2:28h/4)"``."""
+    """Inverse of ``str``: ``"R"``, ``"P"``, ``"S(2)"``, ``"S(2|64+32+32)"``, ``"S(2|8+1r+1r)"``,
+    ``"S(1/2)"`` or ``"S(2:28h/4)"``."""
     text = text.strip()
     if text == "R":
         return R
@@ -226,7 +267,9 @@ def parse(text: str) -> Placement:
             return GroupedShard(int(dim), int(groups), int(inner) if inner else None)
         dim, _, segments = text[2:-1].partition("|")
         if segments:
-            return StridedShard(int(dim), tuple(int(x) for x in segments.split("+")))
+            parts = segments.split("+")
+            return StridedShard(int(dim), tuple(int(x.rstrip("r")) for x in parts),
+                                tuple(i for i, x in enumerate(parts) if x.endswith("r")))
         return Shard(int(dim))
     raise ValueError(f"not a placement: {text!r}")
 
@@ -299,6 +342,10 @@ def local_shape(shape: tuple[int, ...], placement: Placement | None, world_size:
                 ) -> tuple[int, ...]:
     """The shape rank ``rank`` holds of a tensor with global ``shape`` under ``placement`` (rank 0
     holds the largest chunk of an uneven shard)."""
+    if isinstance(placement, StridedShard):
+        out = list(shape)
+        out[placement.dim] = placement.local_length(world_size)
+        return tuple(out)
     if isinstance(placement, Shard):
         out = list(shape)
         out[placement.dim] = local_size(shape[placement.dim], rank, world_size)

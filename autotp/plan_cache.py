@@ -377,8 +377,7 @@ def _check_parameter(name: str, placement: Any, shape: tuple[int, ...], pinned: 
     if pinned is not None and placement != pinned:
         raise ValueError(f"parameter {name}: the entry places it at {placement}, an earlier graph pinned {pinned}")
     if isinstance(placement, StridedShard):
-        if placement.dim >= len(shape) or sum(placement.segments) != shape[placement.dim] \
-                or any(s % world for s in placement.segments):
+        if placement.dim >= len(shape) or not placement.fits(shape[placement.dim], world):
             raise ValueError(f"parameter {name}: {placement} does not fit shape {shape} at world size {world}")
     elif isinstance(placement, GroupedShard):
         chunks = placement.groups

@@ -951,11 +951,14 @@ def _hf_style(fqn: str, e: Mapping[str, Any], key: str, *, out_emb: str | None, 
     bare = key == fqn
     if isinstance(placement, StridedShard) and ndim >= 2:
         segments = placement.segments
-        packed = len(segments) == _PACKED_SEGMENTS and len(set(segments)) == 1
+        packed = len(segments) == _PACKED_SEGMENTS and len(set(segments)) == 1 and not placement.whole
         if packed and placement.dim in (ndim - 2, ndim - 1):
             return "packed_colwise" if placement.dim == ndim - 2 else "packed_rowwise"
+        held = "each of its" if not placement.whole else (
+            f"{' | '.join(str(s) for i, s in enumerate(segments) if i not in placement.whole)} and all of "
+            f"{' | '.join(str(segments[i]) for i in placement.whole)} (held whole by every rank) of its")
         raise AutoTPError(
-            f"{fqn} is a fused weight stored {placement}: rank r holds chunk r of each of its "
+            f"{fqn} is a fused weight stored {placement}: rank r holds chunk r of {held} "
             f"{len(segments)} segments ({' | '.join(map(str, segments))}) along dim {placement.dim}. transformers' "
             "packed styles ('packed_colwise', 'packed_rowwise') express only two equal segments on the "
             "output or last dim, and 'colwise' would split the fused dim contiguously, so no tp_plan "

@@ -744,7 +744,8 @@ class ParameterMeta:
     (empty otherwise). ``local`` is this rank's shard once the materialize pass stored it; the
     methods here return shards and never store them. A fused layout (QKV) is a
     :class:`~autotp.placement.StridedShard` placement: each rank reads chunk ``rank`` of every
-    segment (one slice read per segment) and concatenates them; ``strided`` says so.
+    segment (one slice read per segment), and all of a segment the placement keeps whole (Falcon's
+    one k and one v head), and concatenates them; ``strided`` says so.
     """
 
     fqn: str
@@ -802,8 +803,11 @@ class ParameterMeta:
         dim = self.shard_dim
         if dim is None:
             return self.global_shape
-        start, stop = self.index_range(rank, world_size)
         shape = list(self.global_shape)
+        if isinstance(self.placement, StridedShard):  # its whole segments too: q_r | k | v
+            shape[dim] = self.placement.local_length(world_size)
+            return tuple(shape)
+        start, stop = self.index_range(rank, world_size)
         shape[dim] = stop - start
         return tuple(shape)
 
@@ -818,7 +822,7 @@ class ParameterMeta:
         one chunk, or for a fused (strided) layout chunk ``rank`` of each segment."""
         p = self.placement
         if isinstance(p, StridedShard) and self.shard_dim is not None:
-            if sum(p.segments) != self.global_shape[p.dim] or any(s % world_size for s in p.segments):
+            if not p.fits(self.global_shape[p.dim], world_size):
                 raise ShardingError(f"{self.fqn}: fused segments {p.segments} do not tile dim {p.dim} of "
                                     f"{self.global_shape} in multiples of {world_size}.")
             return p.dim, p.pieces(rank, world_size)

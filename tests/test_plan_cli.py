@@ -231,15 +231,20 @@ def test_a_hub_id_needs_only_its_config_json(tmp_path: Path, monkeypatch: pytest
     assert config.model_type == "qwen2" and config.num_hidden_layers == 2
 
 
+@pytest.mark.parametrize(("arch", "weight", "segments"), [
+    ("phi3", "model.layers.0.self_attn.qkv_proj.weight", "(64 | 32 | 32)"),
+    ("falcon", "transformer.h.0.self_attention.query_key_value.weight", "(64 | 8 | 8)"),
+])
 def test_cli_refuses_a_fused_layout_transformers_cannot_spell(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], arch: str, weight: str, segments: str
 ) -> None:
-    """Phi-3's q | k | v (64 | 32 | 32 rows under GQA) is stored strided; transformers' packed styles
-    know two equal segments only, and plain colwise would split it contiguously."""
-    tiny_config("phi3", pad_token_id=120).save_pretrained(tmp_path)
+    """Phi-3's q | k | v (64 | 32 | 32 rows under GQA) is stored strided, Falcon's (64 | 8 | 8, one
+    k and one v head) with its q split and its k and v held whole; transformers' packed styles
+    know two equal split segments only, and plain colwise would split the fused dim contiguously."""
+    tiny_config(arch, pad_token_id=120).save_pretrained(tmp_path)
     assert main(["plan", str(tmp_path), "--tp", "2", "--tp-plan", "--no-decode"]) == 2
     err = capsys.readouterr().err
-    assert "model.layers.0.self_attn.qkv_proj.weight" in err and "(64 | 32 | 32)" in err
+    assert weight in err and segments in err
     assert "Traceback" not in err
 
 

@@ -12,23 +12,36 @@ a dim gives a *segmentation* (the piece sizes) for tensors whose dim has that si
 of that size may then also be stored as ``StridedShard(dim, segments)``; the rules check that the
 fused layout reaches a split into exactly those segments (see ``autotp/ops/registry.py``:
 ``strided=``), and the cost model chooses. Nothing here looks at names.
+
+Pieces no rank count divides are kept whole on every rank (``StridedShard.whole``): Falcon's
+multi-query ``query_key_value`` is viewed as ``(B, S, H + 2, D)`` and cut by ``[..., :-2, :]`` (the q
+heads), ``[..., [-2], :]`` and ``[..., [-1], :]`` (its one k and one v head, constant list indices
+whose values decompose records). That tiles the heads dim as ``H + 1 + 1``: with ``H`` divisible by
+N the q heads are split and the k and v heads held whole. A dim cut with dims after it also
+offers the segmentation of that dim flattened with them (``(H+2, D)`` -> ``(H+2)*D``, the size of
+the projection's output features), since the projection's weight only has the flat dim.
 """
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 
 import torch
 import torch.fx
 
 from autotp.ops._common import aten_ops
+from autotp.ops.registry import CONSTANT_VALUE
 from autotp.placement import StridedShard, normalize_dim
 
 _SPLITS = set(aten_ops("split.Tensor", "split_copy.Tensor", "split_with_sizes.default",
                        "split_with_sizes_copy.default"))
 _SLICES = set(aten_ops("slice.Tensor", "slice_copy.Tensor"))
 
-Segmentations = dict[int, set[tuple[int, ...]]]
+_INDEX = set(aten_ops("index.Tensor"))
+
+#: dim size -> the fused layouts of a dim of that size: (segments, the segments held whole)
+Segmentations = dict[int, set[tuple[tuple[int, ...], tuple[int, ...]]]]
 
 
 def _shape(node: object) -> tuple[int, ...] | None:
@@ -48,8 +61,9 @@ def _root(node: torch.fx.Node) -> torch.fx.Node:
 
 
 def fused_segmentations(graph: torch.fx.Graph, world_size: int) -> Segmentations:
-    """Dim size -> the segmentations (piece sizes, each divisible by ``world_size``) found in
-    ``graph``: ``split`` calls, and slices of one tensor along one dim that tile it exactly."""
+    """Dim size -> the segmentations (piece sizes, and which pieces no rank count divides, held
+    whole) found in ``graph``: ``split`` calls, and slices and constant indices of one tensor along
+    one dim that tile it exactly."""
     found: Segmentations = defaultdict(set)
     slices: dict[tuple[torch.fx.Node, int], set[tuple[int, int]]] = defaultdict(set)
     for n in graph.nodes:
@@ -76,21 +90,47 @@ def fused_segmentations(graph: torch.fx.Graph, world_size: int) -> Segmentations
             end = size if end is None else min(end + size if end < 0 else end, size)
             if 0 <= start < end:
                 slices[(_root(n.args[0]), dim)].add((start, end))
+        elif n.target in _INDEX:
+            at = _constant_index(n, len(shape))
+            if at is not None:  # x[..., [i], :]: one row of dim ``at``
+                dim, index = at
+                index = index + shape[dim] if index < 0 else index
+                slices[(_root(n.args[0]), dim)].add((index, index + 1))
     for (node, dim), bounds in slices.items():
-        size = _shape(node)[dim] if _shape(node) else None
+        shape = _shape(node)
         ordered = sorted(bounds)
-        if size is None or ordered[0][0] != 0 or ordered[-1][1] != size:
+        if shape is None or ordered[0][0] != 0 or ordered[-1][1] != shape[dim]:
             continue
         if all(a[1] == b[0] for a, b in zip(ordered, ordered[1:], strict=False)):
-            _add(found, size, tuple(e - s for s, e in ordered), world_size)
+            pieces = tuple(e - s for s, e in ordered)
+            _add(found, shape[dim], pieces, world_size)
+            unit = math.prod(shape[dim + 1:])
+            if unit > 1:  # the same cut of the dim flattened with the ones after it (heads x head_dim)
+                _add(found, shape[dim] * unit, pieces, world_size, unit)
     return dict(found)
 
 
-def _add(found: Segmentations, size: int, pieces: tuple[int, ...], world_size: int) -> None:
-    if len(pieces) >= 2 and sum(pieces) == size and all(p > 0 and p % world_size == 0 for p in pieces):
-        found[size].add(pieces)
+def _constant_index(n: torch.fx.Node, ndim: int) -> tuple[int, int] | None:
+    """(dim, index) of ``index(x, [None, .., idx])`` whose one index tensor is a constant of one
+    value (``CONSTANT_VALUE``, recorded by decompose), else None."""
+    indices = n.args[1] if len(n.args) > 1 else ()
+    used = [(d, t) for d, t in enumerate(indices) if t is not None]
+    if len(used) != 1 or not isinstance(used[0][1], torch.fx.Node):
+        return None
+    dim, t = used[0]
+    value = t.meta.get(CONSTANT_VALUE)
+    return (dim, value[0]) if value is not None and len(value) == 1 and dim < ndim else None
+
+
+def _add(found: Segmentations, size: int, pieces: tuple[int, ...], world_size: int, unit: int = 1) -> None:
+    """Record ``pieces`` (in units of ``unit`` indices) of a dim of ``size``: pieces divisible by
+    ``world_size`` are split, the others held whole; at least one must be split."""
+    whole = tuple(i for i, p in enumerate(pieces) if p % world_size)
+    if len(pieces) >= 2 and sum(pieces) * unit == size and all(p > 0 for p in pieces) and len(whole) < len(pieces):
+        found[size].add((tuple(p * unit for p in pieces), whole))
 
 
 def strided_candidates(shape: tuple[int, ...], segmentations: Segmentations) -> list[StridedShard]:
     """The fused layouts a parameter of ``shape`` may be stored in (one per dim and segmentation)."""
-    return [StridedShard(d, segs) for d, size in enumerate(shape) for segs in sorted(segmentations.get(size, ()))]
+    return [StridedShard(d, segs, whole) for d, size in enumerate(shape)
+            for segs, whole in sorted(segmentations.get(size, ()))]

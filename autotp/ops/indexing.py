@@ -47,35 +47,59 @@ def _full_range(size: int, start: int | None, end: int | None, step: int = 1) ->
 SPLIT_SIZES, SLICE_BOUNDS = "split_sizes", "slice_bounds"
 
 
-def _segment_bounds(segments: Sequence[int]) -> list[tuple[int, int]]:
-    out, offset = [], 0
-    for size in segments:
-        out.append((offset, offset + size))
-        offset += size
-    return out
+def segment_of(p: StridedShard, start: int | None, end: int | None) -> int | None:
+    """The segment of fused shard ``p`` that the global slice ``[start, end)`` of its dim is
+    exactly (negative and open bounds resolved as Python does), or None."""
+    size = sum(p.segments)
+    start = 0 if start is None else (start + size if start < 0 else start)
+    end = size if end is None else min(end + size if end < 0 else end, size)
+    bounds = p.bounds()
+    return bounds.index((start, end)) if (start, end) in bounds else None
+
+
+def local_segment_bounds(p: StridedShard, start: int | None, end: int | None, world_size: int) -> tuple[int, int]:
+    """This rank's ``[start, stop)`` in its local shard of the segment the global slice
+    ``[start, end)`` of ``p``'s dim takes: its chunk of a split segment, or the whole one."""
+    i = segment_of(p, start, end)
+    if i is None:
+        raise ValueError(f"slice [{start}, {end}) is not one segment of {p}")  # internal: the rule checked
+    return p.local_bounds(world_size)[i]
+
+
+def local_segment_index(p: StridedShard, index: int, world_size: int) -> int:
+    """Where the global index ``index`` (negative counts from the end) of a whole segment of ``p``
+    lies in every rank's local shard."""
+    size = sum(p.segments)
+    index = index + size if index < 0 else index
+    i = next(k for k, (a, b) in enumerate(p.bounds()) if a <= index < b)
+    return p.local_bounds(world_size)[i][0] + index - p.bounds()[i][0]
+
+
+def whole_segment_of(p: StridedShard, indices: Sequence[int]) -> int | None:
+    """The whole segment of ``p`` (``StridedShard.whole``) that holds every one of ``indices``, or None."""
+    size = sum(p.segments)
+    at = {next((k for k, (a, b) in enumerate(p.bounds()) if a <= (i + size if i < 0 else i) < b), None)
+          for i in indices}
+    return at.pop() if len(at) == 1 and indices and at <= set(p.whole) else None
 
 
 @register_local(SLICE_BOUNDS)
 def slice_bounds_local(target: Any, args: tuple, kwargs: dict, in_placements: Sequence[Any],
                        out_placement: Any, rank: int, world_size: int) -> Any:
-    """``slice(x, dim, start, end)`` of one segment of a fused shard: bounds divided by N (every
-    segment divides by N, so its global offset does too; an end past the tensor stays as is)."""
-    x = args[0]
+    """``slice(x, dim, start, end)`` of one segment of a fused shard: this rank's bounds of it
+    (:func:`local_segment_bounds`); ``index(x, [.., idx, ..])`` into a whole segment: the indices
+    moved to where that segment lies in the local shard."""
+    x, p = args[0], in_placements[0]
+    if target is torch.ops.aten.index.Tensor:
+        indices = [None if t is None else torch.tensor([local_segment_index(p, int(i), world_size)
+                                                        for i in t.flatten().tolist()]).view(t.shape)
+                   if d == p.dim else t for d, t in enumerate(args[1])]
+        return target(x, indices)
     dim = normalize_dim(args[1] if len(args) > 1 else kwargs.get("dim", 0), x.ndim)
     start = args[2] if len(args) > 2 else kwargs.get("start")
     end = args[3] if len(args) > 3 else kwargs.get("end")
-    local_start, local_end = localize_bounds(start, end, x.shape[dim] * world_size, world_size)
+    local_start, local_end = local_segment_bounds(p, start, end, world_size)
     return target(x, dim, local_start, local_end, *args[4:])
-
-
-def localize_bounds(start: int | None, end: int | None, size: int, world_size: int
-                    ) -> tuple[int | None, int | None]:
-    """Global slice bounds of one fused segment -> this rank's bounds in its local shard."""
-    start = None if start is None else (start + size if start < 0 else start) // world_size
-    if end is not None:
-        end = end + size if end < 0 else end
-        end = None if end >= size else end // world_size
-    return start, end
 
 
 @register(*aten_ops("slice.Tensor", "slice_copy.Tensor", "narrow.default", "narrow_copy.default"), strided=OWN)
@@ -83,7 +107,8 @@ def slice_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate
     """slice/narrow along ``dim``: a Shard there survives only if the slice is the whole dim.
 
     A fused shard (``StridedShard``) sliced along its dim to exactly one segment gives a plain
-    Shard with the local rewrite ``slice_bounds`` (Phi-3's ``qkv[..., :q_size]``)."""
+    Shard with the local rewrite ``slice_bounds`` (Phi-3's ``qkv[..., :q_size]``), or ``R`` for a
+    segment every rank holds whole (Falcon's ``qkv[..., :-2, :]`` is its sharded q heads)."""
     p = inputs[0]
     if not isinstance(p, Shard):
         return same(p)
@@ -92,14 +117,11 @@ def slice_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate
     if p.dim != dim:
         return same(p)
     if isinstance(p, StridedShard):
-        size = x.shape[dim]
         start, end = op.arg(2, "start"), op.arg(3, "end")
-        start = 0 if start is None else (start + size if start < 0 else start)
-        end = size if end is None else min(end + size if end < 0 else end, size)
-        if "narrow" not in str(op.target) and op.arg(4, "step", 1) == 1 \
-                and (start, end) in _segment_bounds(p.segments):
-            return [Candidate(Shard(dim), local=SLICE_BOUNDS)]
-        return reject(f"slice [{start}, {end}) of fused dim {dim} is not one of its segments {p.segments}")
+        i = segment_of(p, start, end) if "narrow" not in str(op.target) and op.arg(4, "step", 1) == 1 else None
+        if i is not None:
+            return [Candidate(R if i in p.whole else Shard(dim), local=SLICE_BOUNDS)]
+        return reject(f"slice [{start}, {end}) of fused dim {dim} is not one of its segments {p}")
     if "narrow" in str(op.target):
         # even a full-length narrow would ask each rank for the global length
         return reject(f"narrow along sharded dim {dim}")
@@ -178,16 +200,28 @@ def gather_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidat
     return reject(f"gather with source {px} needs the index sharded the same way at full size")
 
 
-@register(*aten_ops("index.Tensor"))
+@register(*aten_ops("index.Tensor"), strided=OWN)
 def index_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate]:
     """x[indices] (advanced indexing with a list of optional integer index tensors).
 
     A Shard of x on a non-indexed dim survives; the broadcast index dims replace the indexed dims
     in place when those are adjacent, else they go first. Index tensors must be Replicate.
+
+    A fused shard indexed along its dim alone, by constant indices that all fall in one segment
+    every rank holds whole (Falcon's ``qkv[..., [-2], :]``, its one k head), is ``R``: each rank
+    reads that segment where it lies in its shard (local rewrite ``slice_bounds``).
     """
     px, pis = inputs[0], inputs[1:]
     if any(not isinstance(q, Replicate) for q in pis):
         return reject("index tensors must be Replicate")
+    if isinstance(px, StridedShard):
+        indices = list(op.arg(1, "indices"))
+        at = indices[px.dim] if px.dim < len(indices) else None
+        if isinstance(at, TensorSpec) and at.value is not None \
+                and all(t is None for d, t in enumerate(indices) if d != px.dim) \
+                and whole_segment_of(px, at.value) is not None:
+            return [Candidate(R, local=SLICE_BOUNDS)]
+        return reject(f"indexing a fused shard {px} other than by constants into one whole segment")
     if not isinstance(px, Shard):
         return same(px)
     x = op.tensor_inputs[0]
@@ -279,7 +313,9 @@ def split_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate
     if isinstance(p, StridedShard):
         if p.dim != dim:
             d = shift_after_removal(p.dim, [dim]) if unbind else p.dim
-            return same(tuple(StridedShard(d, p.segments) for _ in range(n)))
+            return same(tuple(StridedShard(d, p.segments, p.whole) for _ in range(n)))
+        if p.whole:  # the split's local sizes would be the segments' local lengths (not done yet)
+            return reject(f"split of a fused dim with segments held whole {p}")
         if not unbind and split_pieces(op, x.shape[dim]) == p.segments:
             return [Candidate(tuple(Shard(dim) for _ in range(n)), local=SPLIT_SIZES)]
         return reject(f"split of fused dim {dim} into pieces other than its segments {p.segments}")
@@ -326,6 +362,8 @@ def repeat_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidat
     if k < 1:
         return reject(f"repeat {k} times along sharded dim {p.dim} leaves nothing to shard")
     if isinstance(p, StridedShard):
+        if p.whole:
+            return reject(f"repeat of a fused dim with segments held whole {p}")
         return same(StridedShard(d, p.segments * k))
     return same(Shard(d) if k == 1 else StridedShard(d, (size,) * k))
 

@@ -37,14 +37,22 @@ from autotp.placement import GroupedShard, HeadShard, Partial, Placement, Replic
 PlacementOut = Placement | tuple[Placement | None, ...] | None
 
 
+#: ``node.meta`` key of a constant's ``get_attr`` node in the shadow graph: the flat values of a
+#: small integer constant (``autotp/passes/decompose.py`` records it, ``TensorSpec.value`` carries it)
+CONSTANT_VALUE = "autotp_constant_value"
+
+
 @dataclass(frozen=True)
 class TensorSpec:
     """Global (logical) shape and dtype of a tensor argument or result. ``symbolic``: the dims
-    whose size is symbolic in a dynamic-shape graph (never sharded: the graph runs at every size)."""
+    whose size is symbolic in a dynamic-shape graph (never sharded: the graph runs at every size).
+    ``value``: the flat values of a small integer constant (a list index such as Falcon's
+    ``qkv[..., [-2], :]``, recorded by decompose as ``CONSTANT_VALUE``), None otherwise."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype
     symbolic: frozenset[int] = frozenset()
+    value: tuple[int, ...] | None = None
 
     def shardable(self, dim: int, placement: Placement | None = None) -> bool:
         """False for a symbolic dim (see ``symbolic``), unless ``placement`` is a StridedShard of
@@ -185,13 +193,18 @@ def _checked(fn: Rule, strided: str | None = None, grouped: str | None = None) -
 
 def _pointwise_strided(fn: Rule, op: OpCall, inputs: Sequence[Placement]) -> list[Candidate]:
     """Run a :data:`POINTWISE` rule on StridedShard inputs read as plain Shards, then mark each
-    Shard result strided again (its dim must have the fused size)."""
+    Shard result strided again (its dim must have the fused size). With segments held whole
+    (``StridedShard.whole``), a ``Partial`` result is dropped: a sum over the fused dim (a matmul
+    contracting it) would count every rank's copy of a whole segment."""
     strided = {p for p in inputs if isinstance(p, StridedShard)}
-    segments = {p.segments for p in strided}
-    if len(segments) > 1 or any(isinstance(p, Shard) and not isinstance(p, StridedShard) for p in inputs):
+    layouts = {(p.segments, p.whole) for p in strided}
+    if len(layouts) > 1 or any(isinstance(p, Shard) and not isinstance(p, StridedShard) for p in inputs):
         return reject(f"inputs mix differently fused shards: {list(inputs)}")
-    (segs,) = segments
+    ((segs, whole),) = layouts
     cands = fn(op, [Shard(p.dim) if isinstance(p, StridedShard) else p for p in inputs])
+    if whole:
+        cands = [c for c in cands if not any(isinstance(q, Partial) for q in
+                                             (c.output if isinstance(c.output, tuple) else (c.output,)))]
     if not cands:
         return cands
     outs = op.out if isinstance(op.out, (tuple, list)) else (op.out,)
@@ -201,7 +214,7 @@ def _pointwise_strided(fn: Rule, op: OpCall, inputs: Sequence[Placement]) -> lis
             return p
         if not isinstance(spec, TensorSpec) or spec.shape[p.dim] != sum(segs):
             return None
-        return StridedShard(p.dim, segs)
+        return StridedShard(p.dim, segs, whole)
 
     out: list[Candidate] = []
     for c in cands:

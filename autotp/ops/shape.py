@@ -66,10 +66,12 @@ def localize_sizes(sizes: Sequence[Any], out_placement: Any, world_size: int, ra
 
     The size at the output's shard dim becomes rank ``rank``'s chunk of it
     (:func:`autotp.placement.local_size`: ``size / N``, or a short last chunk of a dim split
-    unevenly), for a grouped shard the size divided by its groups (raising ``ValueError``
-    when it does not divide) and its spread dim by :func:`autotp.placement.spread_size`, for a head
-    shard the rank's heads (:meth:`autotp.placement.HeadShard.index_range`); a ``-1`` (inferred) stays ``-1``; other placements leave the sizes
-    unchanged. ``(2, 6, 8, 8)`` with ``S(2)`` over 2 ranks becomes ``(2, 6, 4, 8)``.
+    unevenly), for a fused shard with whole segments its local length, for a grouped shard the
+    size divided by its groups (raising ``ValueError`` when it does not divide) and its spread dim
+    by :func:`autotp.placement.spread_size`, for a head shard the rank's heads
+    (:meth:`autotp.placement.HeadShard.index_range`); a ``-1`` (inferred) stays ``-1``; other
+    placements leave the sizes unchanged. ``(2, 6, 8, 8)`` with ``S(2)`` over 2 ranks becomes
+    ``(2, 6, 4, 8)``.
     """
     sizes = list(sizes)
     if isinstance(out_placement, GroupedShard):
@@ -86,6 +88,9 @@ def localize_sizes(sizes: Sequence[Any], out_placement: Any, world_size: int, ra
         if not (isinstance(sizes[d], int) and sizes[d] == -1):
             start, stop = out_placement.index_range(sizes[d], rank, world_size)
             sizes[d] = stop - start
+    elif isinstance(out_placement, StridedShard) and out_placement.whole:  # static: q_r | k | v
+        if not (isinstance(sizes[out_placement.dim], int) and sizes[out_placement.dim] == -1):
+            sizes[out_placement.dim] = out_placement.local_length(world_size)
     elif isinstance(out_placement, Shard):
         d = out_placement.dim
         size = sizes[d]
@@ -159,7 +164,10 @@ def view_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate]
         # a fused dim survives whole: (B*S, 192) S(1|64+64+64) -> (B, S, 192) S(2|64+64+64)
         for o in range(len(out)):
             if out[o] == x.shape[p.dim] and math.prod(out[o:]) == suffix:
-                return [Candidate(StridedShard(o, p.segments), local="shape")]
+                return [Candidate(StridedShard(o, p.segments, p.whole), local="shape")]
+        heads = _split_into_heads(p, x.shape, out, n)
+        if heads is not None:
+            return [Candidate(heads, local="shape")]
         # equal segments split apart: (B*H, S, S) S(0|H+H) -> (B, H, S, S) S(1)
         if p.segment_size is not None:
             segment = p.segment_size * math.prod(x.shape[p.dim + 1:])
@@ -183,6 +191,21 @@ def view_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate]
         return [Candidate(merged, local="shape")]
     return reject(f"sharded dim {p.dim} of {x.shape} is neither the outermost factor of a divisible "
                   f"dim of {out} nor merged whole behind other dims")
+
+
+def _split_into_heads(p: StridedShard, shape: Sequence[int], out: Sequence[int], world_size: int
+                      ) -> StridedShard | None:
+    """The fused dim cut into ``(F / k, k)`` (heads of ``k``), every segment whole heads and every
+    rank's chunk of a split segment whole heads: Falcon's ``(B, S, (H+2)*D) S(2|H*D+Dr+Dr) -> (B, S,
+    H+2, D) S(2|H+1r+1r)``. None if the view does not cut it so."""
+    fused = shape[p.dim]
+    for o in range(len(out)):
+        if math.prod(out[o:]) != math.prod(shape[p.dim:]) or out[o] < 1 or fused % out[o] or out[o] == fused:
+            continue
+        unit = fused // out[o]  # indices of the fused dim per index of out dim o
+        if all(s % unit == 0 and (i in p.whole or (s // unit) % world_size == 0) for i, s in enumerate(p.segments)):
+            return StridedShard(o, tuple(s // unit for s in p.segments), p.whole)
+    return None
 
 
 def _static_segment(op: OpCall, inner: Sequence[int], out: Sequence[int], o: int) -> bool:

@@ -31,7 +31,15 @@ import torch.fx
 from torch import Tensor
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from autotp.compat import FakeTensorMode, LazyGraphModule, OpOverload, core_aten_decompositions, pytree
+from autotp.compat import (
+    FakeTensor,
+    FakeTensorMode,
+    LazyGraphModule,
+    OpOverload,
+    core_aten_decompositions,
+    pytree,
+)
+from autotp.ops.registry import CONSTANT_VALUE
 
 
 @torch.library.custom_op("autotp::edge", mutates_args=())
@@ -390,6 +398,7 @@ class _NodeByNode:
         mapping: dict[torch.fx.Node, torch.fx.Node] = {}
         outputs: list[torch.fx.Node] = []
         stack = n.meta.get("stack_trace")
+        values = _constant_values(traced.graph, n)
         for m in traced.graph.graph.nodes:
             if m.op == "placeholder":
                 mapping[m] = next(inputs)
@@ -402,6 +411,8 @@ class _NodeByNode:
                 setattr(self.root, name, getattr(traced.graph, m.target))
                 mapping[m] = self.graph.get_attr(name)
                 mapping[m].meta = dict(m.meta)
+                if m.target in values:
+                    mapping[m].meta[CONSTANT_VALUE] = values[m.target]
             else:
                 copy = self.graph.node_copy(m, mapping.__getitem__)
                 copy.meta = {"val": m.meta.get("val"), "stack_trace": stack}
@@ -419,6 +430,38 @@ class _NodeByNode:
                 v = _produced(mk, mapping[src].meta["val"] if src.op == "placeholder" else src.meta["val"])
             result.append(v)
         return pytree.tree_unflatten(result, traced.spec)
+
+
+_CONSTANT_LIMIT = 64  # elements: index lists, not tables
+
+
+def _constant_values(traced: torch.fx.GraphModule, n: torch.fx.Node) -> dict[str, tuple[int, ...]]:
+    """Attribute name -> flat values of each small integer constant of ``n``'s trace: a list index
+    (Falcon's ``qkv[..., [-2], :]``) becomes one, and a rule needs its values to know which rows it
+    reads. A constant with data gives its own; on the meta device (the planner) it holds none, and
+    the values are the lists of ints in ``n``'s arguments, in order, where they match the
+    constants one for one."""
+    constants = [(m.target, getattr(traced, m.target)) for m in traced.graph.nodes if m.op == "get_attr"]
+    constants = [(name, c) for name, c in constants if isinstance(c, Tensor) and c.numel() <= _CONSTANT_LIMIT
+                 and not (c.dtype.is_floating_point or c.dtype.is_complex or c.dtype == torch.bool)]
+    out = {name: tuple(int(v) for v in c.flatten().tolist()) for name, c in constants
+           if c.device.type != "meta" and not isinstance(c, FakeTensor)}
+    empty = [(name, c) for name, c in constants if name not in out]
+    lists = _int_lists((n.args, n.kwargs))
+    if empty and len(lists) == len(empty) and all(len(v) == c.numel() for v, (_, c) in zip(lists, empty, strict=True)):
+        out.update((name, v) for v, (name, _) in zip(lists, empty, strict=True))
+    return out
+
+
+def _int_lists(arg: Any) -> list[tuple[int, ...]]:
+    """The non-empty lists of ints inside ``arg`` (through tuples, lists and dicts), in order."""
+    if isinstance(arg, list) and arg and all(type(k) is int for k in arg):
+        return [tuple(arg)]
+    if isinstance(arg, (tuple, list)):
+        return [v for a in arg for v in _int_lists(a)]
+    if isinstance(arg, dict):
+        return [v for a in arg.values() for v in _int_lists(a)]
+    return []
 
 
 def _produced(node: torch.fx.Node, val: Tensor) -> _Ref:

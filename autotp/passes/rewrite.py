@@ -37,20 +37,26 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
-from autotp.collectives import Comm, kind_of, refuse_grouped_gradient
+from autotp.collectives import Comm, kind_of, refuse_gradient, refuses_gradient
 from autotp.compat import legacy_get_string, linear_builtin
 from autotp.context import meta_of
 from autotp.errors import PassError
 from autotp.layers import Redistribute, ShardedSoftmax, VocabGather, VocabParallelEmbedding, VocabParallelLoss
 from autotp.ops.elementwise import REPLICATED_SHARE
-from autotp.ops.indexing import SLICE_BOUNDS, SPLIT_SIZES, VOCAB_GATHER, localize_bounds
+from autotp.ops.indexing import (
+    SLICE_BOUNDS,
+    SPLIT_SIZES,
+    VOCAB_GATHER,
+    local_segment_bounds,
+    local_segment_index,
+)
 from autotp.ops.norm import SHARDED_SOFTMAX
 from autotp.ops.random import RANK_RNG
 from autotp.ops.reduction import SHARDED_MEAN
 from autotp.ops.shape import localize_sizes
 from autotp.passes.annotate import Annotation
 from autotp.passes.hosts import GATHER_FUNCTIONS, SOFTMAX_FUNCTIONS, SOFTMAX_METHODS
-from autotp.placement import GroupedShard, HeadShard, Replicate, Shard, chunks
+from autotp.placement import GroupedShard, HeadShard, Replicate, Shard, StridedShard, chunks
 from autotp.plan import gradient_node
 from autotp.rng import RankStreamCall
 
@@ -98,7 +104,7 @@ def rewrite(gm: torch.fx.GraphModule, annotation: Annotation, params: dict[torch
     for ph, lp in params.items():
         requires_grad[ph] = lp.tensor.requires_grad
 
-    # 1. parameters -> get_attr of the local shard (a grouped kv projection refuses a gradient)
+    # 1. parameters -> get_attr of the local shard (a layout autotp cannot train through refuses a gradient)
     trains = gradient_node(gm) is not None
     first_real = next(n for n in graph.nodes if n.op != "placeholder")
     attr_nodes: dict[torch.fx.Node, torch.fx.Node] = {}
@@ -107,8 +113,9 @@ def rewrite(gm: torch.fx.GraphModule, annotation: Annotation, params: dict[torch
             gm.register_parameter(lp.attr, lp.tensor)
         with graph.inserting_before(first_real):
             attr_nodes[ph] = graph.get_attr(lp.attr)
-            if trains and isinstance(meta_of(lp.tensor).placement, GroupedShard):
-                attr_nodes[ph] = graph.call_function(refuse_grouped_gradient, (attr_nodes[ph],))
+            placement = meta_of(lp.tensor).placement
+            if trains and refuses_gradient(placement):
+                attr_nodes[ph] = graph.call_function(refuse_gradient, (attr_nodes[ph], placement))
 
     # 2. edges -> Redistribute where the placement changes (or a partial gradient must be reduced)
     shared: dict[tuple, torch.fx.Node] = {}
@@ -467,14 +474,17 @@ def _divide_sizes(sizes: Any, world_size: int) -> Any:
 
 def _localize_segment_slice(n: torch.fx.Node, plan: Any, world_size: int) -> None:
     """Local rewrite ``slice_bounds``: ``x[..., a:b]`` takes one segment of a fused shard; each rank
-    takes its chunk of it, at bounds divided by N."""
+    takes its piece of it (its chunk, or the whole segment where every rank holds it); a constant
+    list index ``x[..., [i], :]`` into a segment every rank holds whole reads it where it lies in
+    the local shard (Falcon's k and v heads behind its q heads)."""
     edge = plan.edges.get((0, 0))
     value = n.args[0].meta.get("example_value") if n.args and isinstance(n.args[0], torch.fx.Node) else None
-    if not (n.op == "call_function" and n.target is operator.getitem and isinstance(edge.dst if edge else None, Shard)
+    fused = edge.dst if edge else None
+    if not (n.op == "call_function" and n.target is operator.getitem and isinstance(fused, StridedShard)
             and isinstance(value, torch.Tensor)):
         raise PassError(f"node {n.name} ({n.target}) slices a fused shard, but autotp only knows how to "
-                        "rewrite the bounds of x[..., a:b]")
-    dim, ndim = edge.dst.dim, value.dim()
+                        "rewrite the bounds of x[..., a:b] and x[..., [i], :]")
+    dim, ndim = fused.dim, value.dim()
     index = n.args[1]
     items = list(index) if isinstance(index, tuple) else [index]
     consuming = sum(1 for it in items if it is not None and it is not Ellipsis)
@@ -486,10 +496,13 @@ def _localize_segment_slice(n: torch.fx.Node, plan: Any, world_size: int) -> Non
             d += ndim - consuming
             continue
         if d == dim:
-            if not isinstance(it, slice) or not all(isinstance(b, (int, type(None))) for b in (it.start, it.stop)):
-                raise PassError(f"node {n.name}: the fused dim {dim} is indexed by {it!r}, not a constant slice")
-            start, stop = localize_bounds(it.start, it.stop, int(value.shape[dim]), world_size)
-            items[i] = slice(start, stop, it.step)
+            if isinstance(it, slice) and all(isinstance(b, (int, type(None))) for b in (it.start, it.stop)):
+                items[i] = slice(*local_segment_bounds(fused, it.start, it.stop, world_size), it.step)
+            elif isinstance(it, list) and all(isinstance(k, int) for k in it):
+                items[i] = [local_segment_index(fused, k, world_size) for k in it]
+            else:
+                raise PassError(f"node {n.name}: the fused dim {dim} is indexed by {it!r}, not a constant slice "
+                                "or list")
             n.args = (n.args[0], tuple(items) if isinstance(index, tuple) else items[0])
             return
         d += 1
@@ -577,7 +590,8 @@ def _globalize_size_query(n: torch.fx.Node, plan: Any, world_size: int) -> bool:
     graph = n.graph
     users = list(n.users)
     total = _static_size(n.args[0], d)
-    if total is not None and total % world_size == 0 and not isinstance(edge.dst, HeadShard):
+    whole = isinstance(edge.dst, StridedShard) and edge.dst.whole  # its local length is not total / N
+    if total is not None and total % world_size == 0 and not whole and not isinstance(edge.dst, HeadShard):
         total = None  # an even shard: local size x N, as for a symbolic dim
     with graph.inserting_after(n):
         if n.target == "numel" and total is not None:  # uneven: the local count over its local dim size

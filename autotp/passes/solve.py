@@ -36,7 +36,8 @@ A k/v projection with fewer heads than ranks (``ParamChoice.kv_heads``, ``autotp
 cannot hold less than ``1/kv_heads`` of itself per rank without cutting a head that attention
 would gather back on every token, so its bytes up to that floor are tier 3 and only bytes beyond
 it tier 1 (:func:`head_floor`): a multi-query projection replicated, or one kv head per rank
-(``GroupedShard``), saves all that keeping heads whole can.
+(``GroupedShard``), saves all that keeping heads whole can. Likewise a fused q|k|v projection whose
+one k and v head every rank holds whole beside its split q heads (:func:`whole_segment_floor`).
 
 ``C = sum(comm_bytes(edge) / tokens + latency)`` over the collectives (in a training graph,
 ``SolverOptions.backward``, those of the backward too: each redistribution's gradient collective), with ring-model bytes from
@@ -135,7 +136,7 @@ import torch.fx
 
 from autotp.collectives import backward_kind_of, cost_bytes, kind_of
 from autotp.errors import SolverError
-from autotp.ops.registry import Candidate, OpCall, TensorSpec, lookup, reject
+from autotp.ops.registry import CONSTANT_VALUE, Candidate, OpCall, TensorSpec, lookup, reject
 from autotp.passes.decompose import EDGE, MARK, SYMBOLIC_DIMS, ShadowGraph
 from autotp.passes.hosts import hosted_tags, needs_host
 from autotp.placement import (
@@ -257,6 +258,13 @@ def head_floor(replicated: float, kv_heads: int, world_size: int) -> float:
     return nbytes * (1.0 / kv_heads - 1.0 / world_size)
 
 
+def whole_segment_floor(choice: ParamChoice) -> float:
+    """Of a fused projection's unsaved bytes, those its layout with whole segments keeps
+    (``StridedShard.whole``: Falcon's one k and one v head on every rank beside its split q heads):
+    no plan keeping those heads whole saves them, as with :func:`head_floor` (0 without one)."""
+    return min((m for p, m in choice.options if isinstance(p, StridedShard) and p.whole), default=0.0)
+
+
 def _price_memory(free: dict[int, ParamChoice], steps: list[_Step], opts: SolverOptions) -> dict[int, ParamChoice]:
     """Turn each option's unsaved bytes into the objective's tiers (see the module docstring). A
     k/v projection's bytes up to its head floor (:func:`head_floor`) are tier 3, whatever its size:
@@ -266,7 +274,8 @@ def _price_memory(free: dict[int, ParamChoice], steps: list[_Step], opts: Solver
     if not opts.memory_weight or not any(replicated.values()):
         return {j: ParamChoice([(p, 0.0) for p, _ in c.options], c.shape, replicated[j], c.kv_heads)
                 for j, c in free.items()}
-    floor = {j: head_floor(replicated[j], c.kv_heads, opts.world_size) for j, c in free.items()}
+    floor = {j: max(head_floor(replicated[j], c.kv_heads, opts.world_size), whole_segment_floor(c))
+             for j, c in free.items()}
     small = memory_tiers({j: c.shape for j, c in free.items()}, opts.small_rows)
     large = [m - floor[j] for j, m in replicated.items() if j not in small and m - floor[j] > 0]
     weight = (_comm_upper_bound(steps, opts) + 1.0) / min(large) if large else 0.0
@@ -341,10 +350,11 @@ class _Hist:
         self.parent, self.index, self.placement, self.local, self.param = parent, index, placement, local, param
 
 
-def _spec(value: Any, symbolic: Any = None) -> Any:
-    """The TensorSpec of a node's value; ``symbolic``: its ``SYMBOLIC_DIMS`` meta, if any."""
+def _spec(value: Any, symbolic: Any = None, constant: tuple[int, ...] | None = None) -> Any:
+    """The TensorSpec of a node's value; ``symbolic``: its ``SYMBOLIC_DIMS`` meta, if any;
+    ``constant``: its ``CONSTANT_VALUE`` meta, if any."""
     if isinstance(value, torch.Tensor):
-        return TensorSpec(tuple(int(s) for s in value.shape), value.dtype, frozenset(symbolic or ()))
+        return TensorSpec(tuple(int(s) for s in value.shape), value.dtype, frozenset(symbolic or ()), constant)
     if isinstance(value, (tuple, list)):
         dims = symbolic if isinstance(symbolic, tuple) else (None,) * len(value)
         return tuple(_spec(v, d) for v, d in zip(value, dims, strict=False))
@@ -363,7 +373,7 @@ def _shards_symbolic_dim(out: Any, spec: Any) -> bool:
 def _arg_specs(arg: Any) -> Any:
     def conv(a: Any) -> Any:
         if isinstance(a, torch.fx.Node):
-            return _spec(a.meta.get("val"))
+            return _spec(a.meta.get("val"), constant=a.meta.get(CONSTANT_VALUE))
         return a
 
     return torch.fx.node.map_aggregate(arg, conv)

@@ -94,13 +94,7 @@ ALL_REDUCES_PER_BLOCK: dict[str, int] = {arch: 2 for arch in BLOCK_ARCHS} | {"gp
 #: k_norm over all heads) reduces its mean square (one value per token) instead of gathering its input
 STATISTICS_PER_BLOCK: dict[str, int] = {"olmo2": 2}
 #: arch -> why its per-block count cannot be asserted yet (strict xfail)
-BLOCK_COUNT_XFAIL: dict[str, str] = {
-    "falcon": "Falcon-7B-style multi-query attention keeps its one k/v head inside the fused "
-              "query_key_value weight, which cannot be split by heads: the plan all-gathers that "
-              "projection's output and runs attention replicated (1 all-gather + 1 all-reduce per "
-              "block) rather than replicate the weight; Megatron's 1 all-reduce needs q sharded and "
-              "k/v replicated within one fused weight, a placement autotp does not have",
-}
+BLOCK_COUNT_XFAIL: dict[str, str] = {}
 
 #: case id -> why it does not work yet (the test is a strict xfail: it must fail, for that reason)
 KNOWN_FAILURES: dict[str, str] = {}
@@ -198,6 +192,10 @@ def test_architecture_matches_one_process(tmp_path: Path, case: Case, world: int
     assert sharded, f"{case.id}: no parameter is sharded"
     if case.arch == "mixtral":
         assert_moe_is_tensor_parallel(result["plan"]["parameters"], num_layers=2)
+    if case.arch == "falcon":  # q heads split, the one k and v head whole on every rank (8 heads of 8)
+        for layer in range(2):
+            qkv = result["plan"]["parameters"][f"transformer.h.{layer}.self_attention.query_key_value.weight"]
+            assert qkv["placement"] == "S(0|64+8r+8r)"
 
 
 def assert_moe_is_tensor_parallel(parameters: dict[str, dict[str, Any]], num_layers: int) -> None:

@@ -165,6 +165,14 @@ def test_training_through_grouped_kv_heads_is_refused_not_silently_wrong(tmp_pat
         assert "kv heads" in message and "warmup=False" in message, message
 
 
+def test_training_through_falcons_whole_kv_head_is_refused_not_silently_wrong(tmp_path: Path) -> None:
+    """Falcon's fused query_key_value holds its one k and v head whole on every rank beside the split q
+    heads: the gradient into its input would count those heads once per rank, so it is refused."""
+    folder = save_tiny("falcon", tmp_path / "falcon", pad_token_id=PAD_ID)
+    for message in run_ranks(_rank_train, 2, str(folder)):
+        assert "query_key_value" in message and "warmup=False" in message, message
+
+
 def _rank_cached(rank: int, world: int, folder: str, cache_dir: str) -> dict[str, Any]:
     import os
 

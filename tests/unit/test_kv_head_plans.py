@@ -8,10 +8,10 @@ sharded, and each k/v projection keeps whole heads: grouped (``S(0/KV)``, every 
 kv head its query heads use, ``1/KV`` of the projection) or, with one kv head, replicated. The KV
 cache per rank is then the cache's ``1/KV``.
 
-Not here: Falcon-7B's own layout (71 heads divide by no tp, and its k/v live inside the fused
-``query_key_value`` weight, which needs a placement with sharded q and replicated k/v segments:
-still planned with an all-gather, see the strict xfail in tests/distributed/test_architectures.py);
-its multi-query widths are planned below as a Llama-style config with one kv head.
+Falcon's own layout keeps its one k and one v head inside the fused ``query_key_value`` weight:
+that weight is stored with its q heads split and the k and v head whole on every rank
+(``S(0|H*D+Dr+Dr)``), planned at 64 heads of 64 below (Falcon-7B's own 71 heads divide by no tp).
+Its multi-query widths are also planned as a Llama-style config with one kv head.
 
 Tolerances: none, these are exact counts of the collectives the planned program issues.
 """
@@ -103,3 +103,23 @@ def test_a_kv_projection_is_tier_one_only_beyond_one_kv_head_per_rank() -> None:
     assert head_floor(replicated, 8, tp) == 0.0  # as many kv heads as ranks: plain shards
     assert head_floor(replicated, 2, tp) == nbytes * (1 / 2 - 1 / 8)  # a kv head is 1/2 of it
     assert head_floor(replicated, 1, tp) == replicated  # multi-query: replicating it is the floor
+
+
+def test_falcons_fused_multi_query_projection_splits_q_and_keeps_its_kv_head_whole_at_tp8() -> None:
+    """Falcon-7B's block at 64 heads of 64, tp=8: each rank reads its 8 q heads and the whole k and v
+    head out of ``query_key_value`` (640 of its 4224 rows); the prefill and the decode step then
+    issue one all-reduce per block (parallel attention and MLP), the embedding's, and the logits'
+    gather, and the KV cache (one kv head) is whole on every rank."""
+    config = transformers.FalconConfig(hidden_size=4096, num_attention_heads=64, vocab_size=65024,
+                                       num_hidden_layers=2, multi_query=True, new_decoder_architecture=False,
+                                       parallel_attn=True, bias=False, alibi=False)
+    report = plan_model(config, 8)
+    assert collectives_per_block(report.forward.sites) == {layer: {"all_reduce": 1} for layer in range(2)}
+    for call in (report.forward, report.decode):
+        assert call.collectives == {"all_reduce": 2 + 1, "all_gather": 1}
+        assert [s["origin"] for s in call.sites if s["kind"] == "all_gather"] == ["lm_head"]
+    for layer in range(2):
+        qkv = report.parameters[f"transformer.h.{layer}.self_attention.query_key_value.weight"]
+        assert qkv["placement"] == "S(0|4096+64r+64r)" and qkv["local_shape"] == [640, 4096]
+    assert report.kv_cache_bytes_per_rank == report.kv_cache_bytes_total
+    assert report.tp_plan is None and "held whole by every rank" in report.tp_plan_refusal

@@ -57,6 +57,11 @@ REAL_WIDTHS: dict[str, tuple[str, str, dict[str, Any], int]] = {
     "mixtral": ("Mixtral-8x7B", "MixtralConfig", dict(
         hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336,
         num_local_experts=8, num_experts_per_tok=2, vocab_size=32000), 2),
+    # Falcon-7B's fused multi-query layout (parallel attention and MLP, one k and one v head inside
+    # query_key_value) at 64 heads of 64: its own 71 heads of 64 (hidden 4544) divide by no tp
+    "falcon": ("Falcon-7B, 64 heads", "FalconConfig", dict(
+        hidden_size=4096, num_attention_heads=64, vocab_size=65024, multi_query=True,
+        new_decoder_architecture=False, parallel_attn=True, bias=False, alibi=False), 1),
     "olmo2": ("OLMo-2-7B", "Olmo2Config", dict(
         hidden_size=4096, num_attention_heads=32, num_key_value_heads=32, intermediate_size=11008,
         vocab_size=100352), 2),

@@ -36,7 +36,16 @@ from autotp.ops.embedding import vocab_parallel_embedding
 from autotp.ops.random import RANK_RNG
 from autotp.ops.registry import Candidate, OpCall, Rejected, TensorSpec
 from autotp.ops.shape import localize_sizes
-from autotp.placement import Partial, Placement, Replicate, Shard, StridedShard, local_shape, shard_candidates
+from autotp.placement import (
+    Partial,
+    Placement,
+    Replicate,
+    Shard,
+    StridedShard,
+    local_shape,
+    parse,
+    shard_candidates,
+)
 
 aten = torch.ops.aten
 R, P = Replicate(), Partial()
@@ -547,7 +556,11 @@ CUDA_SAMPLES = _cuda_samples()
 # ---------------------------------------------------------------------------------------------
 
 def _spec(value: Any) -> Any:
-    return TensorSpec(tuple(value.shape), value.dtype) if isinstance(value, torch.Tensor) else value
+    """A tensor's spec; a small integer tensor keeps its values, as decompose records constants."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    constant = value.dtype in (torch.int32, torch.int64) and value.numel() <= 64
+    return TensorSpec(tuple(value.shape), value.dtype, value=tuple(value.flatten().tolist()) if constant else None)
 
 
 def _out_spec(result: Any) -> Any:
@@ -980,8 +993,11 @@ def test_a_fused_shard_survives_only_ops_that_keep_its_dim_whole() -> None:
     x = f(2, 3, 24)
     assert outputs(ask(aten.view.default, (x, [6, 24]), [fused])) == [(StridedShard(1, (8, 8, 8)), "shape")]
     assert outputs(ask(aten.gelu.default, (x,), [fused])) == [(fused, None)]
-    # splitting the fused dim into heads would mix q, k and v rows: rejected, with a reason
-    for target, args in ((aten.view.default, (x, [2, 3, 6, 4])), (aten.split.Tensor, (x, 12, 2)),
+    # cut into heads of 4, each rank's chunk of each segment is whole heads (1 of q, of k, of v)
+    assert outputs(ask(aten.view.default, (x, [2, 3, 6, 4]), [fused])) == [(StridedShard(2, (2, 2, 2)), "shape")]
+    # merging the fused dim with the one before it, and cuts other than its segments, mix q, k and v
+    # rows: rejected, with a reason
+    for target, args in ((aten.view.default, (x, [2, 72])), (aten.split.Tensor, (x, 12, 2)),
                          (aten.slice.Tensor, (x, 2, 0, 12)), (aten._softmax.default, (x, 2, False)),
                          (aten.cat.default, ([x, x], 0))):
         placements = [fused] * (2 if target is aten.cat.default else 1)
@@ -1004,9 +1020,43 @@ def test_fused_segmentations_are_read_off_splits_and_tiling_slices() -> None:
 
     gm = make_fx(program)(torch.randn(2, 32), torch.randn(2, 40))
     found = fused_segmentations(gm.graph, 2)
-    assert found == {32: {(16, 8, 8)}, 40: {(20, 20)}}
-    assert fused_segmentations(gm.graph, 16) == {}  # 8 does not divide by 16
+    assert found == {32: {((16, 8, 8), ())}, 40: {((20, 20), ())}}
+    # 8 does not divide by 16: k and v held whole beside a split q; gate | up, all whole, is no layout
+    assert fused_segmentations(gm.graph, 16) == {32: {((16, 8, 8), (1, 2))}}
     assert strided_candidates((32, 12), found) == [StridedShard(0, (16, 8, 8))]
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_a_fused_multi_query_projection_splits_its_q_heads_and_keeps_its_k_and_v_head_whole(world_size: int) -> None:
+    # Falcon-7B's query_key_value: (B, S, (H+2)*D) viewed as (B, S, H+2, D), then q = [..., :-2, :]
+    # and its one k head = [..., [-2], :]; every rank holds its q heads and the whole k and v head
+    heads, head_dim = 8, 4
+    fused = StridedShard(2, (heads * head_dim, head_dim, head_dim), whole=(1, 2))
+    assert str(fused) == "S(2|32+4r+4r)" and parse(str(fused)) == fused
+    x = f(2, 3, (heads + 2) * head_dim)
+    cand, split = _simulate(aten.view.default, (x, [2, 3, heads + 2, head_dim]), [fused], world_size)
+    by_heads = StridedShard(2, (heads, 1, 1), whole=(1, 2))
+    assert cand.output == by_heads and cand.local == "shape"
+    full = x.view(2, 3, heads + 2, head_dim)
+    for r, o in enumerate(split):
+        assert o.shape[2] == heads // world_size + 2
+        torch.testing.assert_close(o, strided_pieces(full, by_heads, world_size)[r], rtol=0, atol=0)
+    cand, qs = _simulate(aten.slice.Tensor, (full, 2, 0, -2), [by_heads], world_size)
+    assert cand.output == Shard(2) and cand.local == "slice_bounds"
+    torch.testing.assert_close(torch.cat(qs, 2), full[:, :, :-2], rtol=0, atol=0)
+    index = torch.tensor([-2])
+    (cand,) = ask(aten.index.Tensor, (full, [None, None, index]), [by_heads, R], world_size)
+    assert cand.output == R and cand.local == "slice_bounds"
+    for r, local in enumerate(split):
+        k = registry.local_impl(cand.local)(aten.index.Tensor, (local, [None, None, index]), {}, [by_heads, R],
+                                            R, r, world_size)
+        torch.testing.assert_close(k, full[:, :, [-2]], rtol=0, atol=0)
+    # an index into the split q heads, or one that spans segments, is refused
+    for picked in ([0], [7, 8]):
+        assert ask(aten.index.Tensor, (full, [None, None, torch.tensor(picked)]), [by_heads, R], world_size) == []
+    # a matmul contracting the fused dim would count every rank's copy of k and v: no partial sum
+    contracted = [StridedShard(1, (32, 4, 4), (1, 2)), StridedShard(0, (32, 4, 4), (1, 2))]
+    assert ask(aten.mm.default, (f(5, 40), f(40, 6)), contracted, world_size) == []
 
 
 def test_a_sharded_dropout_draws_its_own_mask_per_rank_and_follows_the_seed() -> None:
