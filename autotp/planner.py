@@ -70,6 +70,7 @@ from autotp.passes.decompose import EDGE, MARK
 from autotp.passes.solve import solve
 from autotp.placement import (
     GroupedShard,
+    HeadShard,
     Placement,
     R,
     Shard,
@@ -826,7 +827,7 @@ def _parameter_table(module: torch.nn.Module, tp: int, styles: Mapping[str, str]
         rows[fqn] = {
             "style": styles.get(meta.fqn, "replicate"),
             "placement": str(placement),
-            "shard_dim": placement.dim if isinstance(placement, (Shard, GroupedShard)) else None,
+            "shard_dim": placement.dim if isinstance(placement, (Shard, GroupedShard, HeadShard)) else None,
             "global_shape": list(shape),
             "global_numel": _numel(shape),
             "local_shape": list(local),  # rank 0's: the largest chunk where the split is uneven

@@ -175,3 +175,28 @@ def test_a_fused_qkv_projection_with_heads_no_tp_divides_is_exact_at_tp2(tmp_pat
         expected = AutoModelForCausalLM.from_pretrained(folder).eval()(input_ids=torch.tensor(PROMPT)).logits
     for r in run_ranks(_rank_logits, 2, str(folder)):
         torch.testing.assert_close(r["logits"], expected, atol=ATOL, rtol=RTOL)
+
+
+def _rank_masked(rank: int, world: int, folder: str, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    from autotp import parallelize_model
+
+    model = parallelize_model(folder, tp_size=world)
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0)
+
+
+def test_a_left_padded_batch_spreads_each_kv_head_over_its_uneven_query_heads(tmp_path: Path) -> None:
+    """With a padding mask transformers repeats each kv head over its query heads itself
+    (``repeat_kv``): 3 copies per kv head over the group's 2 ranks are 2 + 1, merged into the
+    query heads' split."""
+    from transformers import AutoModelForCausalLM
+
+    folder = save_tiny("qwen2", tmp_path / "qwen2", pad_token_id=PAD_ID, hidden_size=48, num_attention_heads=6,
+                       num_key_value_heads=2)
+    ids = torch.tensor([[0, 0, 5, 17, 99, 3], [4, 8, 15, 16, 23, 42]])
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    ref = AutoModelForCausalLM.from_pretrained(folder).eval()
+    with torch.no_grad():
+        expected = ref.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    for tokens in run_ranks(_rank_masked, 4, str(folder), ids, mask):
+        assert torch.equal(tokens, expected)
