@@ -16,7 +16,8 @@ import pytest
 from autotp.cli import main
 from autotp.planner import PlanReport, explain, plan_model
 from autotp.render import render_html, render_text
-from tests._tiny import tiny_config
+from tests._tiny import tiny_config, tiny_plan
+from tests.distributed.test_architectures import PAD_ID
 
 #: the tiny Llama at tp=2: one all-reduce after the vocab-parallel embedding, two per block
 #: (after o_proj and after down_proj), one all-gather of the column-parallel logits
@@ -78,7 +79,7 @@ def test_every_block_has_the_megatron_two_all_reduces(report: PlanReport) -> Non
 
 @pytest.mark.parametrize("arch", ["mistral", "qwen2"])
 def test_other_dense_decoders_also_get_two_all_reduces_per_block(arch: str) -> None:
-    r = plan_model(tiny_config(arch), 2, decode=False)
+    r = tiny_plan(arch, pad_token_id=PAD_ID)  # the matrix's plan (tests/distributed/test_architectures.py)
     assert r.block_collectives() == {0: {"all_reduce": 2}, 1: {"all_reduce": 2}}
     assert r.collectives == FORWARD
 

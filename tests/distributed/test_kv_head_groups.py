@@ -13,6 +13,7 @@ partial sums reorder fp32 additions).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +43,16 @@ def _reference(folder: Path) -> tuple[torch.Tensor, list[int]]:
     return logits, tokens[0].tolist()
 
 
-def _rank(rank: int, world: int, folder: str) -> dict[str, Any]:
+#: the grouped case (2 kv heads at tp=4), whose launch also generates a left-padded batch
+GROUPED = (2, 4)
+#: a left-padded batch of 2 and its mask
+BATCH_IDS = torch.tensor([[0, 0, 5, 17, 99, 3], [4, 8, 15, 16, 23, 42]])
+BATCH_MASK = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+
+
+def _rank(rank: int, world: int, folder: str, batched: bool) -> dict[str, Any]:
+    """Logits, greedy tokens, the plan and the cache's kv heads; with ``batched`` also the tokens of
+    a left-padded batch (one load serves two tests)."""
     from autotp import parallelize_model
     from autotp.context import shard_of
 
@@ -57,12 +67,33 @@ def _rank(rank: int, world: int, folder: str) -> dict[str, Any]:
         for entry in (layer.keys, layer.values):
             shard = shard_of(entry)
             local_kv_heads.append(shard[0].shape[1] if shard is not None else entry.shape[1])
-    return {
+    result = {
         "logits": out.logits,
         "tokens": tokens[0].tolist(),
         "plan": model.autotp.plan,
         "local_kv_heads": local_kv_heads,
     }
+    if batched:
+        with torch.no_grad():
+            result["batched"] = model.generate(BATCH_IDS, attention_mask=BATCH_MASK, max_new_tokens=6,
+                                               do_sample=False, pad_token_id=0)
+    return result
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int, int], tuple[Path, list[dict[str, Any]]]]:
+    """``launched(kv_heads, world)`` -> (the checkpoint, the ranks' :func:`_rank` results), each
+    launched once per module: the grouped case's results serve the matrix and the left-padded batch."""
+    runs: dict[tuple[int, int], tuple[Path, list[dict[str, Any]]]] = {}
+
+    def run(kv_heads: int, world: int) -> tuple[Path, list[dict[str, Any]]]:
+        if (kv_heads, world) not in runs:
+            root = tmp_path_factory.mktemp(f"kv{kv_heads}-tp{world}")
+            folder = save_tiny("llama", root / "llama", pad_token_id=PAD_ID, num_key_value_heads=kv_heads)
+            runs[kv_heads, world] = folder, run_ranks(_rank, world, str(folder), (kv_heads, world) == GROUPED)
+        return runs[kv_heads, world]
+
+    return run
 
 
 @pytest.mark.parametrize(
@@ -73,11 +104,10 @@ def _rank(rank: int, world: int, folder: str) -> dict[str, Any]:
     ],
 )
 def test_fewer_kv_heads_than_ranks_match_one_process_with_megatrons_plan(
-    tmp_path: Path, kv_heads: int, world: int, kv_placement: str, kv_rows: int
+    launched, kv_heads: int, world: int, kv_placement: str, kv_rows: int
 ) -> None:
-    folder = save_tiny("llama", tmp_path / "llama", pad_token_id=PAD_ID, num_key_value_heads=kv_heads)
+    folder, results = launched(kv_heads, world)
     ref_logits, ref_tokens = _reference(folder)
-    results = run_ranks(_rank, world, str(folder))
     for r in results:
         torch.testing.assert_close(r["logits"], ref_logits, atol=ATOL, rtol=RTOL)
         assert r["tokens"] == ref_tokens
@@ -122,27 +152,18 @@ def test_grouped_shards_narrow_locally_and_gather_one_chunk_per_group() -> None:
         assert checks == {name: True for name in checks}
 
 
-def _rank_masked(rank: int, world: int, folder: str, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    from autotp import parallelize_model
-
-    model = parallelize_model(folder, tp_size=world)
-    with torch.no_grad():
-        return model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
-
-
-def test_grouped_kv_heads_generate_a_left_padded_batch_like_one_process(tmp_path: Path) -> None:
+def test_grouped_kv_heads_generate_a_left_padded_batch_like_one_process(launched) -> None:
     """With a padding mask transformers repeats each kv head over its query heads itself
     (``repeat_kv``: an expand and a reshape the rewrite localizes), not inside attention."""
     from transformers import AutoModelForCausalLM
 
-    folder = save_tiny("llama", tmp_path / "llama", pad_token_id=PAD_ID, num_key_value_heads=2)
-    ids = torch.tensor([[0, 0, 5, 17, 99, 3], [4, 8, 15, 16, 23, 42]])
-    mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    folder, results = launched(*GROUPED)
     ref = AutoModelForCausalLM.from_pretrained(folder).eval()
     with torch.no_grad():
-        expected = ref.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
-    for tokens in run_ranks(_rank_masked, 4, str(folder), ids, mask):
-        assert torch.equal(tokens, expected)
+        expected = ref.generate(BATCH_IDS, attention_mask=BATCH_MASK, max_new_tokens=6, do_sample=False,
+                                pad_token_id=0)
+    for r in results:
+        assert torch.equal(r["batched"], expected)
 
 
 def _rank_train(rank: int, world: int, folder: str) -> str:

@@ -29,7 +29,7 @@ import pytest
 import torch
 
 from tests._dist import run_ranks
-from tests._tiny import save_tiny, tiny_config
+from tests._tiny import save_tiny, tiny_plan
 
 pytestmark = pytest.mark.dist
 
@@ -63,11 +63,9 @@ def _transformers_rank(rank: int, world: int, folder: str, tp_plan: dict[str, st
 def test_an_exported_phi3_plan_loads_in_transformers_and_matches_one_process(tmp_path: Path, case: str) -> None:
     from transformers import Phi3ForCausalLM
 
-    from autotp.planner import plan_model
-
     world = 2
     overrides, o_proj = O_PROJ_CASES[case]
-    report = plan_model(tiny_config("phi3", pad_token_id=PAD_ID), world, decode=False, overrides=overrides)
+    report = tiny_plan("phi3", world, overrides=overrides, pad_token_id=PAD_ID)
     plan = report.transformers_tp_plan()
     assert plan == {
         "lm_head": "colwise_gather_output",
@@ -106,10 +104,8 @@ def _transformers_moe_rank(rank: int, world: int, folder: str, tp_plan: dict[str
 def test_an_exported_mixtral_plan_loads_in_transformers_and_matches_one_process(tmp_path: Path) -> None:
     from transformers import MixtralForCausalLM
 
-    from autotp.planner import plan_model
-
     world = 2
-    plan = plan_model(tiny_config("mixtral", pad_token_id=PAD_ID), world, decode=False).transformers_tp_plan()
+    plan = tiny_plan("mixtral", world, pad_token_id=PAD_ID).transformers_tp_plan()
     assert plan["model.layers.*.mlp.experts.gate_up_proj"] == "packed_colwise"
     assert plan["model.layers.*.mlp.experts.down_proj"] == "rowwise"
     folder = save_tiny("mixtral", tmp_path / "mixtral", pad_token_id=PAD_ID)

@@ -94,8 +94,11 @@ def test_a_replicated_lm_head_is_honoured_and_costed() -> None:
 
 
 def test_feeding_back_the_exported_tp_plan_reproduces_the_plan_at_no_extra_cost() -> None:
-    free = plan_model(tiny_config("qwen2"), 2, decode=False)
-    pinned = plan_model(tiny_config("qwen2"), 2, decode=False, overrides=free.tp_plan)
+    from tests._tiny import tiny_plan
+    from tests.distributed.test_architectures import PAD_ID
+
+    free = tiny_plan("qwen2", pad_token_id=PAD_ID)  # the matrix's plan
+    pinned = plan_model(tiny_config("qwen2", pad_token_id=PAD_ID), 2, decode=False, overrides=free.tp_plan)
     assert {k: v["placement"] for k, v in pinned.parameters.items()} == \
         {k: v["placement"] for k, v in free.parameters.items()}
     assert pinned.forward.extra_cost_of_overrides == pytest.approx(0.0, abs=1e-6)
@@ -107,10 +110,12 @@ def test_feeding_back_the_exported_tp_plan_reproduces_the_plan_at_no_extra_cost(
 def test_feeding_back_an_exported_packed_plan_reproduces_the_plan() -> None:
     """Phi-3 with q | k | v kept whole exports gate | up as transformers' packed_colwise and its
     own qkv_proj rule as replicate; both read back as overrides."""
-    free = plan_model(tiny_config("phi3", pad_token_id=120), 2, decode=False,
-                      overrides={"model.layers.*.self_attn.qkv_proj": "replicate"})
+    from tests._tiny import tiny_plan
+    from tests.distributed.test_architectures import PAD_ID
+
+    free = tiny_plan("phi3", overrides={"model.layers.*.self_attn.qkv_proj": "replicate"}, pad_token_id=PAD_ID)
     assert free.tp_plan["model.layers.*.mlp.gate_up_proj"] == "packed_colwise"
-    pinned = plan_model(tiny_config("phi3", pad_token_id=120), 2, decode=False, overrides=free.tp_plan)
+    pinned = plan_model(tiny_config("phi3", pad_token_id=PAD_ID), 2, decode=False, overrides=free.tp_plan)
     assert {k: v["placement"] for k, v in pinned.parameters.items()} == \
         {k: v["placement"] for k, v in free.parameters.items()}
     assert pinned.tp_plan == free.tp_plan
