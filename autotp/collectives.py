@@ -904,11 +904,10 @@ def _whole_segment_gradient_error() -> AutoTPError:
         "first, training call places it (sharded, then gathered for attention)")
 
 
-def refuse_gradient(x: Tensor, placement: Placement) -> Tensor:
-    """:class:`RefuseGradient` for a parameter stored at ``placement`` (a plain function, for an FX
-    ``call_function`` node); see :func:`refuses_gradient`."""
-    error = _grouped_gradient_error if isinstance(placement, GroupedShard) else _whole_segment_gradient_error
-    return RefuseGradient.apply(x, error)
+def refuse_gradient(x: Tensor, whole: bool) -> Tensor:
+    """:class:`RefuseGradient` for a parameter stored grouped, or with segments held ``whole`` (a
+    plain function, for an FX ``call_function`` node); see :func:`refuses_gradient`."""
+    return RefuseGradient.apply(x, _whole_segment_gradient_error if whole else _grouped_gradient_error)
 
 
 def refuses_gradient(placement: Placement | None) -> bool:

@@ -115,7 +115,8 @@ def rewrite(gm: torch.fx.GraphModule, annotation: Annotation, params: dict[torch
             attr_nodes[ph] = graph.get_attr(lp.attr)
             placement = meta_of(lp.tensor).placement
             if trains and refuses_gradient(placement):
-                attr_nodes[ph] = graph.call_function(refuse_gradient, (attr_nodes[ph], placement))
+                attr_nodes[ph] = graph.call_function(refuse_gradient,
+                                                     (attr_nodes[ph], isinstance(placement, StridedShard)))
 
     # 2. edges -> Redistribute where the placement changes (or a partial gradient must be reduced)
     shared: dict[tuple, torch.fx.Node] = {}
