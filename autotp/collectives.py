@@ -182,6 +182,9 @@ class Comm:
         #: CPU all-reduces and small all-gathers through shared memory instead of the process group
         #: (:class:`SharedMemoryCollectives`, :meth:`use_shared_memory`); None: the group does them
         self.shared_memory: SharedMemoryCollectives | None = None
+        #: groups count -> the process group of the ranks holding this rank's chunk of a grouped shard
+        #: (:func:`chunk_group`), made once per count
+        self.chunk_groups: dict[int, dist.ProcessGroup] = {}
 
     @classmethod
     def single(cls) -> Comm:
@@ -891,17 +894,67 @@ class GroupedRedistribute(torch.autograd.Function):
         raise _grouped_gradient_error()
 
 
+class ReduceOverChunkGroup(torch.autograd.Function):
+    """Identity on a parameter held per group of ranks (``GroupedShard``: a k/v projection whose kv
+    heads the ranks outnumber); its backward sums the gradient over the ranks of this rank's group
+    (:func:`chunk_group`). Each of them uses its own query heads' share of the kv head, so each
+    holds a partial gradient of the same rows; the sum is the gradient one process computes. (The
+    gradient into the projection's input is a partial sum over all ranks, reduced by the
+    all-reduce-backward edge every replicated input of a non-replicated node gets.) The rewrite
+    puts it on such a parameter's use in every graph that may train."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, comm: Comm, groups: int) -> Tensor:
+        ctx.comm, ctx.groups = comm, groups
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+        ctx.comm._record("all_reduce", grad, backward=True)
+        out = grad.clone(memory_format=torch.contiguous_format)
+        if not ctx.comm.simulated:
+            with _guard(ctx.comm, "all_reduce"):
+                dist.all_reduce(out, group=chunk_group(ctx.comm, ctx.groups))
+        return out, None, None
+
+
+def reduce_over_chunk_group(x: Tensor, comm: Comm, groups: int) -> Tensor:
+    """:class:`ReduceOverChunkGroup` (a plain function, for an FX ``call_function`` node)."""
+    return ReduceOverChunkGroup.apply(x, comm, groups)
+
+
+def chunk_group(comm: Comm, groups: int) -> dist.ProcessGroup | None:
+    """The process group of the ``N / groups`` consecutive ranks of ``comm`` that hold this rank's
+    chunk of a ``GroupedShard`` with ``groups`` chunks; None for a simulated group. Collective on
+    first use for a count: every process of the default group makes every such group (torch's
+    ``new_subgroups_by_enumeration``), so under a dp x tp mesh the tp groups' ranks are gathered
+    first. The shared-memory transport has no subgroups, so these all-reduces go through the
+    process group's backend."""
+    if comm.simulated or comm.group is None:
+        return None
+    if groups not in comm.chunk_groups:
+        ranks = dist.get_process_group_ranks(comm.group)  # global ranks, in tp order
+        every = [ranks]
+        if dist.get_world_size() != comm.world_size:  # several tp groups (a dp x tp mesh)
+            every = [None] * dist.get_world_size()
+            with _guard(comm, "all_gather_object"):
+                dist.all_gather_object(every, ranks)
+        size = comm.world_size // groups
+        enumeration = [list(tp[g * size:(g + 1) * size]) for tp in dict.fromkeys(map(tuple, every))
+                       for g in range(groups)]
+        with _guard(comm, "new_group"):
+            mine, _ = dist.new_subgroups_by_enumeration(enumeration, backend=dist.get_backend(comm.group))
+        comm.chunk_groups[groups] = mine
+    return comm.chunk_groups[groups]
+
+
 class RefuseGradient(torch.autograd.Function):
     """Identity on a parameter whose layout autotp cannot train through yet; its backward raises
     the ``AutoTPError`` its maker gives. The rewrite puts it on such a parameter's use in every
-    graph that may train, so a wrong gradient never passes silently:
-
-    * a k/v projection held per group of ranks (``GroupedShard``): each rank of a group uses its own
-      query heads' share of the kv head, so the projection's gradient is partial over the group, and
-      no reduction within groups is planned yet;
-    * a fused projection with segments every rank holds whole (``StridedShard.whole``: Falcon's one
-      k and v head beside its split q heads): the gradient into its input would count those
-      segments' share once per rank."""
+    graph that may train, so a wrong gradient never passes silently: a fused projection with
+    segments every rank holds whole (``StridedShard.whole``: Falcon's one k and v head beside its
+    split q heads), where the gradient into its input would count those segments' share once per
+    rank."""
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, error: Callable[[], AutoTPError]) -> Tensor:
@@ -915,10 +968,9 @@ class RefuseGradient(torch.autograd.Function):
 
 def _grouped_gradient_error() -> AutoTPError:
     return AutoTPError(
-        "training through key/value heads held per group of ranks (tp_size exceeds the model's kv heads) "
-        "is not supported yet: their gradient needs a reduction within each group. Train with tp_size at "
-        "most the number of kv heads, or load with parallelize_model(..., warmup=False) so that the first, "
-        "training call places them (sharded, then gathered for attention)")
+        "a gradient through a gather or narrowing of key/value heads held per group of ranks (tp_size exceeds "
+        "the model's kv heads) is not supported: train with tp_size at most the number of kv heads, or load "
+        "with parallelize_model(..., warmup=False) so that the first, training call places them")
 
 
 def _whole_segment_gradient_error() -> AutoTPError:
@@ -929,17 +981,16 @@ def _whole_segment_gradient_error() -> AutoTPError:
         "first, training call places it (sharded, then gathered for attention)")
 
 
-def refuse_gradient(x: Tensor, placement: Placement) -> Tensor:
-    """:class:`RefuseGradient` for a parameter stored at ``placement`` (a plain function, for an FX
-    ``call_function`` node); see :func:`refuses_gradient`."""
-    error = _grouped_gradient_error if isinstance(placement, GroupedShard) else _whole_segment_gradient_error
-    return RefuseGradient.apply(x, error)
+def refuse_gradient(x: Tensor) -> Tensor:
+    """:class:`RefuseGradient` for a parameter stored with whole segments (a plain function, for an
+    FX ``call_function`` node); see :func:`refuses_gradient`."""
+    return RefuseGradient.apply(x, _whole_segment_gradient_error)
 
 
 def refuses_gradient(placement: Placement | None) -> bool:
     """Whether a parameter stored at ``placement`` is bound through :func:`refuse_gradient` in a
     graph that may train (see :class:`RefuseGradient`)."""
-    return isinstance(placement, GroupedShard) or isinstance(placement, StridedShard) and bool(placement.whole)
+    return isinstance(placement, StridedShard) and bool(placement.whole)
 
 
 def _one_chunk_per_group(gathered: Tensor, src: GroupedShard, world_size: int) -> Tensor:

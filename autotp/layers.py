@@ -44,6 +44,24 @@ __all__ = ["LinearOnGatheredInput", "Redistribute", "ShardedSoftmax", "VocabGath
 vocab_range = chunk_range
 
 
+class ChunkGroupGradient(nn.Module):
+    """A parameter held per group of ranks (``GroupedShard``: a k/v projection whose kv heads the
+    ranks outnumber) as a graph that may train reads it: identity forward; backward sums its
+    gradient over the ranks of this rank's group (:class:`autotp.collectives.ReduceOverChunkGroup`).
+    A module, like :class:`Redistribute`, so the rewritten graph names it."""
+
+    def __init__(self, comm: Comm, groups: int) -> None:
+        super().__init__()
+        self.comm = comm
+        self.groups = groups
+
+    def forward(self, x: Tensor) -> Tensor:
+        return collectives.reduce_over_chunk_group(x, self.comm, self.groups)
+
+    def extra_repr(self) -> str:
+        return f"backward all_reduce over each group of {self.comm.world_size // self.groups} ranks"
+
+
 class Redistribute(nn.Module):
     """Change the placement of a tensor: ``src -> dst`` with the conjugate collective in backward.
 

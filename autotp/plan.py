@@ -64,10 +64,12 @@ def first_consumer(ph: torch.fx.Node) -> torch.fx.Node | None:
 def gradient_node(gm: torch.fx.GraphModule) -> torch.fx.Node | None:
     """The first computed value of a Dynamo graph that requires grad (the graph trains: a backward
     follows), or None for an inference graph. Parameters require grad; what is computed from them
-    does only when autograd records it."""
+    does only when autograd records it. An attribute read (``getattr``: Falcon's ``weight.T``) is
+    not a computation: its example value requires grad as its parameter does, even under no_grad."""
     for n in gm.graph.nodes:
         value = n.meta.get("example_value")
-        if n.op.startswith("call_") and isinstance(value, torch.Tensor) and value.requires_grad:
+        if n.op.startswith("call_") and n.target is not getattr and isinstance(value, torch.Tensor) \
+                and value.requires_grad:
             return n
     return None
 

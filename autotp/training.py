@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 from autotp.collectives import Comm, sum_over_ranks
 from autotp.context import meta_of
 from autotp.errors import AutoTPError
-from autotp.placement import Shard
+from autotp.placement import GroupedShard, Shard
 
 
 def clip_grad_norm_(model: torch.nn.Module, max_norm: float, norm_type: float = 2.0,
@@ -32,7 +32,8 @@ def clip_grad_norm_(model: torch.nn.Module, max_norm: float, norm_type: float = 
     On a 2-D mesh the norm is global over both dims: a gradient that FSDP2 shards over
     ``mesh["dp"]`` (a ``DTensor``) is summed over dp, one sharded by tensor parallelism over tp,
     and a gradient that is whole on every rank of a dim (DDP's averaged gradients over dp, a
-    replicated parameter's over tp) is counted once along it.
+    replicated parameter's over tp) is counted once along it; a grouped kv-head shard's once per
+    group.
     """
     handle = getattr(model, "autotp", None)
     if handle is None:
@@ -49,9 +50,12 @@ def clip_grad_norm_(model: torch.nn.Module, max_norm: float, norm_type: float = 
     for p in params:
         grad = p.grad.detach()
         meta = meta_of(p)
-        over_tp = meta is not None and isinstance(meta.placement, Shard)
+        over_tp = meta is not None and isinstance(meta.placement, (Shard, GroupedShard))
         over_dp = isinstance(grad, DTensor)
-        squares[(0 if over_dp else 2) if over_tp else (1 if over_dp else 3)] += _local(grad).double().pow(2).sum()
+        square = _local(grad).double().pow(2).sum()
+        if over_tp and isinstance(meta.placement, GroupedShard):  # the N / groups ranks of a group hold one chunk
+            square = square * meta.placement.groups / tp_comm.world_size
+        squares[(0 if over_dp else 2) if over_tp else (1 if over_dp else 3)] += square
     if dp is not None:
         squares[:2] = sum_over_ranks(squares[:2], dp.comm)  # FSDP2's dp shards
     total = (sum_over_ranks(squares[0] + squares[2], tp_comm) + squares[1] + squares[3]).sqrt()

@@ -44,10 +44,12 @@ _INDEX = set(aten_ops("index.Tensor"))
 Segmentations = dict[int, set[tuple[tuple[int, ...], tuple[int, ...]]]]
 
 
-def _shape(node: object) -> tuple[int, ...] | None:
+def _shape(node: object) -> tuple[int | None, ...] | None:
+    """A tensor node's sizes, None for a symbolic one (a dynamic batch or sequence: the fused dims
+    are static); None for a node that is no tensor."""
     val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
-    if isinstance(val, torch.Tensor) and all(isinstance(s, int) for s in val.shape):
-        return tuple(int(s) for s in val.shape)
+    if isinstance(val, torch.Tensor):
+        return tuple(s if isinstance(s, int) else None for s in val.shape)
     return None
 
 
@@ -75,6 +77,8 @@ def fused_segmentations(graph: torch.fx.Graph, world_size: int) -> Segmentations
         if n.target in _SPLITS:
             dim = normalize_dim(n.args[2] if len(n.args) > 2 else n.kwargs.get("dim", 0), len(shape))
             size, sizes = shape[dim], n.args[1]
+            if size is None:
+                continue
             pieces = tuple(min(sizes, size - k) for k in range(0, size, sizes)) if isinstance(sizes, int) \
                 else tuple(sizes)
             _add(found, size, pieces, world_size)
@@ -84,7 +88,7 @@ def fused_segmentations(graph: torch.fx.Graph, world_size: int) -> Segmentations
             start = n.args[2] if len(n.args) > 2 else None
             end = n.args[3] if len(n.args) > 3 else None
             step = n.args[4] if len(n.args) > 4 else 1
-            if step != 1 or not all(isinstance(b, (int, type(None))) for b in (start, end)):
+            if size is None or step != 1 or not all(isinstance(b, (int, type(None))) for b in (start, end)):
                 continue
             start = 0 if start is None else (start + size if start < 0 else start)
             end = size if end is None else min(end + size if end < 0 else end, size)
@@ -92,19 +96,19 @@ def fused_segmentations(graph: torch.fx.Graph, world_size: int) -> Segmentations
                 slices[(_root(n.args[0]), dim)].add((start, end))
         elif n.target in _INDEX:
             at = _constant_index(n, len(shape))
-            if at is not None:  # x[..., [i], :]: one row of dim ``at``
+            if at is not None and shape[at[0]] is not None:  # x[..., [i], :]: one row of dim ``at``
                 dim, index = at
                 index = index + shape[dim] if index < 0 else index
                 slices[(_root(n.args[0]), dim)].add((index, index + 1))
     for (node, dim), bounds in slices.items():
         shape = _shape(node)
         ordered = sorted(bounds)
-        if shape is None or ordered[0][0] != 0 or ordered[-1][1] != shape[dim]:
+        if shape is None or shape[dim] is None or ordered[0][0] != 0 or ordered[-1][1] != shape[dim]:
             continue
         if all(a[1] == b[0] for a, b in zip(ordered, ordered[1:], strict=False)):
             pieces = tuple(e - s for s, e in ordered)
             _add(found, shape[dim], pieces, world_size)
-            unit = math.prod(shape[dim + 1:])
+            unit = math.prod(shape[dim + 1:]) if None not in shape[dim + 1:] else 1
             if unit > 1:  # the same cut of the dim flattened with the ones after it (heads x head_dim)
                 _add(found, shape[dim] * unit, pieces, world_size, unit)
     return dict(found)

@@ -416,6 +416,8 @@ class _NodeByNode:
             else:
                 copy = self.graph.node_copy(m, mapping.__getitem__)
                 copy.meta = {"val": m.meta.get("val"), "stack_trace": stack}
+                if m.target in _CONSTANT_COPIES and CONSTANT_VALUE in copy.args[0].meta:  # a real constant's copy
+                    copy.meta[CONSTANT_VALUE] = copy.args[0].meta[CONSTANT_VALUE]
                 self.shadow.owner[copy] = dst
                 mapping[m] = copy
         result, k = [], 0
@@ -433,6 +435,8 @@ class _NodeByNode:
 
 
 _CONSTANT_LIMIT = 64  # elements: index lists, not tables
+#: ops a traced constant passes through before its use (a real constant is lifted by a copy)
+_CONSTANT_COPIES = {torch.ops.aten.lift_fresh_copy.default, torch.ops.aten.lift_fresh.default}
 
 
 def _constant_values(traced: torch.fx.GraphModule, n: torch.fx.Node) -> dict[str, tuple[int, ...]]:

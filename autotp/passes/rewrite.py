@@ -37,11 +37,18 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
-from autotp.collectives import Comm, kind_of, refuse_gradient, refuses_gradient
+from autotp.collectives import Comm, chunk_group, kind_of, refuse_gradient, refuses_gradient
 from autotp.compat import legacy_get_string, linear_builtin
 from autotp.context import meta_of
 from autotp.errors import PassError
-from autotp.layers import Redistribute, ShardedSoftmax, VocabGather, VocabParallelEmbedding, VocabParallelLoss
+from autotp.layers import (
+    ChunkGroupGradient,
+    Redistribute,
+    ShardedSoftmax,
+    VocabGather,
+    VocabParallelEmbedding,
+    VocabParallelLoss,
+)
 from autotp.ops.elementwise import REPLICATED_SHARE
 from autotp.ops.indexing import (
     SLICE_BOUNDS,
@@ -104,7 +111,8 @@ def rewrite(gm: torch.fx.GraphModule, annotation: Annotation, params: dict[torch
     for ph, lp in params.items():
         requires_grad[ph] = lp.tensor.requires_grad
 
-    # 1. parameters -> get_attr of the local shard (a layout autotp cannot train through refuses a gradient)
+    # 1. parameters -> get_attr of the local shard (a grouped one sums its gradient over its group; a
+    #    layout autotp cannot train through refuses one)
     trains = gradient_node(gm) is not None
     first_real = next(n for n in graph.nodes if n.op != "placeholder")
     attr_nodes: dict[torch.fx.Node, torch.fx.Node] = {}
@@ -115,7 +123,13 @@ def rewrite(gm: torch.fx.GraphModule, annotation: Annotation, params: dict[torch
             attr_nodes[ph] = graph.get_attr(lp.attr)
             placement = meta_of(lp.tensor).placement
             if trains and refuses_gradient(placement):
-                attr_nodes[ph] = graph.call_function(refuse_gradient, (attr_nodes[ph], placement))
+                attr_nodes[ph] = graph.call_function(refuse_gradient, (attr_nodes[ph],))
+            elif trains and isinstance(placement, GroupedShard):  # its gradient summed over its group
+                chunk_group(comm, placement.groups)  # made now, by every rank in compile order
+                name = f"autotp_group_gradient_{ph.name}"
+                gm.add_submodule(name, ChunkGroupGradient(comm, placement.groups))
+                attr_nodes[ph] = graph.call_module(name, (attr_nodes[ph],))
+                report.grad_only_collectives += 1
 
     # 2. edges -> Redistribute where the placement changes (or a partial gradient must be reduced)
     shared: dict[tuple, torch.fx.Node] = {}

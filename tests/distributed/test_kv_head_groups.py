@@ -6,6 +6,9 @@ process: 2 kv heads at tp=4 (each kv head held by 2 ranks: ``GroupedShard`` ``S(
 head at tp=2 (multi-query: k/v replicated). Logits of one forward and the tokens of a greedy
 ``generate`` must equal one process; the plan must be Megatron's (q and o sharded, 2 all-reduces
 per block, no all-gather inside a block), and each rank's KV cache holds only its own kv head.
+Training through them (the warm-up placed k/v grouped or replicated; the grouped gradient is summed
+over each group) gives one process's loss, gradients, global norm and, after an SGD step, logits.
+Falcon's fused projection with its k/v head held whole refuses to train.
 
 Tolerance: atol 1e-5, rtol 1e-4 (fp32), as in tests/distributed/test_parallelize.py (row-parallel
 partial sums reorder fp32 additions).
@@ -166,7 +169,71 @@ def test_grouped_kv_heads_generate_a_left_padded_batch_like_one_process(launched
         assert torch.equal(r["batched"], expected)
 
 
-def _rank_train(rank: int, world: int, folder: str) -> str:
+TRAIN_IDS = torch.tensor([[5, 17, 99, 3, 64, 12, 7, 9], [8, 1, 2, 3, 4, 77, 31, 40]])
+
+
+def _full_grads(model: torch.nn.Module, comm: Any) -> dict[str, torch.Tensor]:
+    """Each parameter's gradient as one process holds it: gathered from its layout (a grouped
+    shard's one chunk per group)."""
+    from autotp.collectives import full_tensor
+    from autotp.context import meta_of
+
+    return {name: full_tensor(p.grad.detach(), meta_of(p).placement, comm).clone()
+            for name, p in model.named_parameters()}
+
+
+def _train_step(model: torch.nn.Module, comm: Any = None) -> dict[str, Any]:
+    """One training step (loss, backward, SGD), then a second forward's logits."""
+    model.train()
+    loss = model(input_ids=TRAIN_IDS, labels=TRAIN_IDS).loss
+    loss.backward()
+    grads = _full_grads(model, comm) if comm is not None else \
+        {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    if comm is not None:  # the global norm: a grouped gradient counted once per group
+        from autotp.training import clip_grad_norm_
+
+        norm = float(clip_grad_norm_(model, max_norm=float("inf")))
+    else:
+        norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=float("inf")))
+    torch.optim.SGD(model.parameters(), lr=0.5).step()
+    model.eval()
+    with torch.no_grad():
+        after = model(input_ids=TRAIN_IDS).logits
+    return {"loss": float(loss.detach()), "grads": grads, "norm": norm, "logits_after": after.detach().clone()}
+
+
+def _rank_train(rank: int, world: int, folder: str) -> dict[str, Any]:
+    from autotp import parallelize_model
+
+    model = parallelize_model(folder, tp_size=world)  # the warm-up places k/v grouped (or replicated)
+    placements = {n: str(model.autotp.plans[0]["parameters"][n]["placement"])
+                  for n in model.autotp.plans[0]["parameters"] if "k_proj" in n or "v_proj" in n}
+    return {**_train_step(model, model.autotp.context.comm), "kv_placements": placements}
+
+
+@pytest.mark.parametrize(("kv_heads", "world", "kv_placement"), [(2, 4, "S(0/2)"), (1, 2, "R")],
+                         ids=["8-over-2-kv-heads-tp4", "8-over-1-kv-head-tp2"])
+def test_training_through_grouped_kv_heads_equals_one_process(tmp_path: Path, kv_heads: int, world: int,
+                                                               kv_placement: str) -> None:
+    """Each rank of a group uses its own query heads' share of the kv head, so the k/v projection's
+    gradient is partial over the group and summed within it; the loss, every gradient (gathered),
+    the global gradient norm, and the logits after an SGD step equal one process
+    (gradients and logits atol 1e-5 / rtol 1e-4, the loss and the norm 1e-5 relative)."""
+    from transformers import AutoModelForCausalLM
+
+    folder = save_tiny("llama", tmp_path / "llama", pad_token_id=PAD_ID, num_key_value_heads=kv_heads)
+    ref = _train_step(AutoModelForCausalLM.from_pretrained(folder))
+    for r in run_ranks(_rank_train, world, str(folder)):
+        assert r["kv_placements"] and set(r["kv_placements"].values()) == {kv_placement}, r["kv_placements"]
+        assert r["loss"] == pytest.approx(ref["loss"], rel=1e-5)
+        assert set(r["grads"]) == set(ref["grads"])
+        for name, grad in ref["grads"].items():
+            torch.testing.assert_close(r["grads"][name], grad, atol=ATOL, rtol=RTOL, msg=name)
+        assert r["norm"] == pytest.approx(ref["norm"], rel=1e-5)
+        torch.testing.assert_close(r["logits_after"], ref["logits_after"], atol=ATOL, rtol=RTOL)
+
+
+def _rank_refused(rank: int, world: int, folder: str) -> str:
     from autotp import AutoTPError, parallelize_model
 
     model = parallelize_model(folder, tp_size=world)
@@ -178,19 +245,11 @@ def _rank_train(rank: int, world: int, folder: str) -> str:
     return "trained"
 
 
-def test_training_through_grouped_kv_heads_is_refused_not_silently_wrong(tmp_path: Path) -> None:
-    """Each rank of a group uses its own query heads' share of the kv head, so the kv projection's
-    gradient is partial over the group; no reduction is planned for it yet."""
-    folder = save_tiny("llama", tmp_path / "llama", pad_token_id=PAD_ID, num_key_value_heads=2)
-    for message in run_ranks(_rank_train, 4, str(folder)):
-        assert "kv heads" in message and "warmup=False" in message, message
-
-
 def test_training_through_falcons_whole_kv_head_is_refused_not_silently_wrong(tmp_path: Path) -> None:
     """Falcon's fused query_key_value holds its one k and v head whole on every rank beside the split q
     heads: the gradient into its input would count those heads once per rank, so it is refused."""
     folder = save_tiny("falcon", tmp_path / "falcon", pad_token_id=PAD_ID)
-    for message in run_ranks(_rank_train, 2, str(folder)):
+    for message in run_ranks(_rank_refused, 2, str(folder)):
         assert "query_key_value" in message and "warmup=False" in message, message
 
 
