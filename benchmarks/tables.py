@@ -95,22 +95,41 @@ def load_memory_rows(result: dict[str, Any]) -> list[Row]:
 
 def solver_scaling_rows(result: dict[str, Any]) -> list[Row]:
     rows: list[Row] = []
+    cache = {None: "", "empty": ", empty cache", "cached": ", again (report cache)"}
     for point in result["points"]:
-        if point.get("shape") == "llama3-70b" and "error" not in point:
+        if point.get("shape") == "llama3-70b" and "error" not in point and not point.get("full_depth"):
             rows.append(
                 (
                     f"`autotp plan` of the Llama-3-70B shape ({point['layers']} layers), tp={point['tp']}, "
-                    f"whole command",
+                    f"whole command{cache.get(point.get('plan_cache'), '')}",
                     [f"{point['command_wall_s']:.1f} s", "-", "-", "-"],
                 )
             )
     return rows
 
 
+def startup_rows(result: dict[str, Any]) -> list[Row]:
+    """The whole job as a user waits for it (``benchmarks/startup.py``): autotp with an empty plan
+    cache and with the cache the previous job left, in one cell."""
+    engines = result["engines"]
+
+    def wall(name: str) -> str:
+        return f"{engines[name]['wall_s']['median']:.1f} s" if name in engines else "-"
+
+    autotp = f"{wall('autotp_cold')} (empty plan cache) / {wall('autotp_warm')} (warm)"
+    return [
+        (
+            f"whole job: start, load, greedy-generate 16 tokens, exit, tp={result['tp']}, {result['dtype']}",
+            [autotp, wall("transformers_tp"), wall("one_process"), "-"],
+        )
+    ]
+
+
 #: result file -> its rows, in README order
 PERFORMANCE: dict[str, Callable[[dict[str, Any]], list[Row]]] = {
     "generation_tp2_fp32.json": generation_rows,
     "generation_tp2_bf16.json": generation_rows,
+    "startup_tp2_fp32.json": startup_rows,
     "load_memory_tp2_fp32.json": load_memory_rows,
     "solver_scaling.json": solver_scaling_rows,
 }
