@@ -109,6 +109,20 @@ def tiny_plan(arch: str, tp: int = 2, *, dtype: str | None = None, overrides: di
     return _PLANS[key]
 
 
+def one_process_reference(folder: Path, prompt: list[list[int]], new_tokens: int,
+                          pad_token_id: int) -> tuple[torch.Tensor, list[int]]:
+    """What one plain transformers process gives for ``prompt`` from the checkpoint in ``folder``:
+    its logits and the greedy tokens of ``generate`` (the reference the ranks are compared with)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    ids = torch.tensor(prompt)
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+        tokens = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=pad_token_id)
+    return logits, tokens[0].tolist()
+
+
 def save_tiny(
     arch: str,
     folder: str | os.PathLike[str],

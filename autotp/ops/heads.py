@@ -25,7 +25,7 @@ import torch.fx
 
 from autotp.ops._common import aten_ops
 from autotp.ops.attention import LAYOUTS
-from autotp.ops.kv_heads import _EXPANDS, _merges, _shape
+from autotp.ops.kv_heads import _shape, kv_spread
 from autotp.placement import HeadShard, head_split
 
 _ATTENTION = {op for name in LAYOUTS for op in aten_ops(name)}
@@ -46,16 +46,11 @@ def head_splits(graph: torch.fx.Graph, world_size: int) -> dict[int, HeadShard]:
     heads name the grouping first (an attention after ``repeat_kv`` sees ``H`` kv heads)."""
     sites: dict[int, tuple[int, int]] = {}
     for n in graph.nodes:
-        if n.op != "call_function" or not n.args or not isinstance(n.args[0], torch.fx.Node):
-            continue
-        if n.target in _EXPANDS:
-            x, out = _shape(n.args[0]), _shape(n)
-            if x is None or out is None or len(x) != len(out) or len(x) < 3:
-                continue
-            spread = [i for i in range(len(x)) if x[i] == 1 and out[i] > 1]
-            if len(spread) == 1 and spread[0] >= 1 and _merges(n, spread[0]):
-                i = spread[0]
-                sites[x[i - 1] * out[i] * x[-1]] = (x[i - 1] * out[i], x[i - 1])
+        spread = kv_spread(n)
+        if spread is not None and spread[1] > 0:  # repeat_kv: (.., KV, 1, ..) -> (.., KV, rep, ..) -> (.., H, ..)
+            x, i = spread
+            rep = _shape(n)[i]
+            sites[x[i - 1] * rep * x[-1]] = (x[i - 1] * rep, x[i - 1])
     for n in graph.nodes:
         if n.op == "call_function" and n.target in _ATTENTION and len(n.args) >= 3:
             q, k = _shape(n.args[0]), _shape(n.args[1])

@@ -116,25 +116,32 @@ def _merges(n: torch.fx.Node, dim: int, depth: int = 4) -> bool:
     return False
 
 
+def kv_spread(n: torch.fx.Node) -> tuple[tuple[int, ...], int] | None:
+    """Where attention spreads kv heads over query heads: for ``repeat_kv``'s expand
+    ``(.., KV, 1, ..) -> (.., KV, rep, ..)`` whose dims ``i - 1`` and ``i`` a view then merges into
+    ``H``, the input shape and ``i``; for an expand of one such size-1 dim that no view merges (one
+    kv head broadcast over the query heads), the input shape and ``-i``; else None."""
+    if n.op != "call_function" or n.target not in _EXPANDS or not n.args or not isinstance(n.args[0], torch.fx.Node):
+        return None
+    x, out = _shape(n.args[0]), _shape(n)
+    if x is None or out is None or len(x) != len(out) or len(x) < 3:
+        return None
+    spread = [i for i in range(len(x)) if x[i] == 1 and out[i] > 1]
+    if len(spread) != 1 or spread[0] < 1:
+        return None
+    i = spread[0]
+    return (x, i) if _merges(n, i) else (x, -i)
+
+
 def _kv_sites(graph: torch.fx.Graph) -> list[tuple[torch.fx.Node, int, int]]:
     """(key/value tensor, kv heads, head dim) wherever attention spreads kv heads over q heads."""
     sites = []
     for n in graph.nodes:
-        if n.op != "call_function" or not n.args or not isinstance(n.args[0], torch.fx.Node):
-            continue
-        if n.target in _EXPANDS:
-            x, out = _shape(n.args[0]), _shape(n)
-            if x is None or out is None or len(x) != len(out) or len(x) < 3:
-                continue
-            spread = [i for i in range(len(x)) if x[i] == 1 and out[i] > 1]
-            if len(spread) != 1:
-                continue
-            (i,) = spread
-            if i >= 1 and _merges(n, i):  # repeat_kv: (.., KV, 1, ..) -> (.., KV, rep, ..) -> (.., H, ..)
-                sites.append((n.args[0], x[i - 1], x[-1]))
-            elif i >= 1:  # one kv head broadcast over the query heads
-                sites.append((n.args[0], 1, x[-1]))
-        elif n.target in _ATTENTION and len(n.args) >= 3:
+        spread = kv_spread(n)
+        if spread is not None:
+            x, i = spread
+            sites.append((n.args[0], x[i - 1] if i > 0 else 1, x[-1]))  # repeat_kv, or one kv head broadcast
+        elif n.op == "call_function" and n.target in _ATTENTION and len(n.args) >= 3:
             q, k, v = (_shape(a) for a in n.args[:3])
             if q and k and v and len(q) == 4 and k[1] < q[1] and q[1] % k[1] == 0:
                 sites += [(n.args[1], k[1], k[-1]), (n.args[2], v[1], v[-1])]

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from tests._dist import run_ranks
-from tests._tiny import save_tiny
+from tests._tiny import one_process_reference, save_tiny
 
 pytestmark = pytest.mark.dist
 
@@ -33,17 +33,6 @@ PROMPT = [[5, 17, 99, 3, 64, 12, 7]]
 NEW_TOKENS = 8
 ATOL, RTOL = 1e-5, 1e-4
 LAYERS = 2
-
-
-def _reference(folder: Path) -> tuple[torch.Tensor, list[int]]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(folder).eval()
-    ids = torch.tensor(PROMPT)
-    with torch.no_grad():
-        logits = model(input_ids=ids).logits
-        tokens = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=PAD_ID)
-    return logits, tokens[0].tolist()
 
 
 #: the grouped case (2 kv heads at tp=4), whose launch also generates a left-padded batch
@@ -110,7 +99,7 @@ def test_fewer_kv_heads_than_ranks_match_one_process_with_megatrons_plan(
     launched, kv_heads: int, world: int, kv_placement: str, kv_rows: int
 ) -> None:
     folder, results = launched(kv_heads, world)
-    ref_logits, ref_tokens = _reference(folder)
+    ref_logits, ref_tokens = one_process_reference(folder, PROMPT, NEW_TOKENS, PAD_ID)
     for r in results:
         torch.testing.assert_close(r["logits"], ref_logits, atol=ATOL, rtol=RTOL)
         assert r["tokens"] == ref_tokens
@@ -273,7 +262,7 @@ def _rank_cached(rank: int, world: int, folder: str, cache_dir: str) -> dict[str
 def test_a_second_job_reuses_the_grouped_plans_from_the_plan_cache(tmp_path: Path) -> None:
     """Grouped placements (``S(0/2)``, ``S(1/2:2)``) are written to and read back from the cache."""
     folder = save_tiny("llama", tmp_path / "llama", pad_token_id=PAD_ID, num_key_value_heads=2)
-    _, ref_tokens = _reference(folder)
+    _, ref_tokens = one_process_reference(folder, PROMPT, NEW_TOKENS, PAD_ID)
     cache = str(tmp_path / "cache")
     first = run_ranks(_rank_cached, 4, str(folder), cache)
     second = run_ranks(_rank_cached, 4, str(folder), cache)

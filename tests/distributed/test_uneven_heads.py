@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from tests._dist import run_ranks
-from tests._tiny import save_tiny
+from tests._tiny import one_process_reference, save_tiny
 
 pytestmark = pytest.mark.dist
 
@@ -35,17 +35,6 @@ PROMPT = [[5, 17, 99, 3, 64, 12, 7]]
 NEW_TOKENS = 6
 ATOL, RTOL = 1e-5, 1e-4
 LAYERS = 2
-
-
-def _reference(folder: Path) -> tuple[torch.Tensor, list[int]]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(folder).eval()
-    ids = torch.tensor(PROMPT)
-    with torch.no_grad():
-        logits = model(input_ids=ids).logits
-        tokens = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=PAD_ID)
-    return logits, tokens[0].tolist()
 
 
 def _rank(rank: int, world: int, folder: str) -> dict[str, Any]:
@@ -89,7 +78,7 @@ def test_heads_no_tp_divides_match_one_process_with_megatrons_plan(
     folder = save_tiny(arch, tmp_path / arch, pad_token_id=PAD_ID, hidden_size=48, num_attention_heads=heads,
                        num_key_value_heads=kv_heads)
     head_dim = 48 // heads
-    ref_logits, ref_tokens = _reference(folder)
+    ref_logits, ref_tokens = one_process_reference(folder, PROMPT, NEW_TOKENS, PAD_ID)
     results = run_ranks(_rank, world, str(folder))
     for rank, r in enumerate(results):
         torch.testing.assert_close(r["logits"], ref_logits, atol=ATOL, rtol=RTOL)
