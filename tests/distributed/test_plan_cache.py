@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from tests._dist import run_ranks
-from tests._tiny import save_tiny
-from tests.distributed.test_parallelize import PAD_ID, PROMPT, _reference
+from tests._tiny import one_process_reference, save_tiny
+from tests.distributed.test_parallelize import PAD_ID, PROMPT
 
 pytestmark = pytest.mark.dist
 
@@ -38,7 +38,7 @@ def _job(rank: int, world: int, folder: str, cache_dir: str, trace_dir: str, new
 
 def test_a_second_job_hits_every_graph_and_matches_the_first_and_one_process(tmp_path: Path) -> None:
     folder = save_tiny("llama", tmp_path / "llama", pad_token_id=PAD_ID)
-    ref_logits, ref_tokens = _reference(folder, 8)
+    ref_logits, ref_tokens = one_process_reference(folder, PROMPT, 8, PAD_ID)
     cache = tmp_path / "cache"
     first = run_ranks(_job, 2, str(folder), str(cache), str(tmp_path / "trace1"), 8)
     second = run_ranks(_job, 2, str(folder), str(cache), str(tmp_path / "trace2"), 8)
