@@ -5,7 +5,10 @@ Each dp rank trains on its half of a global batch (every token labelled, so both
 same in the whole batch's mean loss); over 3 AdamW steps, each clipped by ``autotp.clip_grad_norm_``,
 the dp-mean loss and the gradient norm equal one transformers process training on the whole batch
 (rtol 1e-4: the row-parallel all-reduces and the dp averaging reorder fp32 sums, ~1e-6 relative
-per step). With FSDP2 each rank holds a quarter of the parameter bytes between steps.
+per step). With FSDP2 each rank holds a quarter of the parameter bytes between steps. The DDP case
+trains a model with one kv head (k/v replicated beside split q heads, their partial gradients
+reduced over the tp group); gradient subgroups of grouped kv heads under a mesh are checked in
+tests/distributed/test_chunk_groups_on_mesh.py.
 """
 
 from __future__ import annotations
@@ -71,7 +74,7 @@ def _rank_train(rank: int, world: int, folder: str, kind: str) -> dict:
         logits = model(input_ids=IDS).logits
         tokens = model.generate(IDS[:1], max_new_tokens=3, do_sample=False)
     return {"curve": curve, "norms": norms, "bytes": held, "logits": logits, "tokens": tokens,
-            "tp_rank": mesh.get_local_rank("tp"), "dp_rank": dp_rank}
+            "tp_rank": mesh.get_local_rank("tp"), "dp_rank": dp_rank, "plan": model.autotp.plan}
 
 
 def _reference(folder: Path) -> dict:
@@ -104,9 +107,19 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     return folder, _reference(folder)
 
 
-@pytest.mark.parametrize("kind", ["ddp", "fsdp"])
-def test_a_2x2_mesh_trains_like_one_process_on_the_whole_batch(tiny: tuple[Path, dict], kind: str) -> None:
-    folder, ref = tiny
+@pytest.fixture(scope="module")
+def one_kv_head(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    """The tiny Llama with one kv head: at tp=2 both tp ranks hold k/v whole beside their share of
+    the q heads, so each rank's k/v gradient is a partial sum the plan reduces over the tp group."""
+    folder = save_tiny("llama", tmp_path_factory.mktemp("mesh") / "kv1", seed=0, num_key_value_heads=1)
+    return folder, _reference(folder)
+
+
+# DDP trains the one-kv-head model (replicated k/v, split q heads), FSDP2 the 4-kv-head one
+@pytest.mark.parametrize("kind, model", [("ddp", "one_kv_head"), ("fsdp", "tiny")])
+def test_a_2x2_mesh_trains_like_one_process_on_the_whole_batch(request: pytest.FixtureRequest, kind: str,
+                                                              model: str) -> None:
+    folder, ref = request.getfixturevalue(model)
     results = run_ranks(_rank_train, 4, str(folder), kind)
     assert sorted((r["dp_rank"], r["tp_rank"]) for r in results) == [(0, 0), (0, 1), (1, 0), (1, 1)]
     for r in results:
@@ -118,6 +131,11 @@ def test_a_2x2_mesh_trains_like_one_process_on_the_whole_batch(tiny: tuple[Path,
         torch.testing.assert_close(r["logits"], ref["logits"], atol=1e-3, rtol=1e-3)
         assert torch.equal(r["tokens"], ref["tokens"])
     assert ref["curve"][-1] < ref["curve"][0]
+    for r in results:  # one kv head: every tp rank holds k/v whole, its q heads split
+        styles = {name.split(".")[-2]: entry["style"] for name, entry in r["plan"]["parameters"].items()
+                  if ".layers.0.self_attn." in name}
+        assert styles["q_proj"] == "colwise" and styles["o_proj"] == "rowwise"
+        assert styles["k_proj"] == styles["v_proj"] == ("replicate" if model == "one_kv_head" else "colwise")
     if kind == "fsdp":  # a quarter of the parameters per rank (+ a share of the small 1-D ones)
         for r in results:
             assert r["bytes"] <= ref["bytes"] / 4 + ref["small_bytes"] / 2, (r["bytes"], ref["bytes"])
