@@ -581,7 +581,7 @@ def _solve(gm: torch.fx.GraphModule, example_inputs: list[Any], param_inputs: di
     backward = gradient_node(gm) is not None
     kv_heads = kv_projections(shadow.aten.graph, world)
     vocabularies = vocabulary_sizes(shadow.aten.graph, world)  # dims that may be split unevenly
-    splits = {} if backward else head_splits(shadow.aten.graph, world)  # heads no tp divides: forward only
+    splits = head_splits(shadow.aten.graph, world)  # heads no tp divides
     fixed, free = {}, {}
     aten_params: dict[torch.fx.Node, tuple] = {}
     for ph, value in param_inputs.items():
@@ -589,11 +589,6 @@ def _solve(gm: torch.fx.GraphModule, example_inputs: list[Any], param_inputs: di
         aten_params[aten_of[ph]] = ((meta.fqn, *[n for n in meta.tied if n != meta.fqn]), first_consumer(ph),
                                     tuple(value.shape))
         if meta.placement is not None:
-            if backward and isinstance(meta.placement, HeadShard):
-                raise AutoTPError(
-                    f"{meta.fqn} is split in whole attention heads that tp={world} does not divide "
-                    f"({meta.placement}), and training through such a split is not supported yet: train "
-                    "with a tp_size that divides the model's attention heads")
             fixed[aten_of[ph]] = meta.placement
         else:
             nbytes = value.numel() * value.element_size()

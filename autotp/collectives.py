@@ -19,14 +19,14 @@ reverse all-to-all). All of them short-circuit at world size 1.
 ``R -> S(d/g)``               narrow to own group's chunk     unsupported (forward only)
 ``S(d/g) -> S(d)``            narrow within the group chunk   unsupported (forward only)
 ``S(d/g) -> R``               all-gather, one chunk a group   unsupported (forward only)
-``R -> S(d:Hh)``              narrow to own heads             unsupported (forward only)
-``S(d:Hh) -> R``              padded all-gather of the heads  unsupported (forward only)
+``R -> S(d:Hh)``              narrow to own heads             padded all-gather of the heads
+``S(d:Hh) -> R``              padded all-gather of the heads  narrow (``grad_partial``: all-reduce, narrow)
 ============================  ==============================  ================================================
 
 ``S(d/g)`` is a :class:`~autotp.placement.GroupedShard` (kv heads when tp exceeds their count).
 Its redistributions are inference-only: the solver offers grouped placements in graphs without a
 backward, and their autograd Functions refuse a gradient. ``S(d:Hh)`` is a
-:class:`~autotp.placement.HeadShard` (heads no tp divides, split in whole heads), inference-only too.
+:class:`~autotp.placement.HeadShard` (heads no tp divides, split in whole heads); it trains.
 
 Why the backward is what it is: the gradient of a ``Replicate`` or ``Partial`` tensor is the full
 logical gradient on every rank (``Replicate``); the gradient of a ``Shard(d)`` tensor is the same
@@ -1021,21 +1021,38 @@ def _grouped_narrow(x: Tensor, src: Placement, dst: Placement, comm: Comm) -> Te
 
 class HeadRedistribute(torch.autograd.Function):
     """Out of or into a :class:`~autotp.placement.HeadShard`: ``S(d:Hh) -> R`` all-gathers the
-    ranks' heads (:func:`_gather_heads`), ``R -> S(d:Hh)`` narrows to this rank's heads. Forward
-    only: the solver offers head shards in inference graphs only."""
+    ranks' heads (:func:`_gather_heads`), ``R -> S(d:Hh)`` narrows to this rank's heads. Backward,
+    the conjugates as for a plain shard: the narrow's gradient is the heads gathered again; the
+    gather's is this rank's heads of the (replicated) gradient, or, with ``grad_partial`` (a
+    partial-sum gradient arrives, e.g. from a column-parallel matmul), of its all-reduce: the
+    ranks' blocks are uneven, so a reduce-scatter would pad every block to the longest; the
+    all-reduce moves ``2(N-1)/N`` of the gradient against its ``(N-1)/N`` (priced as such by
+    :func:`backward_kind_of`)."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, src: Placement, dst: Placement, comm: Comm) -> Tensor:
+    def forward(ctx: Any, x: Tensor, src: Placement, dst: Placement, comm: Comm, grad_partial: bool = False
+                ) -> Tensor:
+        ctx.src, ctx.dst, ctx.comm, ctx.grad_partial = src, dst, comm, grad_partial
         if isinstance(src, HeadShard):
             return _gather_heads(x, src, comm.rank, comm.world_size,
                                  lambda t: _all_gather(t, src.dim, comm, backward=False))
-        start, stop = dst.index_range(x.shape[dst.dim], comm.rank, comm.world_size)
-        return x.narrow(dst.dim, start, stop - start).contiguous()
+        return _own_heads(x, dst, comm)
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> None:
-        raise AutoTPError("training through attention heads that tp_size does not divide is not supported yet; "
-                          "train with a tp_size that divides the model's attention heads")
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None, None]:
+        comm = ctx.comm
+        if isinstance(ctx.src, HeadShard):  # S(d:Hh) -> R: this rank's heads of the whole gradient
+            whole = _all_reduce(grad, comm, backward=True) if ctx.grad_partial else grad
+            return _own_heads(whole, ctx.src, comm), None, None, None, None
+        gathered = _gather_heads(grad, ctx.dst, comm.rank, comm.world_size,  # R -> S(d:Hh): every rank's heads
+                                 lambda t: _all_gather(t, ctx.dst.dim, comm, backward=True))
+        return gathered, None, None, None, None
+
+
+def _own_heads(x: Tensor, placement: HeadShard, comm: Comm) -> Tensor:
+    """This rank's heads of the whole ``x`` along ``placement.dim``, contiguous."""
+    start, stop = placement.index_range(x.shape[placement.dim], comm.rank, comm.world_size)
+    return x.narrow(placement.dim, start, stop - start).contiguous()
 
 
 def _gather_heads(x: Tensor, src: HeadShard, rank: int, world_size: int, gather: Callable[[Tensor], Tensor]
@@ -1109,8 +1126,12 @@ def backward_kind_of(src: Placement, dst: Placement, grad_partial: bool = False)
         raise _unsupported(src, dst)
     if grad_partial and not isinstance(dst, Replicate):
         raise AutoTPError(f"grad_partial applies to a Replicate destination only, got {src} -> {dst}")
-    if isinstance(src, (GroupedShard, HeadShard)) or isinstance(dst, (GroupedShard, HeadShard)):
+    if isinstance(src, GroupedShard) or isinstance(dst, GroupedShard):
         return None  # forward only (see the module table): their Functions refuse a gradient
+    if isinstance(dst, HeadShard):
+        return "all_gather"
+    if isinstance(src, HeadShard):
+        return "all_reduce" if grad_partial else None
     if isinstance(dst, Replicate):
         if not grad_partial:
             return None
@@ -1256,7 +1277,7 @@ def redistribute(
     if isinstance(src, GroupedShard) or isinstance(dst, GroupedShard):
         return GroupedRedistribute.apply(x, src, dst, comm)
     if isinstance(src, HeadShard) or isinstance(dst, HeadShard):
-        return HeadRedistribute.apply(x, src, dst, comm)
+        return HeadRedistribute.apply(x, src, dst, comm, grad_partial)
     if isinstance(src, Replicate):
         if isinstance(dst, Replicate):
             return CopyToParallelRegion.apply(x, comm)

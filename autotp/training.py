@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 from autotp.collectives import Comm, sum_over_ranks
 from autotp.context import meta_of
 from autotp.errors import AutoTPError
-from autotp.placement import GroupedShard, Shard
+from autotp.placement import GroupedShard, HeadShard, Shard
 
 
 def clip_grad_norm_(model: torch.nn.Module, max_norm: float, norm_type: float = 2.0,
@@ -50,7 +50,7 @@ def clip_grad_norm_(model: torch.nn.Module, max_norm: float, norm_type: float = 
     for p in params:
         grad = p.grad.detach()
         meta = meta_of(p)
-        over_tp = meta is not None and isinstance(meta.placement, (Shard, GroupedShard))
+        over_tp = meta is not None and isinstance(meta.placement, (Shard, GroupedShard, HeadShard))
         over_dp = isinstance(grad, DTensor)
         square = _local(grad).double().pow(2).sum()
         if over_tp and isinstance(meta.placement, GroupedShard):  # the N / groups ranks of a group hold one chunk

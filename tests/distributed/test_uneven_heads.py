@@ -11,7 +11,8 @@ on gloo ranks and compared with one plain transformers process:
 Logits of one forward and the tokens of a greedy ``generate`` must equal one process; the plan must
 be Megatron's (2 all-reduces per block and the embedding's one, no all-gather in the graph: the
 logits leave it sharded), each rank's weights and KV cache hold only its own heads, and the plan
-says where ranks carry unequal work.
+says where ranks carry unequal work. One training step through each split (loss, gradients, global
+norm, logits after SGD) equals one process's.
 
 Tolerance: atol 1e-5, rtol 1e-4 (fp32), as in tests/distributed/test_parallelize.py (row-parallel
 partial sums reorder fp32 additions).
@@ -27,6 +28,7 @@ import torch
 
 from tests._dist import run_ranks
 from tests._tiny import one_process_reference, save_tiny
+from tests.distributed.test_kv_head_groups import _train_step
 
 pytestmark = pytest.mark.dist
 
@@ -110,34 +112,57 @@ def _rank_redistribute(rank: int, world: int) -> dict[str, bool]:
     split = HeadShard(1, 6, 2)  # 2 groups of 3 heads, each shared by 2 ranks as 2 + 1
     start, stop = [(0, 2), (2, 3), (3, 5), (5, 6)][rank]
     mine = full[:, start:stop]
+    grad = full * 10 + 1  # a whole gradient every rank holds alike
+    x = full.clone().requires_grad_()
+    redistribute(x, R, split, comm).backward(grad[:, start:stop])  # each rank's heads' gradient, gathered
+    piece = mine.clone().requires_grad_()
+    redistribute(piece, split, R, comm).backward(grad)  # a replicated gradient: this rank's heads of it
+    partial = mine.clone().requires_grad_()
+    redistribute(partial, split, R, comm, grad_partial=True).backward(grad * (rank + 1))  # summed first
     return {
         "narrowed from R": torch.equal(redistribute(full, R, split, comm), mine),
         "gathered": torch.equal(redistribute(mine.contiguous(), split, R, comm), full),
+        "narrow's gradient gathered": torch.equal(x.grad, grad),
+        "gather's gradient narrowed": torch.equal(piece.grad, grad[:, start:stop]),
+        "partial gradient summed, then narrowed": torch.equal(partial.grad, grad[:, start:stop] * (1 + 2 + 3 + 4)),
     }
 
 
-def test_head_shards_narrow_locally_and_gather_in_rank_order() -> None:
+def test_head_shards_narrow_locally_and_gather_in_rank_order_and_back() -> None:
     for checks in run_ranks(_rank_redistribute, 4):
         assert checks == {name: True for name in checks}
 
 
-def _rank_train(rank: int, world: int, folder: str) -> str:
-    from autotp import AutoTPError, parallelize_model
+def _rank_train(rank: int, world: int, folder: str) -> dict[str, Any]:
+    from autotp import parallelize_model
 
     model = parallelize_model(folder, tp_size=world)
-    model.train()
-    try:
-        model(input_ids=torch.tensor(PROMPT), labels=torch.tensor(PROMPT)).loss.backward()
-    except AutoTPError as e:
-        return str(e)
-    return "trained"
+    placements = {n: str(e["placement"]) for n, e in model.autotp.plans[0]["parameters"].items() if "self_attn" in n}
+    return {**_train_step(model, model.autotp.context.comm), "placements": placements}
 
 
-def test_training_through_heads_no_tp_divides_is_refused_not_silently_wrong(tmp_path: Path) -> None:
-    folder = save_tiny("llama", tmp_path / "llama", pad_token_id=PAD_ID, hidden_size=48, num_attention_heads=3,
-                       num_key_value_heads=3)
-    for message in run_ranks(_rank_train, 2, str(folder)):
-        assert "whole attention heads" in message and "tp_size that divides" in message, message
+@pytest.mark.parametrize(("arch", "heads", "kv_heads", "world", "q_placement"),
+                         [("llama", 3, 3, 2, "S(0:3h)"), ("qwen2", 6, 2, 4, "S(0:6h/2)")],
+                         ids=["3-heads-tp2", "6-over-2-kv-heads-tp4"])
+def test_training_through_heads_no_tp_divides_equals_one_process(tmp_path: Path, arch: str, heads: int,
+                                                                 kv_heads: int, world: int, q_placement: str) -> None:
+    """The ranks' gradients of their own heads, the input gradients summed over unequal head blocks
+    and the global norm over uneven shards: loss, every gradient (gathered), the norm and the logits
+    after an SGD step equal one process (gradients and logits atol 1e-5 / rtol 1e-4, the loss and
+    the norm 1e-5 relative)."""
+    from transformers import AutoModelForCausalLM
+
+    folder = save_tiny(arch, tmp_path / arch, pad_token_id=PAD_ID, hidden_size=48, num_attention_heads=heads,
+                       num_key_value_heads=kv_heads)
+    ref = _train_step(AutoModelForCausalLM.from_pretrained(folder))
+    for r in run_ranks(_rank_train, world, str(folder)):
+        assert {p for n, p in r["placements"].items() if "q_proj.weight" in n} == {q_placement}, r["placements"]
+        assert r["loss"] == pytest.approx(ref["loss"], rel=1e-5)
+        assert set(r["grads"]) == set(ref["grads"])
+        for name, grad in ref["grads"].items():
+            torch.testing.assert_close(r["grads"][name], grad, atol=ATOL, rtol=RTOL, msg=name)
+        assert r["norm"] == pytest.approx(ref["norm"], rel=1e-5)
+        torch.testing.assert_close(r["logits_after"], ref["logits_after"], atol=ATOL, rtol=RTOL)
 
 
 def _rank_logits(rank: int, world: int, folder: str) -> dict[str, Any]:
