@@ -599,7 +599,8 @@ def _solve(gm: torch.fx.GraphModule, example_inputs: list[Any], param_inputs: di
             options += [(s, 0.0) for s in shard_candidates(tuple(value.shape), world, vocabularies)
                         if s.dim not in {h.dim for h in in_heads}]
             # fused q|k|v; segments held whole on every rank cost their bytes beyond 1/N, as R does,
-            # and are offered to inference graphs only (collectives.RefuseGradient)
+            # and are offered to inference graphs only: a training graph would also pay the whole
+            # rows' gradient all-reduce (layers.WholeSegmentGradient), which the solver does not price
             options += [(s, nbytes * (s.local_length(world) / value.shape[s.dim] - 1 / world))
                         for s in strided_candidates(tuple(value.shape), fused) if not (backward and s.whole)]
             options += [(s, 0.0) for s in in_heads]

@@ -951,10 +951,9 @@ def chunk_group(comm: Comm, groups: int) -> dist.ProcessGroup | None:
 class RefuseGradient(torch.autograd.Function):
     """Identity on a parameter whose layout autotp cannot train through yet; its backward raises
     the ``AutoTPError`` its maker gives. The rewrite puts it on such a parameter's use in every
-    graph that may train, so a wrong gradient never passes silently: a fused projection with
-    segments every rank holds whole (``StridedShard.whole``: Falcon's one k and v head beside its
-    split q heads), where the gradient into its input would count those segments' share once per
-    rank."""
+    graph that may train, so a wrong gradient never passes silently: a parameter with segments every
+    rank holds whole (``StridedShard.whole``) read by a node whose output does not keep them whole
+    (where :class:`OwnWholeSegmentsOnRankZero` cannot go)."""
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, error: Callable[[], AutoTPError]) -> Tensor:
@@ -975,10 +974,10 @@ def _grouped_gradient_error() -> AutoTPError:
 
 def _whole_segment_gradient_error() -> AutoTPError:
     return AutoTPError(
-        "training through a fused projection whose key/value heads every rank holds whole (Falcon's "
-        "multi-query query_key_value, its q heads split) is not supported yet: the gradient into its input "
-        "would count those heads once per rank. Load with parallelize_model(..., warmup=False) so that the "
-        "first, training call places it (sharded, then gathered for attention)")
+        "training through a parameter whose segments every rank holds whole (a fused projection's one k and "
+        "v head beside its split q heads) read by an operation other than the projection itself is not "
+        "supported: its input gradient would count those segments once per rank. Load with "
+        "parallelize_model(..., warmup=False) so that the first, training call places it")
 
 
 def refuse_gradient(x: Tensor) -> Tensor:
@@ -991,6 +990,71 @@ def refuses_gradient(placement: Placement | None) -> bool:
     """Whether a parameter stored at ``placement`` is bound through :func:`refuse_gradient` in a
     graph that may train (see :class:`RefuseGradient`)."""
     return isinstance(placement, StridedShard) and bool(placement.whole)
+
+
+def _whole_rows(placement: StridedShard, world_size: int) -> list[tuple[int, int]]:
+    """``[start, stop)`` along the local ``placement.dim`` of each segment every rank holds whole."""
+    bounds = placement.local_bounds(world_size)
+    return [bounds[i] for i in sorted(placement.whole)]
+
+
+class OwnWholeSegmentsOnRankZero(torch.autograd.Function):
+    """On the output of a fused projection whose segments every rank holds whole (Falcon's one k
+    and v head beside its split q heads): identity forward; backward, ranks other than 0 drop the
+    whole segments' gradient. Those segments are replicated values, so their gradient arrives whole
+    on every rank (the module invariant: an ``R`` gradient is the full logical one), while the
+    projection's input gradient is a partial sum over ranks (its split segments): without this the
+    sum would count the whole segments' share ``N`` times. Kept on rank 0 only, it counts once;
+    :class:`SumWholeSegmentGradient` then gives every rank the whole rows' weight gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, placement: StridedShard, comm: Comm) -> Tensor:
+        ctx.placement, ctx.comm = placement, comm
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+        if ctx.comm.rank == 0:
+            return grad, None, None
+        out = grad.clone(memory_format=torch.contiguous_format)
+        for start, stop in _whole_rows(ctx.placement, ctx.comm.world_size):
+            out.narrow(ctx.placement.dim, start, stop - start).zero_()
+        return out, None, None
+
+
+def own_whole_segments_on_rank_zero(x: Tensor, placement: StridedShard, comm: Comm) -> Tensor:
+    """:class:`OwnWholeSegmentsOnRankZero` (a plain function, for an FX ``call_function`` node)."""
+    return OwnWholeSegmentsOnRankZero.apply(x, placement, comm)
+
+
+class SumWholeSegmentGradient(torch.autograd.Function):
+    """On a parameter stored with whole segments (``StridedShard.whole``): identity forward;
+    backward, one all-reduce of the whole segments' rows of its gradient, which
+    :class:`OwnWholeSegmentsOnRankZero` left on rank 0 alone, so every rank holds the same
+    gradient of the rows it holds alike (and an optimizer step keeps them equal)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, placement: StridedShard, comm: Comm) -> Tensor:
+        ctx.placement, ctx.comm = placement, comm
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+        d, comm = ctx.placement.dim, ctx.comm
+        rows = _whole_rows(ctx.placement, comm.world_size)
+        out = grad.clone(memory_format=torch.contiguous_format)
+        whole = torch.cat([out.narrow(d, a, b - a) for a, b in rows], d)
+        summed = _all_reduce(whole, comm, backward=True)
+        offset = 0
+        for a, b in rows:
+            out.narrow(d, a, b - a).copy_(summed.narrow(d, offset, b - a))
+            offset += b - a
+        return out, None, None
+
+
+def sum_whole_segment_gradient(x: Tensor, placement: StridedShard, comm: Comm) -> Tensor:
+    """:class:`SumWholeSegmentGradient` (a plain function, for an FX ``call_function`` node)."""
+    return SumWholeSegmentGradient.apply(x, placement, comm)
 
 
 def _one_chunk_per_group(gathered: Tensor, src: GroupedShard, world_size: int) -> Tensor:

@@ -35,7 +35,7 @@ from torch import Tensor, nn
 from autotp import collectives
 from autotp.collectives import Comm
 from autotp.errors import AutoTPError
-from autotp.placement import Placement, Shard, chunk_range, chunk_sizes
+from autotp.placement import Placement, Shard, StridedShard, chunk_range, chunk_sizes
 
 __all__ = ["LinearOnGatheredInput", "Redistribute", "ShardedSoftmax", "VocabGather", "VocabParallelEmbedding", "VocabParallelLoss",
            "vocab_range"]
@@ -60,6 +60,29 @@ class ChunkGroupGradient(nn.Module):
 
     def extra_repr(self) -> str:
         return f"backward all_reduce over each group of {self.comm.world_size // self.groups} ranks"
+
+
+class WholeSegmentGradient(nn.Module):
+    """Segments every rank holds whole (``StridedShard.whole``: Falcon's one k and v head beside its
+    split q heads) as a graph that may train reads them: identity forward. On the parameter
+    (``owner=False``), backward all-reduces the whole segments' rows of its gradient
+    (:class:`autotp.collectives.SumWholeSegmentGradient`); on the projection's output
+    (``owner=True``), backward keeps their gradient on rank 0 only
+    (:class:`autotp.collectives.OwnWholeSegmentsOnRankZero`), so the input gradient counts them
+    once. A module, like :class:`Redistribute`, so the rewritten graph names it."""
+
+    def __init__(self, placement: StridedShard, comm: Comm, owner: bool) -> None:
+        super().__init__()
+        self.placement, self.comm, self.owner = placement, comm, owner
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.owner:
+            return collectives.own_whole_segments_on_rank_zero(x, self.placement, self.comm)
+        return collectives.sum_whole_segment_gradient(x, self.placement, self.comm)
+
+    def extra_repr(self) -> str:
+        return f"{self.placement}, backward: " + (
+            "whole segments' gradient kept on rank 0" if self.owner else "all_reduce of the whole segments' rows")
 
 
 class Redistribute(nn.Module):

@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 from autotp.collectives import Comm, sum_over_ranks
 from autotp.context import meta_of
 from autotp.errors import AutoTPError
-from autotp.placement import GroupedShard, HeadShard, Shard
+from autotp.placement import GroupedShard, HeadShard, Shard, StridedShard
 
 
 def clip_grad_norm_(model: torch.nn.Module, max_norm: float, norm_type: float = 2.0,
@@ -55,6 +55,11 @@ def clip_grad_norm_(model: torch.nn.Module, max_norm: float, norm_type: float = 
         square = _local(grad).double().pow(2).sum()
         if over_tp and isinstance(meta.placement, GroupedShard):  # the N / groups ranks of a group hold one chunk
             square = square * meta.placement.groups / tp_comm.world_size
+        if over_tp and isinstance(meta.placement, StridedShard) and meta.placement.whole:  # whole rows: once
+            bounds, dim = meta.placement.local_bounds(tp_comm.world_size), meta.placement.dim
+            whole = sum(_local(grad).narrow(dim, bounds[i][0], bounds[i][1] - bounds[i][0]).double().pow(2).sum()
+                        for i in meta.placement.whole)
+            square = square - whole * (tp_comm.world_size - 1) / tp_comm.world_size
         squares[(0 if over_dp else 2) if over_tp else (1 if over_dp else 3)] += square
     if dp is not None:
         squares[:2] = sum_over_ranks(squares[:2], dp.comm)  # FSDP2's dp shards

@@ -48,6 +48,7 @@ from autotp.layers import (
     VocabGather,
     VocabParallelEmbedding,
     VocabParallelLoss,
+    WholeSegmentGradient,
 )
 from autotp.ops.elementwise import REPLICATED_SHARE
 from autotp.ops.indexing import (
@@ -116,14 +117,23 @@ def rewrite(gm: torch.fx.GraphModule, annotation: Annotation, params: dict[torch
     trains = gradient_node(gm) is not None
     first_real = next(n for n in graph.nodes if n.op != "placeholder")
     attr_nodes: dict[torch.fx.Node, torch.fx.Node] = {}
+    owners: set[torch.fx.Node] = set()  # projections whose whole segments' gradient rank 0 owns
     for ph, lp in params.items():
         if not hasattr(gm, lp.attr):
             gm.register_parameter(lp.attr, lp.tensor)
         with graph.inserting_before(first_real):
             attr_nodes[ph] = graph.get_attr(lp.attr)
             placement = meta_of(lp.tensor).placement
-            if trains and refuses_gradient(placement):
-                attr_nodes[ph] = graph.call_function(refuse_gradient, (attr_nodes[ph],))
+            if trains and refuses_gradient(placement):  # whole segments: summed, unless a reader can't own them
+                readers = _whole_segment_readers(ph, annotation)
+                if readers is not None:
+                    name = f"autotp_whole_gradient_{ph.name}"
+                    gm.add_submodule(name, WholeSegmentGradient(placement, comm, owner=False))
+                    attr_nodes[ph] = graph.call_module(name, (attr_nodes[ph],))
+                    owners.update(readers)
+                    report.grad_only_collectives += 1
+                else:
+                    attr_nodes[ph] = graph.call_function(refuse_gradient, (attr_nodes[ph],))
             elif trains and isinstance(placement, GroupedShard):  # its gradient summed over its group
                 chunk_group(comm, placement.groups)  # made now, by every rank in compile order
                 name = f"autotp_group_gradient_{ph.name}"
@@ -201,12 +211,39 @@ def rewrite(gm: torch.fx.GraphModule, annotation: Annotation, params: dict[torch
                 report.local_rewrites[tag] += 1
                 continue
             _apply_local(gm, n, tag, plan.output(), params, attr_nodes, comm, report)
+        if n in owners:
+            name = f"autotp_whole_owner_{n.name}"
+            gm.add_submodule(name, WholeSegmentGradient(plan.output(), comm, owner=True))
+            with graph.inserting_after(n):
+                owned = graph.call_module(name, (n,))
+            owned.meta = dict(n.meta)
+            n.replace_all_uses_with(owned, delete_user_cb=lambda user, owned=owned: user is not owned)
 
     for ph in params:
         if ph.users:
             raise PassError(f"parameter placeholder {ph.name} still has users after rewrite: {list(ph.users)}")
     gm.recompile()
     return report
+
+
+def _whole_segment_readers(ph: torch.fx.Node, annotation: Annotation) -> set[torch.fx.Node] | None:
+    """The nodes where a parameter with whole segments (``StridedShard.whole``) meets an activation:
+    its users, through ops on the parameter alone (``.T``, views, casts), that read another tensor
+    and output the segments whole too (a fused projection, its bias add). None where some path
+    loses the whole segments first: such a parameter refuses a gradient."""
+    readers: set[torch.fx.Node] = set()
+    derived, todo = {ph}, list(ph.users)
+    while todo:
+        u = todo.pop()
+        out = annotation.plans[u].output()
+        if not (isinstance(out, StridedShard) and out.whole):
+            return None
+        if any(isinstance(_example_value(leaf), torch.Tensor) and leaf not in derived for leaf in _leaf_nodes(u)):
+            readers.add(u)  # reads an activation (or another parameter): the projection
+        else:  # derived from the parameter alone
+            derived.add(u)
+            todo.extend(u.users)
+    return readers
 
 
 def _on_rank_stream(gm: torch.fx.GraphModule, n: torch.fx.Node, rank: int) -> torch.fx.Node:

@@ -7,8 +7,8 @@ head at tp=2 (multi-query: k/v replicated). Logits of one forward and the tokens
 ``generate`` must equal one process; the plan must be Megatron's (q and o sharded, 2 all-reduces
 per block, no all-gather inside a block), and each rank's KV cache holds only its own kv head.
 Training through them (the warm-up placed k/v grouped or replicated; the grouped gradient is summed
-over each group) gives one process's loss, gradients, global norm and, after an SGD step, logits.
-Falcon's fused projection with its k/v head held whole refuses to train.
+over each group; Falcon's fused projection holds its k/v head whole) gives one process's loss,
+gradients, global norm and, after an SGD step, logits.
 
 Tolerance: atol 1e-5, rtol 1e-4 (fp32), as in tests/distributed/test_parallelize.py (row-parallel
 partial sums reorder fp32 additions).
@@ -196,21 +196,29 @@ def _rank_train(rank: int, world: int, folder: str) -> dict[str, Any]:
 
     model = parallelize_model(folder, tp_size=world)  # the warm-up places k/v grouped (or replicated)
     placements = {n: str(model.autotp.plans[0]["parameters"][n]["placement"])
-                  for n in model.autotp.plans[0]["parameters"] if "k_proj" in n or "v_proj" in n}
+                  for n in model.autotp.plans[0]["parameters"] if any(k in n for k in KV_WEIGHTS)}
     return {**_train_step(model, model.autotp.context.comm), "kv_placements": placements}
 
 
-@pytest.mark.parametrize(("kv_heads", "world", "kv_placement"), [(2, 4, "S(0/2)"), (1, 2, "R")],
-                         ids=["8-over-2-kv-heads-tp4", "8-over-1-kv-head-tp2"])
-def test_training_through_grouped_kv_heads_equals_one_process(tmp_path: Path, kv_heads: int, world: int,
+#: the weights holding k and v heads: separate projections, or Falcon's fused one
+KV_WEIGHTS = ("k_proj", "v_proj", "query_key_value")
+
+
+@pytest.mark.parametrize(("arch", "kv_heads", "world", "kv_placement"),
+                         [("llama", 2, 4, "S(0/2)"), ("llama", 1, 2, "R"), ("falcon", 1, 2, "S(0|64+8r+8r)")],
+                         ids=["8-over-2-kv-heads-tp4", "8-over-1-kv-head-tp2", "falcon-fused-whole-kv-head-tp2"])
+def test_training_through_grouped_kv_heads_equals_one_process(tmp_path: Path, arch: str, kv_heads: int, world: int,
                                                                kv_placement: str) -> None:
     """Each rank of a group uses its own query heads' share of the kv head, so the k/v projection's
-    gradient is partial over the group and summed within it; the loss, every gradient (gathered),
-    the global gradient norm, and the logits after an SGD step equal one process
+    gradient is partial over the group and summed within it. Falcon's fused query_key_value holds
+    its one k and v head whole on every rank beside the split q heads: their gradient counts once
+    in the input's gradient (rank 0's) and is summed into the whole rows. The loss, every gradient
+    (gathered), the global gradient norm, and the logits after an SGD step equal one process
     (gradients and logits atol 1e-5 / rtol 1e-4, the loss and the norm 1e-5 relative)."""
     from transformers import AutoModelForCausalLM
 
-    folder = save_tiny("llama", tmp_path / "llama", pad_token_id=PAD_ID, num_key_value_heads=kv_heads)
+    overrides = {"num_key_value_heads": kv_heads} if arch == "llama" else {}  # Falcon: multi-query
+    folder = save_tiny(arch, tmp_path / arch, pad_token_id=PAD_ID, **overrides)
     ref = _train_step(AutoModelForCausalLM.from_pretrained(folder))
     for r in run_ranks(_rank_train, world, str(folder)):
         assert r["kv_placements"] and set(r["kv_placements"].values()) == {kv_placement}, r["kv_placements"]
@@ -220,26 +228,6 @@ def test_training_through_grouped_kv_heads_equals_one_process(tmp_path: Path, kv
             torch.testing.assert_close(r["grads"][name], grad, atol=ATOL, rtol=RTOL, msg=name)
         assert r["norm"] == pytest.approx(ref["norm"], rel=1e-5)
         torch.testing.assert_close(r["logits_after"], ref["logits_after"], atol=ATOL, rtol=RTOL)
-
-
-def _rank_refused(rank: int, world: int, folder: str) -> str:
-    from autotp import AutoTPError, parallelize_model
-
-    model = parallelize_model(folder, tp_size=world)
-    model.train()
-    try:
-        model(input_ids=torch.tensor(PROMPT), labels=torch.tensor(PROMPT)).loss.backward()
-    except AutoTPError as e:
-        return str(e)
-    return "trained"
-
-
-def test_training_through_falcons_whole_kv_head_is_refused_not_silently_wrong(tmp_path: Path) -> None:
-    """Falcon's fused query_key_value holds its one k and v head whole on every rank beside the split q
-    heads: the gradient into its input would count those heads once per rank, so it is refused."""
-    folder = save_tiny("falcon", tmp_path / "falcon", pad_token_id=PAD_ID)
-    for message in run_ranks(_rank_refused, 2, str(folder)):
-        assert "query_key_value" in message and "warmup=False" in message, message
 
 
 def _rank_cached(rank: int, world: int, folder: str, cache_dir: str) -> dict[str, Any]:
