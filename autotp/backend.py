@@ -350,7 +350,12 @@ def _send_plan(gm: torch.fx.GraphModule, annotation: Annotation, lookup: Lookup,
     """Rank 0: broadcast this graph's plan (the JSON annotation the plan cache stores, and the
     solve's summary), or, for a plan JSON cannot carry, ask every rank to solve on its own."""
     try:
-        encoded = lookup.pending[0] if lookup.pending is not None else encode_annotation(gm, annotation)
+        if lookup.pending is not None:  # a miss: what the cache stores
+            encoded = lookup.pending[0]
+        elif lookup.cached is not None:  # a hit: the entry as stored, not encoded again
+            encoded = lookup.cached.encoded
+        else:
+            encoded = encode_annotation(gm, annotation)
     except (Uncacheable, ValueError):
         broadcast_object(("solve", None, None), ctx.comm)
         return
@@ -368,6 +373,8 @@ def _receive_plan(gm: torch.fx.GraphModule, param_inputs: dict[torch.fx.Node, to
         raise encoded
     if kind == "solve":
         return None
+    if lookup.cached is not None and lookup.cached.encoded == encoded:
+        return lookup.cached.annotation  # this rank hit the same entry: already decoded and checked
     params = {ph.name: (tuple(meta_of(v).global_shape), meta_of(v).placement) for ph, v in param_inputs.items()}
     try:
         annotation = decode_annotation(gm, encoded, ctx.world_size, params)
