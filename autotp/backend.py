@@ -239,8 +239,9 @@ def plan_graph(gm: torch.fx.GraphModule, example_inputs: list[Any], inputs: Grap
     lookup = _cache_lookup(gm, example_inputs, inputs.params, inputs.placeholders, ctx)
     shared = _plans_once(ctx)
     received = _receive_plan(gm, inputs.params, lookup, ctx, graph_id) if shared and ctx.rank != 0 else None
-    if received is not None:
-        plan = GraphPlan(graph_id, received, "rank 0", lookup)
+    if received is not None:  # rank 0's plan; where this rank hit the same entry, its own decode of it
+        mine = lookup.cached is not None and received is lookup.cached.annotation
+        plan = GraphPlan(graph_id, received, "plan cache" if mine else "rank 0", lookup)
     elif lookup.cached is not None:  # a hit: the stored plan, checked against this graph
         plan = GraphPlan(graph_id, lookup.cached.annotation, "plan cache", lookup)
     else:
