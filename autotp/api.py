@@ -40,6 +40,7 @@ from autotp.inputs import InputGuard, TokenIdCheck
 from autotp.memory import release_free_memory
 from autotp.mesh import MeshLayout, check_data_parallel, check_layout, check_tp_size
 from autotp.placement import R, head_split
+from autotp.prefill_call import PrefillCall
 from autotp.progress import load_progress
 from autotp.weights import (
     Checkpoint,
@@ -188,7 +189,8 @@ class _SwappingForward:
     """``model.forward`` replacement: stand-ins in for the compiled call, local shards out."""
 
     def __init__(self, compiled: Callable[..., Any], slots: list[tuple[torch.nn.Module, str, torch.nn.Parameter]],
-                 comm: Comm, guard: InputGuard | None = None, logits_with_loss: bool = True):
+                 comm: Comm, guard: InputGuard | None = None, logits_with_loss: bool = True,
+                 model: torch.nn.Module | None = None):
         self.compiled = compiled
         self.slots = slots
         self.comm = comm
@@ -197,8 +199,22 @@ class _SwappingForward:
         #: while set (the warm-up, :func:`_warm_up`), the token dim of every call's ids is marked
         #: dynamic, so the graph compiled then serves every length
         self.dynamic_tokens = False
+        #: the model's config (it holds the defaults a plain call leaves out) and its forward's
+        #: signature (positional ids are bound to their names); not the model (no reference cycle)
+        self.config = getattr(model, "config", None)
+        self.signature = _signature_or_none(model.forward) if model is not None else None
+        #: while set (a generate warm-up), the next call's keywords are recorded as :attr:`prefill`
+        self.record_prefill = False
+        #: the warm-up's prefill keywords: a plain call is completed into them and reuses its graph
+        #: (:mod:`autotp.prefill_call`)
+        self.prefill: PrefillCall | None = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.record_prefill:
+            self.record_prefill = False
+            self.prefill = PrefillCall.record(args, kwargs)
+        elif self.prefill is not None:
+            args, kwargs = self.prefill.complete(self.signature, args, kwargs, self.config)
         if self.guard is not None:
             # every rank checks its own inputs (alike under SPMD) and refuses alone: recording the
             # refusal as a rank failure would make the peers' next, valid call fail too
@@ -234,6 +250,13 @@ class _SwappingForward:
         for module, name, stand in self.slots:
             local = meta_of(stand).local
             module._parameters[name] = local if local is not None else stand
+
+
+def _signature_or_none(fn: Callable[..., Any]) -> inspect.Signature | None:
+    try:
+        return inspect.signature(fn)
+    except (TypeError, ValueError):
+        return None
 
 
 class _EncoderEntry:
@@ -450,7 +473,7 @@ def parallelize_model(
     slots = [(m, n, p) for fqn, p in module.named_parameters(remove_duplicate=False)
              for m, n in [_resolve_module(module, fqn)]]
     forward = _SwappingForward(compiled, slots, comm, InputGuard(TokenIdCheck.for_model(module, module.forward)),
-                               logits_with_loss=bool(logits_with_loss))
+                               logits_with_loss=bool(logits_with_loss), model=module)
     module.forward = forward
     _compile_encoder(module, slots, ctx)
     module.autotp = AutoTPHandle(context=ctx, folder=Path(folder), layout=layout, entry=forward)
@@ -536,6 +559,7 @@ def _warm_up(module: torch.nn.Module, forward: _SwappingForward, world_size: int
         with torch.no_grad():
             if _generates_with_dynamic_cache(module):
                 ids, pad = _warmup_ids(module, world_size)
+                forward.record_prefill = True  # a plain call is completed into this prefill's keywords
                 module.generate(ids.to(device), max_new_tokens=1, min_new_tokens=1, do_sample=False, num_beams=1,
                                 pad_token_id=pad)
             else:
@@ -543,6 +567,7 @@ def _warm_up(module: torch.nn.Module, forward: _SwappingForward, world_size: int
                           for k, v in _warmup_inputs(module, world_size).items()})
     finally:
         forward.dynamic_tokens = False
+        forward.record_prefill = False
 
 
 def _generates_with_dynamic_cache(module: torch.nn.Module) -> bool:

@@ -239,8 +239,9 @@ def plan_graph(gm: torch.fx.GraphModule, example_inputs: list[Any], inputs: Grap
     lookup = _cache_lookup(gm, example_inputs, inputs.params, inputs.placeholders, ctx)
     shared = _plans_once(ctx)
     received = _receive_plan(gm, inputs.params, lookup, ctx, graph_id) if shared and ctx.rank != 0 else None
-    if received is not None:
-        plan = GraphPlan(graph_id, received, "rank 0", lookup)
+    if received is not None:  # rank 0's plan; where this rank hit the same entry, its own decode of it
+        mine = lookup.cached is not None and received is lookup.cached.annotation
+        plan = GraphPlan(graph_id, received, "plan cache" if mine else "rank 0", lookup)
     elif lookup.cached is not None:  # a hit: the stored plan, checked against this graph
         plan = GraphPlan(graph_id, lookup.cached.annotation, "plan cache", lookup)
     else:
@@ -350,7 +351,12 @@ def _send_plan(gm: torch.fx.GraphModule, annotation: Annotation, lookup: Lookup,
     """Rank 0: broadcast this graph's plan (the JSON annotation the plan cache stores, and the
     solve's summary), or, for a plan JSON cannot carry, ask every rank to solve on its own."""
     try:
-        encoded = lookup.pending[0] if lookup.pending is not None else encode_annotation(gm, annotation)
+        if lookup.pending is not None:  # a miss: what the cache stores
+            encoded = lookup.pending[0]
+        elif lookup.cached is not None:  # a hit: the entry as stored, not encoded again
+            encoded = lookup.cached.encoded
+        else:
+            encoded = encode_annotation(gm, annotation)
     except (Uncacheable, ValueError):
         broadcast_object(("solve", None, None), ctx.comm)
         return
@@ -368,6 +374,8 @@ def _receive_plan(gm: torch.fx.GraphModule, param_inputs: dict[torch.fx.Node, to
         raise encoded
     if kind == "solve":
         return None
+    if lookup.cached is not None and lookup.cached.encoded == encoded:
+        return lookup.cached.annotation  # this rank hit the same entry: already decoded and checked
     params = {ph.name: (tuple(meta_of(v).global_shape), meta_of(v).placement) for ph, v in param_inputs.items()}
     try:
         annotation = decode_annotation(gm, encoded, ctx.world_size, params)

@@ -44,6 +44,7 @@ The planning passes do no I/O: this module does all of it, and the backend calls
 from __future__ import annotations
 
 import enum
+import functools
 import hashlib
 import json
 import math
@@ -301,7 +302,14 @@ def _placement_of(x: Any) -> Any:
         return tuple(_placement_of(y) for y in x["tuple"])
     if not isinstance(x, str):
         raise ValueError(f"not a placement: {x!r}")
-    return parse(x)
+    return _parsed(x)
+
+
+@functools.lru_cache(maxsize=4096)
+def _parsed(text: str) -> Placement:
+    """``placement.parse``, once per distinct text: an entry names a few placements thousands of
+    times (placements are frozen values, so one object serves every node)."""
+    return parse(text)
 
 
 def encode_annotation(gm: torch.fx.GraphModule, annotation: Annotation) -> dict[str, Any]:
@@ -401,11 +409,14 @@ def _check_parameter(name: str, placement: Any, shape: tuple[int, ...], pinned: 
 
 @dataclass
 class CachedPlan:
-    """A hit: the annotation rebuilt on this graph, and what the solve and lowering reported."""
+    """A hit: the annotation rebuilt on this graph, what the solve and lowering reported, and the
+    annotation as stored (``encoded``: what rank 0 broadcasts on a hit without encoding it again,
+    and what another rank's hit compares the broadcast with before skipping its decode)."""
 
     annotation: Annotation
     solve: dict[str, Any]
     plan: dict[str, Any]
+    encoded: dict[str, Any] = field(default_factory=dict)
 
     def trace_summary(self) -> dict[str, Any]:
         """The solve's summary for a hit's trace: costs and sizes as solved, and the solve's
@@ -507,7 +518,8 @@ class PlanCache:
         payload = entry["payload"]
         try:
             annotation = decode_annotation(gm, payload["annotation"], world, params)
-            return CachedPlan(annotation, dict(payload["solve"]), dict(payload["plan"])), "hit"
+            return CachedPlan(annotation, dict(payload["solve"]), dict(payload["plan"]),
+                              payload["annotation"]), "hit"
         except (KeyError, TypeError, ValueError) as e:
             return None, f"entry does not fit the graph ({type(e).__name__}: {e})"
 

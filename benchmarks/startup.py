@@ -4,6 +4,10 @@ tokens from a 16-token prompt, exit.
     python benchmarks/startup.py --tp 2 --rounds 3 \\
         --out benchmarks/results/startup_tp2_fp32.json [--png startup.png]
     python benchmarks/startup.py --size small --rounds 1   # smoke run of the script
+    python benchmarks/startup.py --engines autotp_cold,autotp_warm --plain-call   # + a plain call
+
+``--plain-call`` adds one plain ``model(input_ids=prompt)`` call between the load and the generate
+(``plain_s``): under ``parallelize_model`` it reuses the warm-up's graph (``autotp/prefill_call.py``).
 
 Same checkpoint for every engine (``benchmarks/_checkpoint.py``; ``--size small`` is a
 6M-parameter one for checking the script, which proves nothing about speed). Engines, each its
@@ -46,8 +50,9 @@ PROMPT_TOKENS = 16
 NEW_TOKENS = 16
 
 
-def _worker(engine: str, folder: str, result: str, dtype_name: str) -> None:
-    """One launch: import, load with ``engine``, generate; rank 0 writes its phases as JSON."""
+def _worker(engine: str, folder: str, result: str, dtype_name: str, plain_call: bool = False) -> None:
+    """One launch: import, load with ``engine``, (with ``plain_call``: one plain ``model(input_ids=...)``
+    call of the prompt,) generate; rank 0 writes its phases as JSON."""
     t0 = time.perf_counter()
     import torch
     import torch.distributed as dist
@@ -74,6 +79,12 @@ def _worker(engine: str, folder: str, result: str, dtype_name: str) -> None:
     load_s = time.perf_counter() - t
     vocab = model.config.vocab_size
     ids = (torch.arange(PROMPT_TOKENS) * 7919 % (vocab - 1) + 1).unsqueeze(0)  # (1, 16), deterministic
+    plain_s = None
+    if plain_call:
+        t = time.perf_counter()
+        with torch.no_grad():
+            model(input_ids=ids)
+        plain_s = time.perf_counter() - t
     t = time.perf_counter()
     with torch.no_grad():
         out = model.generate(
@@ -88,6 +99,7 @@ def _worker(engine: str, folder: str, result: str, dtype_name: str) -> None:
             "import_s": import_s,
             "load_s": load_s,
             "generate_s": generate_s,
+            "plain_s": plain_s,
             "tokens": out[0, PROMPT_TOKENS:].tolist(),
             "memory": memory(),
         }
@@ -113,6 +125,7 @@ def _launch(
         os.fspath(folder),
         os.fspath(result),
         args.dtype,
+        "plain" if args.plain_call else "-",
     ]
     wall_s = launch(ranks, worker, env=env, label=engine)
     return {**json.loads(result.read_text()), "wall_s": wall_s}
@@ -124,8 +137,9 @@ def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "threads_per_rank": runs[0]["threads"],
         "tokens": runs[0]["tokens"],
     }
-    for phase in ("import_s", "load_s", "generate_s"):
-        out[phase] = stats([r[phase] for r in runs])
+    for phase in ("import_s", "load_s", "plain_s", "generate_s"):
+        if all(r.get(phase) is not None for r in runs):
+            out[phase] = stats([r[phase] for r in runs])
     memories = [r["memory"] for r in runs if r.get("memory", {}).get("peak_rss")]
     if memories:
         out["peak_rss_bytes"] = max(m["peak_rss"] for m in memories)
@@ -172,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
-        "--worker", nargs=4, metavar=("ENGINE", "FOLDER", "RESULT", "DTYPE"), help=argparse.SUPPRESS
+        "--worker", nargs=5, metavar=("ENGINE", "FOLDER", "RESULT", "DTYPE", "PLAIN"), help=argparse.SUPPRESS
     )
     parser.add_argument(
         "--cache",
@@ -189,12 +203,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--rounds", type=int, default=3, help="alternating launches per engine")
     parser.add_argument("--engines", default=",".join(ENGINES))
+    parser.add_argument(
+        "--plain-call",
+        action="store_true",
+        help="call model(input_ids=prompt) once between load and generate (timed as plain_s)",
+    )
     parser.add_argument("--out", default="startup.json")
     parser.add_argument("--png", default=None)
     args = parser.parse_args(argv)
     if args.worker:
-        engine, folder, result, dtype_name = args.worker
-        _worker(engine, folder, result, dtype_name)
+        engine, folder, result, dtype_name, plain = args.worker
+        _worker(engine, folder, result, dtype_name, plain_call=plain == "plain")
         return 0
 
     import torch
@@ -226,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         "tp": args.tp,
         "dtype": args.dtype,
         "rounds": args.rounds,
+        "plain_call": args.plain_call,
         "engines": summary,
         "ratios": {},
     }
@@ -241,7 +261,9 @@ def main(argv: list[str] | None = None) -> int:
         w = s["wall_s"]
         print(
             f"{e:>16}: {w['median']:.1f} s median ({w['min']:.1f}-{w['max']:.1f}); import {s['import_s']['median']:.1f}"
-            f" load {s['load_s']['median']:.1f} generate {s['generate_s']['median']:.1f}"
+            f" load {s['load_s']['median']:.1f}"
+            + (f" plain call {s['plain_s']['median']:.2f}" if "plain_s" in s else "")
+            + f" generate {s['generate_s']['median']:.1f}"
         )
     print(
         json.dumps(

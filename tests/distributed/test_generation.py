@@ -107,3 +107,47 @@ def test_a_greedy_generate_right_after_loading_reuses_the_warm_up_as_its_prefill
         assert r["greedy"] == ref["greedy"]
         assert r["graphs_loaded"] == 1  # the warm-up: generate's prefill at a dynamic length
         assert r["graphs_for_generate"] == 1  # the decode graph only
+
+
+def _rank_plain_calls(rank: int, world: int, folder: str) -> dict:
+    from autotp import parallelize_model
+    from autotp.kv_cache import returned_cache
+
+    model = parallelize_model(folder, tp_size=world)
+    ids = torch.tensor(PROMPT)
+    with torch.no_grad():
+        keyword = model(input_ids=ids)
+        graphs_after_keyword = model.autotp.context.graphs_compiled
+        positional = model(torch.tensor([PROMPT[0][:5]]))  # another length: the warm-up's token dim is dynamic
+        graphs_after_positional = model.autotp.context.graphs_compiled
+        no_cache = model(input_ids=ids, use_cache=False)  # another computation: a graph of its own
+        graphs_after_no_cache = model.autotp.context.graphs_compiled
+        greedy = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=PAD_ID)
+    return {"greedy": greedy[0].tolist(), "graphs_after_generate": model.autotp.context.graphs_compiled,
+            "keyword": keyword.logits, "positional": positional.logits, "no_cache": no_cache.logits,
+            "cache_length": returned_cache(keyword).get_seq_length(),
+            "no_cache_returned": returned_cache(no_cache) is not None,
+            "graphs": [graphs_after_keyword, graphs_after_positional, graphs_after_no_cache]}
+
+
+def test_a_plain_call_right_after_loading_reuses_the_warm_up_graph(tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    folder = save_tiny("llama", tmp_path / "ckpt", seed=0, num_hidden_layers=2, max_position_embeddings=128)
+    reference = AutoModelForCausalLM.from_pretrained(folder).eval()
+    ids = torch.tensor(PROMPT)
+    with torch.no_grad():
+        full, short = reference(input_ids=ids).logits, reference(torch.tensor([PROMPT[0][:5]])).logits
+        greedy = reference.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=PAD_ID)[0].tolist()
+    for r in run_ranks(_rank_plain_calls, 2, str(folder)):
+        # the plain calls are completed into the warm-up's prefill keywords (a fresh empty cache,
+        # use_cache and return_dict at the config's defaults): no graph beyond the warm-up's
+        assert r["graphs"][:2] == [1, 1]
+        assert r["graphs"][2] == 2  # use_cache=False is not the prefill: its own graph, as before
+        torch.testing.assert_close(r["keyword"], full, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(r["positional"], short, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(r["no_cache"], full, atol=1e-5, rtol=1e-4)
+        assert r["cache_length"] == len(PROMPT[0])  # the cache the plain call would have made, filled
+        assert not r["no_cache_returned"]
+        assert r["greedy"] == greedy
+        assert r["graphs_after_generate"] == 3  # its prefill is the warm-up's graph; its decode graph
