@@ -582,6 +582,40 @@ def _parse_overrides(items: Sequence[str]) -> dict[str, str]:
     return out
 
 
+def _plan_report(args: argparse.Namespace, overrides: dict[str, str]) -> tuple[Any, list[Any]]:
+    """The report ``autotp plan`` prints, and the explanations of ``--explain``.
+
+    Read from the report cache (``autotp/report_cache.py``) before the planner, and with it torch
+    and transformers, is imported: a hit costs a file read and this module's imports. A miss plans
+    (:func:`autotp.planner.plan_model`) and keeps the report. A hit was stored after the planner's
+    checks passed for the very same key, so it never needs them again."""
+    from autotp.report_cache import ReportCache, config_file
+
+    started = time.perf_counter()
+    request = {"tp": args.tp, "dtype": args.dtype, "batch": args.batch, "seq_len": args.seq_len,
+               "decode": not args.no_decode, "overrides": overrides, "full_depth": args.full_depth,
+               "revision": args.revision, "local_files_only": args.local_files_only}
+    cache = ReportCache(None) if args.explain else ReportCache.from_environment()
+    config = config_file(args.model, revision=args.revision, local_files_only=args.local_files_only) \
+        if cache.root is not None else None
+    key = cache.key(args.model, config, request) if config is not None else None
+    state = cache.load(key)
+    if state is not None:
+        from autotp.plan_report import PlanReport
+
+        report = PlanReport.from_state(state)
+        report.timings = {"report_cache_read_s": time.perf_counter() - started}
+        return report, []
+    with _environ(_QUIET_ENV):
+        _quiet_transformers()
+        from autotp.planner import explain_matching, plan_model
+
+        report = plan_model(args.model, explain_names=args.explain, **request)
+        explanations = [e for name in args.explain for e in explain_matching(report, name)]
+    cache.store(key, report.to_state())
+    return report, explanations
+
+
 def _cmd_plan(args: argparse.Namespace) -> int:
     """``autotp plan``: a thin layer over :func:`autotp.planner.plan_model` (one process, meta
     device); the report is printed as text, JSON (``--json``) or a tp_plan (``--tp-plan``)."""
@@ -601,26 +635,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             "autotp plan --png needs matplotlib, which is not installed: "
             "pip install 'autotp[plot]' (or pip install matplotlib), or use --html"
         )
-    with _environ(_QUIET_ENV):
-        _quiet_transformers()
-        from autotp.planner import explain_matching, plan_model
-        from autotp.render import render_html, render_png, render_text
+    report, explanations = _plan_report(args, overrides)
+    from autotp.render import render_html, render_png, render_text
 
-        report = plan_model(
-            args.model,
-            args.tp,
-            dtype=args.dtype,
-            batch=args.batch,
-            seq_len=args.seq_len,
-            decode=not args.no_decode,
-            overrides=overrides,
-            revision=args.revision,
-            local_files_only=args.local_files_only,
-            explain_names=args.explain,
-            full_depth=args.full_depth,
-            report_cache=True,
-        )
-        explanations = [e for name in args.explain for e in explain_matching(report, name)]
     if args.html:
         try:
             Path(args.html).write_text(render_html(report))

@@ -49,20 +49,20 @@ import hashlib
 import json
 import math
 import os
-import sys
 import tempfile
 import time
 import types
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.fx
 
+from autotp import cache_env
+from autotp.cache_env import cache_dir_from
 from autotp.compat import FakeTensor, OpOverload, OpOverloadPacket, pytree
 from autotp.passes.annotate import Annotation, EdgePlan, NodePlan
 from autotp.placement import (
@@ -79,46 +79,13 @@ from autotp.placement import (
 #: bump when the entry layout or the meaning of a key field changes
 FORMAT = 1
 
-_OFF = ("0", "false", "off", "no")
-
 
 class Uncacheable(Exception):
     """The graph holds something the key cannot describe faithfully."""
 
 
-def cache_dir_from(env: Mapping[str, str]) -> Path | None:
-    """The cache location the environment asks for; None when ``AUTOTP_CACHE`` turns it off."""
-    if env.get("AUTOTP_CACHE", "1").strip().lower() in _OFF:
-        return None
-    if env.get("AUTOTP_CACHE_DIR"):
-        return Path(env["AUTOTP_CACHE_DIR"]).expanduser()
-    if env.get("XDG_CACHE_HOME"):
-        return Path(env["XDG_CACHE_HOME"]).expanduser() / "autotp"
-    return Path("~/.cache/autotp").expanduser()
-
-
-def source_digest() -> str:
-    """SHA-256 over autotp's own ``.py`` files (relative path and bytes, in path order): plans of
-    an edited planner are never reused, whatever the version number says."""
-    root = Path(__file__).resolve().parent
-    h = hashlib.sha256()
-    for path in sorted(root.rglob("*.py")):
-        h.update(str(path.relative_to(root)).encode() + b"\0")
-        h.update(path.read_bytes() + b"\0")
-    return h.hexdigest()
-
-
-def _version(dist_name: str) -> str | None:
-    try:
-        return metadata.version(dist_name)
-    except metadata.PackageNotFoundError:
-        return None
-
-
 def versions() -> dict[str, Any]:
-    return {"format": FORMAT, "autotp": _version("autotp"), "autotp_source": source_digest(),
-            "torch": torch.__version__, "transformers": _version("transformers"),
-            "python": sys.version.split()[0]}
+    return {"format": FORMAT, **cache_env.versions()}
 
 
 # --------------------------------------------------------------------------------------------------

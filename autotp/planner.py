@@ -30,8 +30,9 @@ which :func:`explain` uses to say why a parameter got its placement by re-solvin
 parameter pinned to each alternative, and :func:`to_tp_plan` for transformers' ``tp_plan``.
 
 Depth: a deep model is traced as a shortened stand-in whose report is expanded to every layer
-(``autotp/depth.py`` says why that is the full-depth report and when it is not done); ``autotp
-plan`` keeps whole reports (``autotp/report_cache.py``).
+(``autotp/depth.py`` says why that is the full-depth report and when it is not done). The report
+itself is plain data (``autotp/plan_report.py``); ``autotp plan`` keeps whole reports
+(``autotp/report_cache.py``) and serves them without importing this module.
 """
 
 from __future__ import annotations
@@ -42,9 +43,8 @@ import fnmatch
 import os
 import re
 import time
-from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -81,147 +81,12 @@ from autotp.placement import (
     uneven_rows,
 )
 from autotp.plan import style_of
-from autotp.report_cache import ReportCache
+from autotp.plan_report import GraphReport, PlanReport
 
 __all__ = ["GraphReport", "PlanReport", "check_names", "explain", "explain_matching", "load_config", "plan_model",
            "to_tp_plan"]
 
 _LAYER = re.compile(r"\.(\d+)(?=\.)")
-
-
-# ---------------------------------------------------------------------------------------------
-# The report
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclass
-class GraphReport:
-    """One compiled graph: what it is, its collectives and where they sit, and its timings."""
-
-    name: str
-    input_shape: tuple[int, ...]
-    collectives: dict[str, int]
-    collective_bytes: dict[str, int]
-    #: one row per collective of the solution: kind, placements, the module whose output it moves
-    sites: list[dict[str, Any]]
-    timings: dict[str, float]
-    cost: float | None = None
-    extra_cost_of_overrides: float | None = None
-    #: the solver's certificate, summed over the graph's solves: no plan costs less than
-    #: ``lower_bound``; ``gap = cost - lower_bound`` (0: proved optimal)
-    lower_bound: float | None = None
-
-    @classmethod
-    def from_state(cls, state: Mapping[str, Any]) -> GraphReport:
-        return cls(**{**state, "input_shape": tuple(state["input_shape"])})
-
-    @property
-    def gap(self) -> float | None:
-        return None if self.cost is None or self.lower_bound is None else max(self.cost - self.lower_bound, 0.0)
-
-
-@dataclass
-class PlanReport:
-    """Everything ``autotp plan`` prints; :meth:`to_json` is the ``--json`` object."""
-
-    model: str
-    architecture: str
-    tp: int
-    dtype: str
-    batch: int
-    seq_len: int
-    num_layers: int | None
-    #: fqn -> style, placement, shard_dim, global_shape, global_numel, local_shape, bytes_per_rank
-    parameters: dict[str, dict[str, Any]]
-    param_bytes_per_rank: int
-    param_bytes_total: int
-    forward: GraphReport
-    decode: GraphReport | None
-    decode_note: str | None
-    kv_cache_bytes_per_rank: int | None
-    kv_cache_bytes_total: int | None
-    timings: dict[str, float]
-    #: transformers' spelling of the plan (:func:`to_tp_plan`), None when it has none
-    tp_plan: dict[str, str] | None
-    overrides: dict[str, str] = field(default_factory=dict)
-    #: why ``tp_plan`` is None: the parameter whose layout transformers cannot express
-    tp_plan_refusal: str | None = None
-    record: SolveRecord | None = field(default=None, repr=False)
-    #: how the layers were planned: expanded from a shortened stand-in (``autotp/depth.py``) or at
-    #: full depth, and why
-    depth: str | None = None
-
-    @property
-    def collectives(self) -> dict[str, int]:
-        """Collectives of one forward (the prefill graph), by kind."""
-        return self.forward.collectives
-
-    def block_collectives(self, graph: str = "forward") -> dict[int, dict[str, int]]:
-        """Collectives per decoder block: layer index -> kind -> count, from the solution's sites
-        (a collective belongs to the block whose module produced the value it moves)."""
-        g = self.forward if graph == "forward" else self.decode
-        out: dict[int, Counter] = {}
-        for site in g.sites if g else []:
-            if site["layer"] is not None:
-                out.setdefault(site["layer"], Counter())[site["kind"]] += 1
-        return {k: dict(v) for k, v in sorted(out.items())}
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "model": self.model, "architecture": self.architecture, "tp": self.tp, "dtype": self.dtype,
-            "batch": self.batch, "seq_len": self.seq_len, "num_layers": self.num_layers,
-            "parameters": self.parameters,
-            "collectives": self.forward.collectives,
-            "solver": {"cost": self.forward.cost, "lower_bound": self.forward.lower_bound, "gap": self.forward.gap},
-            "collective_bytes_per_rank": self.forward.collective_bytes,
-            "collectives_per_token": self.decode.collectives if self.decode else None,
-            "collective_bytes_per_token_per_rank": self.decode.collective_bytes if self.decode else None,
-            "decode_note": self.decode_note,
-            "param_bytes_per_rank": self.param_bytes_per_rank,
-            "param_bytes_total": self.param_bytes_total,
-            "kv_cache_bytes_per_rank": self.kv_cache_bytes_per_rank,
-            "kv_cache_bytes_total": self.kv_cache_bytes_total,
-            "timings": self.timings,
-            "graphs": [asdict(g) for g in (self.forward, self.decode) if g is not None],
-            "overrides": self.overrides,
-            "tp_plan": self.tp_plan,
-            "tp_plan_refusal": self.tp_plan_refusal,
-            "depth": self.depth,
-        }
-
-    def to_state(self) -> dict[str, Any]:
-        """Every field but the solver record, as JSON-able values (the report cache's entry)."""
-        state = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "record"}
-        state["forward"] = asdict(self.forward)
-        state["decode"] = asdict(self.decode) if self.decode is not None else None
-        return state
-
-    @classmethod
-    def from_state(cls, state: Mapping[str, Any]) -> PlanReport:
-        return cls(**{**state, "forward": GraphReport.from_state(state["forward"]),
-                      "decode": GraphReport.from_state(state["decode"]) if state["decode"] is not None else None})
-
-    #: what :meth:`to_json` holds about how the plan was computed rather than what it is
-    COMPUTATION = ("timings", "solver", "depth")
-    COMPUTATION_PER_GRAPH = ("timings", "cost", "lower_bound", "extra_cost_of_overrides")
-
-    def plan_json(self) -> dict[str, Any]:
-        """:meth:`to_json` less how the plan was computed (timings, the solver's cost and
-        certificate, ``depth``): what a stand-in's expanded report and the full-depth one share
-        (``autotp/depth.py``)."""
-        out = self.to_json()
-        for key in self.COMPUTATION:
-            out.pop(key)
-        for graph in out["graphs"]:
-            for key in self.COMPUTATION_PER_GRAPH:
-                graph.pop(key)
-        return out
-
-    def transformers_tp_plan(self) -> dict[str, str]:
-        """``tp_plan``, or the :class:`AutoTPError` that says why transformers cannot express it."""
-        if self.tp_plan is None:
-            raise AutoTPError(f"no transformers tp_plan for this plan: {self.tp_plan_refusal}")
-        return self.tp_plan
 
 
 # ---------------------------------------------------------------------------------------------
@@ -402,7 +267,7 @@ def plan_model(model: Any, tp: int, *, dtype: str | torch.dtype | None = None, b
                memory_weight: float = 1.0, beam_width: int = 32, revision: str | None = None,
                cache_dir: str | os.PathLike | None = None, local_files_only: bool = False,
                sequence_parallel: bool = False, explain_names: Sequence[str] = (),
-               full_depth: bool = False, report_cache: bool = False) -> PlanReport:
+               full_depth: bool = False) -> PlanReport:
     """Plan ``model`` (a Hub id, a folder, or a transformers config) for ``tp`` ranks, in this
     process, on the meta device (see the module docstring). ``seq_len`` defaults to ``2*tp+1``.
     ``overrides`` and ``sequence_parallel`` are ``parallelize_model``'s. ``explain_names`` (for
@@ -412,10 +277,6 @@ def plan_model(model: Any, tp: int, *, dtype: str | torch.dtype | None = None, b
     layer (``autotp/depth.py``: why that is the full-depth report, what is checked, when it plans at
     full depth instead); ``full_depth=True`` always traces every layer, and so do ``explain_names``
     (an explanation re-solves the full graph). ``PlanReport.depth`` says which was done.
-
-    ``report_cache=True`` (``autotp plan``) reads and keeps the report in the report cache
-    (``autotp/report_cache.py``): a hit returns the stored report (no solver record; timings of
-    the read only) without building or tracing anything.
 
     Resets Dynamo's caches first (``torch._dynamo.reset()``): every plan compiles the same
     ``forward`` code object, and planning several models in one process would otherwise run into
@@ -438,34 +299,11 @@ def plan_model(model: Any, tp: int, *, dtype: str | torch.dtype | None = None, b
     shape = (batch, seq_len)
     name = os.fspath(model) if isinstance(model, (str, os.PathLike)) \
         else (getattr(config, "name_or_path", "") or f"{type(config).__name__}()")
-    cache = ReportCache.from_environment() if report_cache and not explain_names and not _holds_weights(model) \
-        else ReportCache(None)
-    key = cache.key(config=config, model=name, tp=tp, dtype=torch_dtype, batch=batch, seq_len=seq_len,
-                    decode=decode, options=options, full_depth=full_depth) if cache.root is not None else None
-    state = cache.load(key) if key is not None else None
-    if state is not None:  # stored after the checks below passed for this very key
-        report = PlanReport.from_state(state)
-        report.timings = {"total_s": time.perf_counter() - t_start, "total_cpu_s": time.process_time() - cpu_start}
-        report.depth = f"{report.depth}; read from the report cache (autotp/report_cache.py)"
-        return report
     module = _build(config, torch_dtype)
     _check_local_weights(model, module)
     check_overrides(module, overrides)
     check_names(module, list(explain_names), "explain name(s)")  # refused before the (long) plan
-    report = _plan(config, module, name, options, shape, decode, explain_names, full_depth, t_start, cpu_start)
-    if key is not None:
-        cache.store(key, report.to_state())
-    return report
-
-
-def _holds_weights(model: Any) -> bool:
-    """``model`` is a folder with weights (checked against the config on every plan)."""
-    from autotp.weights import _bin_files, _safetensors_files
-
-    if not isinstance(model, str | os.PathLike):
-        return False
-    folder = Path(os.fspath(model)).expanduser()
-    return folder.is_dir() and bool(_safetensors_files(folder) or _bin_files(folder))
+    return _plan(config, module, name, options, shape, decode, explain_names, full_depth, t_start, cpu_start)
 
 
 def _plan(config: Any, module: torch.nn.Module, name: str, options: AutoTPConfig, shape: tuple[int, int],

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from autotp.errors import AutoTPError
-from autotp.planner import PlanReport
+from autotp.plan_report import PlanReport
 
 __all__ = ["Block", "CollectiveRow", "ParamRow", "plan_blocks", "render_html", "render_png", "render_text"]
 
@@ -479,6 +479,9 @@ def render_text(report: PlanReport) -> str:
             f"{_human(report.kv_cache_bytes_per_rank)} of {_human(report.kv_cache_bytes_total)}"
         )
     t = report.timings
+    if "report_cache_read_s" in t:  # the only line that differs from the run that planned it
+        lines.append(f"timings: read from the report cache (autotp/report_cache.py) in {t['report_cache_read_s']:.2f} s")
+        return "\n".join(lines)
     phases = [k for k in ("trace", "decompose", "solve", "total") if f"{k}_s" in t]
     lines.append(
         "timings, wall / CPU seconds (CPU excludes time other processes took): "

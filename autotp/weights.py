@@ -64,6 +64,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from autotp.checkpoint_files import bin_files as _bin_files
+from autotp.checkpoint_files import safetensors_files as _safetensors_files
 from autotp.checkpoint_keys import (
     Source,
     converted_sources,
@@ -339,15 +341,6 @@ def _check_folder(folder: Path, *, source: str, require_weights: bool, repo_id: 
             f"`autotp plan {os.fspath(folder)} --tp N` (or autotp.planner.plan_model)."
         )
     raise CheckpointError(f"no safetensors files (nor pytorch_model*.bin) in {source} ({folder}): {fix}")
-
-
-def _safetensors_files(folder: Path) -> list[Path]:
-    return sorted(p for p in folder.glob("*.safetensors") if p.is_file())
-
-
-def _bin_files(folder: Path) -> list[Path]:
-    """PyTorch pickles transformers names (``pytorch_model.bin`` or its shards)."""
-    return sorted(p for p in folder.glob("pytorch_model*.bin") if p.is_file())
 
 
 def _read_index(index: Path) -> dict[str, str]:

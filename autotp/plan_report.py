@@ -1,0 +1,150 @@
+"""What ``autotp plan`` reports (:class:`PlanReport`, one :class:`GraphReport` per compiled graph),
+as plain data: no torch import, so a report read from the report cache (``autotp/report_cache.py``)
+is rendered before torch or transformers load. :mod:`autotp.planner` computes it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from autotp.errors import AutoTPError
+
+if TYPE_CHECKING:
+    from autotp.backend import SolveRecord
+
+__all__ = ["GraphReport", "PlanReport"]
+
+
+
+@dataclass
+class GraphReport:
+    """One compiled graph: what it is, its collectives and where they sit, and its timings."""
+
+    name: str
+    input_shape: tuple[int, ...]
+    collectives: dict[str, int]
+    collective_bytes: dict[str, int]
+    #: one row per collective of the solution: kind, placements, the module whose output it moves
+    sites: list[dict[str, Any]]
+    timings: dict[str, float]
+    cost: float | None = None
+    extra_cost_of_overrides: float | None = None
+    #: the solver's certificate, summed over the graph's solves: no plan costs less than
+    #: ``lower_bound``; ``gap = cost - lower_bound`` (0: proved optimal)
+    lower_bound: float | None = None
+
+    @classmethod
+    def from_state(cls, state: Mapping[str, Any]) -> GraphReport:
+        return cls(**{**state, "input_shape": tuple(state["input_shape"])})
+
+    @property
+    def gap(self) -> float | None:
+        return None if self.cost is None or self.lower_bound is None else max(self.cost - self.lower_bound, 0.0)
+
+
+@dataclass
+class PlanReport:
+    """Everything ``autotp plan`` prints; :meth:`to_json` is the ``--json`` object."""
+
+    model: str
+    architecture: str
+    tp: int
+    dtype: str
+    batch: int
+    seq_len: int
+    num_layers: int | None
+    #: fqn -> style, placement, shard_dim, global_shape, global_numel, local_shape, bytes_per_rank
+    parameters: dict[str, dict[str, Any]]
+    param_bytes_per_rank: int
+    param_bytes_total: int
+    forward: GraphReport
+    decode: GraphReport | None
+    decode_note: str | None
+    kv_cache_bytes_per_rank: int | None
+    kv_cache_bytes_total: int | None
+    timings: dict[str, float]
+    #: transformers' spelling of the plan (:func:`to_tp_plan`), None when it has none
+    tp_plan: dict[str, str] | None
+    overrides: dict[str, str] = field(default_factory=dict)
+    #: why ``tp_plan`` is None: the parameter whose layout transformers cannot express
+    tp_plan_refusal: str | None = None
+    record: SolveRecord | None = field(default=None, repr=False)
+    #: how the layers were planned: expanded from a shortened stand-in (``autotp/depth.py``) or at
+    #: full depth, and why
+    depth: str | None = None
+
+    @property
+    def collectives(self) -> dict[str, int]:
+        """Collectives of one forward (the prefill graph), by kind."""
+        return self.forward.collectives
+
+    def block_collectives(self, graph: str = "forward") -> dict[int, dict[str, int]]:
+        """Collectives per decoder block: layer index -> kind -> count, from the solution's sites
+        (a collective belongs to the block whose module produced the value it moves)."""
+        g = self.forward if graph == "forward" else self.decode
+        out: dict[int, Counter] = {}
+        for site in g.sites if g else []:
+            if site["layer"] is not None:
+                out.setdefault(site["layer"], Counter())[site["kind"]] += 1
+        return {k: dict(v) for k, v in sorted(out.items())}
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "model": self.model, "architecture": self.architecture, "tp": self.tp, "dtype": self.dtype,
+            "batch": self.batch, "seq_len": self.seq_len, "num_layers": self.num_layers,
+            "parameters": self.parameters,
+            "collectives": self.forward.collectives,
+            "solver": {"cost": self.forward.cost, "lower_bound": self.forward.lower_bound, "gap": self.forward.gap},
+            "collective_bytes_per_rank": self.forward.collective_bytes,
+            "collectives_per_token": self.decode.collectives if self.decode else None,
+            "collective_bytes_per_token_per_rank": self.decode.collective_bytes if self.decode else None,
+            "decode_note": self.decode_note,
+            "param_bytes_per_rank": self.param_bytes_per_rank,
+            "param_bytes_total": self.param_bytes_total,
+            "kv_cache_bytes_per_rank": self.kv_cache_bytes_per_rank,
+            "kv_cache_bytes_total": self.kv_cache_bytes_total,
+            "timings": self.timings,
+            "graphs": [asdict(g) for g in (self.forward, self.decode) if g is not None],
+            "overrides": self.overrides,
+            "tp_plan": self.tp_plan,
+            "tp_plan_refusal": self.tp_plan_refusal,
+            "depth": self.depth,
+        }
+
+    def to_state(self) -> dict[str, Any]:
+        """Every field but the solver record, as JSON-able values (the report cache's entry)."""
+        state = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "record"}
+        state["forward"] = asdict(self.forward)
+        state["decode"] = asdict(self.decode) if self.decode is not None else None
+        return state
+
+    @classmethod
+    def from_state(cls, state: Mapping[str, Any]) -> PlanReport:
+        return cls(**{**state, "forward": GraphReport.from_state(state["forward"]),
+                      "decode": GraphReport.from_state(state["decode"]) if state["decode"] is not None else None})
+
+    #: what :meth:`to_json` holds about how the plan was computed rather than what it is
+    COMPUTATION = ("timings", "solver", "depth")
+    COMPUTATION_PER_GRAPH = ("timings", "cost", "lower_bound", "extra_cost_of_overrides")
+
+    def plan_json(self) -> dict[str, Any]:
+        """:meth:`to_json` less how the plan was computed (timings, the solver's cost and
+        certificate, ``depth``): what a stand-in's expanded report and the full-depth one share
+        (``autotp/depth.py``)."""
+        out = self.to_json()
+        for key in self.COMPUTATION:
+            out.pop(key)
+        for graph in out["graphs"]:
+            for key in self.COMPUTATION_PER_GRAPH:
+                graph.pop(key)
+        return out
+
+    def transformers_tp_plan(self) -> dict[str, str]:
+        """``tp_plan``, or the :class:`AutoTPError` that says why transformers cannot express it."""
+        if self.tp_plan is None:
+            raise AutoTPError(f"no transformers tp_plan for this plan: {self.tp_plan_refusal}")
+        return self.tp_plan
