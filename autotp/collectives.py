@@ -1244,8 +1244,11 @@ def full_tensor(local: Tensor, placement: Placement, comm: Comm, size: int | Non
     if not isinstance(placement, StridedShard):
         return redistribute(local, placement, R, comm, size=size)
     n, dim = comm.world_size, placement.dim
-    gathered = redistribute(local, Shard(dim), R, comm)  # (.., [seg_0 / N | seg_1 / N | ...] x N ranks, ..)
-    per_rank = [chunk.split(placement.local_segments(n), dim) for chunk in gathered.chunk(n, dim)]
+    longest = placement.local_length(n, 0)  # segments split in heads: ranks hold unequal lengths (rank 0 the most)
+    padded = torch.nn.functional.pad(local.movedim(dim, -1), (0, longest - local.shape[dim])).movedim(-1, dim)
+    gathered = redistribute(padded, Shard(dim), R, comm)  # (.., [seg_0 / N | seg_1 / N | ...] x N ranks, ..)
+    per_rank = [chunk.narrow(dim, 0, placement.local_length(n, r)).split(placement.local_segments(n, r), dim)
+                for r, chunk in enumerate(gathered.chunk(n, dim))]
     # a whole segment is the same on every rank: rank 0's copy
     return torch.cat([per_rank[r][s] for s in range(len(placement.segments))
                       for r in (range(1) if s in placement.whole else range(n))], dim)
