@@ -609,7 +609,7 @@ def _solve(gm: torch.fx.GraphModule, example_inputs: list[Any], param_inputs: di
             # fused q|k|v; segments held whole on every rank cost their bytes beyond 1/N, as R does,
             # and are offered to inference graphs only: a training graph would also pay the whole
             # rows' gradient all-reduce (layers.WholeSegmentGradient), which the solver does not price
-            options += [(s, nbytes * (s.local_length(world) / value.shape[s.dim] - 1 / world))
+            options += [(s, nbytes * s.whole_share(world))
                         for s in strided_candidates(tuple(value.shape), fused) if not (backward and s.whole)]
             options += [(s, 0.0) for s in in_heads]
             heads = kv_heads.get(aten_of[ph]) if not backward else None  # grouped shards: forward only

@@ -992,9 +992,10 @@ def refuses_gradient(placement: Placement | None) -> bool:
     return isinstance(placement, StridedShard) and bool(placement.whole)
 
 
-def _whole_rows(placement: StridedShard, world_size: int) -> list[tuple[int, int]]:
-    """``[start, stop)`` along the local ``placement.dim`` of each segment every rank holds whole."""
-    bounds = placement.local_bounds(world_size)
+def _whole_rows(placement: StridedShard, comm: Comm) -> list[tuple[int, int]]:
+    """``[start, stop)`` along this rank's local ``placement.dim`` of each segment every rank holds
+    whole (after its own split segments' pieces, which may be uneven)."""
+    bounds = placement.local_bounds(comm.world_size, comm.rank)
     return [bounds[i] for i in sorted(placement.whole)]
 
 
@@ -1017,7 +1018,7 @@ class OwnWholeSegmentsOnRankZero(torch.autograd.Function):
         if ctx.comm.rank == 0:
             return grad, None, None
         out = grad.clone(memory_format=torch.contiguous_format)
-        for start, stop in _whole_rows(ctx.placement, ctx.comm.world_size):
+        for start, stop in _whole_rows(ctx.placement, ctx.comm):
             out.narrow(ctx.placement.dim, start, stop - start).zero_()
         return out, None, None
 
@@ -1041,7 +1042,7 @@ class SumWholeSegmentGradient(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
         d, comm = ctx.placement.dim, ctx.comm
-        rows = _whole_rows(ctx.placement, comm.world_size)
+        rows = _whole_rows(ctx.placement, comm)
         out = grad.clone(memory_format=torch.contiguous_format)
         whole = torch.cat([out.narrow(d, a, b - a) for a, b in rows], d)
         summed = _all_reduce(whole, comm, backward=True)
@@ -1308,8 +1309,11 @@ def full_tensor(local: Tensor, placement: Placement, comm: Comm, size: int | Non
     if not isinstance(placement, StridedShard):
         return redistribute(local, placement, R, comm, size=size)
     n, dim = comm.world_size, placement.dim
-    gathered = redistribute(local, Shard(dim), R, comm)  # (.., [seg_0 / N | seg_1 / N | ...] x N ranks, ..)
-    per_rank = [chunk.split(placement.local_segments(n), dim) for chunk in gathered.chunk(n, dim)]
+    longest = placement.local_length(n, 0)  # segments split in heads: ranks hold unequal lengths (rank 0 the most)
+    padded = torch.nn.functional.pad(local.movedim(dim, -1), (0, longest - local.shape[dim])).movedim(-1, dim)
+    gathered = redistribute(padded, Shard(dim), R, comm)  # (.., [seg_0 / N | seg_1 / N | ...] x N ranks, ..)
+    per_rank = [chunk.narrow(dim, 0, placement.local_length(n, r)).split(placement.local_segments(n, r), dim)
+                for r, chunk in enumerate(gathered.chunk(n, dim))]
     # a whole segment is the same on every rank: rank 0's copy
     return torch.cat([per_rank[r][s] for s in range(len(placement.segments))
                       for r in (range(1) if s in placement.whole else range(n))], dim)

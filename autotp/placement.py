@@ -13,7 +13,11 @@
   merging a sharded dim behind other dims (eager attention's ``(B, heads) -> B*heads`` with heads
   sharded is ``B`` equal segments of ``heads``). Segments listed in ``whole`` are held whole by
   every rank: Falcon's fused multi-query ``query_key_value`` (q heads | one k head | one v head),
-  its q split by heads and its single k and v head on every rank.
+  its q split by heads and its single k and v head on every rank. With ``heads`` (a head count per
+  segment) each split segment is split in whole heads as a :class:`HeadShard` splits them, where
+  no tp divides the heads: GPT-2 XL's ``c_attn`` (25 heads in each of q | k | v) at tp=2 holds
+  heads 0-12 of each on rank 0, ``S(1|1600:25h+1600:25h+1600:25h)``; Falcon-7B's 71 q heads beside
+  its whole k and v head, ``S(0|4544:71h+64r+64r)``. Local lengths then differ by rank.
 * ``GroupedShard(dim, groups)`` — ``groups`` (a divisor of N, below N) chunks of ``dim``, each held
   by ``N / groups`` consecutive ranks: rank ``r`` holds chunk ``r * groups // N``. The placement of
   key/value heads when tp exceeds their count (grouped-query attention): each rank holds the kv
@@ -23,8 +27,8 @@
 * ``HeadShard(dim, heads, groups)`` — ``dim`` is ``heads`` attention heads whose count no tp divides
   (Qwen2.5-7B's 28 query heads at tp=8), split in whole heads: the heads fall into ``groups`` equal
   groups (the kv heads of grouped-query attention, 1 for multi-head attention), group ``g`` is held
-  by ranks ``[g * N/groups, (g+1) * N/groups)``, which split its heads ``torch.chunk``-style
-  (:func:`chunk_range` in head units: 7 heads over 2 ranks are 4 + 3). Each rank's query heads then
+  by ranks ``[g * N/groups, (g+1) * N/groups)``, which split its heads as evenly as they go
+  (:func:`balanced_range`: 7 heads over 2 ranks are 4 + 3, 25 over 8 are 4 + 3 x 7). Each rank's query heads then
   use only the kv head its group holds. Like a grouped shard it is not a ``Shard``: rules see it
   through the registry as a plain shard over ``heads`` virtual ranks, one head each.
 
@@ -72,24 +76,61 @@ class StridedShard(Shard):
     Rank ``r`` then holds chunk ``r`` of each other segment and all of these, in segment order;
     its local size is ``sum(split segments) / N + sum(whole segments)``. Printed with an ``r``:
     ``S(2|8+1r+1r)``.
+
+    ``heads``: where set, one head count per segment (0 for a whole one), and rank ``r`` holds
+    the heads :meth:`HeadShard.head_range` gives it of each split segment instead of chunk ``r``:
+    ``S(2|71:71h+1r+1r)``. Then the local length differs by rank (rank 0 holds the most); set only
+    where some split segment's heads no tp divides (one name per layout, as :func:`head_split`).
     """
 
     segments: tuple[int, ...] = ()
     whole: tuple[int, ...] = ()
+    heads: tuple[int, ...] = ()
 
     def __str__(self) -> str:
-        segments = (f"{s}r" if i in self.whole else str(s) for i, s in enumerate(self.segments))
+        segments = (f"{s}r" if i in self.whole else f"{s}:{self.heads[i]}h" if self.heads else str(s)
+                    for i, s in enumerate(self.segments))
         return f"S({self.dim}|{'+'.join(segments)})"
 
     __repr__ = __str__
 
-    def local_segments(self, world_size: int) -> list[int]:
-        """Each segment's length on every rank, in segment order: ``size / N`` or, whole, ``size``."""
-        return [s if i in self.whole else s // world_size for i, s in enumerate(self.segments)]
+    def segment_range(self, i: int, rank: int, world_size: int) -> tuple[int, int]:
+        """``[start, stop)`` inside segment ``i`` that rank ``rank`` holds: all of a whole segment,
+        its whole heads (:meth:`HeadShard.head_range` over ``heads[i]``) where the segments are
+        split in heads, else chunk ``rank`` of ``N`` equal chunks."""
+        size = self.segments[i]
+        if i in self.whole:
+            return 0, size
+        if self.heads:
+            start, stop = HeadShard(0, self.heads[i]).head_range(rank, world_size)
+            unit = size // self.heads[i]
+            return start * unit, stop * unit
+        step = size // world_size
+        return rank * step, (rank + 1) * step
 
-    def local_length(self, world_size: int) -> int:
-        """The length of ``dim`` on every rank."""
-        return sum(self.local_segments(world_size))
+    def segment_placement(self, i: int, world_size: int) -> Placement:
+        """The placement segment ``i`` has once cut out of the fused dim (on the same dim): ``R``
+        where held whole, its head split where split in whole heads, else ``Shard``."""
+        if i in self.whole:
+            return R
+        if self.heads:
+            return head_split(self.dim, self.heads[i], 1, world_size) or Shard(self.dim)
+        return Shard(self.dim)
+
+    def local_segments(self, world_size: int, rank: int = 0) -> list[int]:
+        """Each segment's length on rank ``rank``, in segment order: ``size / N``, its heads' rows,
+        or, whole, ``size``. The same on every rank unless the segments are split in heads."""
+        return [b - a for a, b in (self.segment_range(i, rank, world_size) for i in range(len(self.segments)))]
+
+    def local_length(self, world_size: int, rank: int = 0) -> int:
+        """The length of ``dim`` on rank ``rank`` (rank 0 holds the most)."""
+        return sum(self.local_segments(world_size, rank))
+
+    def whole_share(self, world_size: int) -> float:
+        """The share of the fused dim a rank holds beyond ``1 / N``: its whole segments' copies.
+        Segments split in whole heads count as ``1 / N`` (rank 0's extra head is the split's
+        unevenness, as a :class:`HeadShard`'s, not a copy)."""
+        return sum(self.segments[i] for i in self.whole) * (1 - 1 / world_size) / sum(self.segments)
 
     def bounds(self) -> list[tuple[int, int]]:
         """``[start, stop)`` of each segment along the global ``dim``."""
@@ -99,10 +140,10 @@ class StridedShard(Shard):
             offset += size
         return out
 
-    def local_bounds(self, world_size: int) -> list[tuple[int, int]]:
-        """``[start, stop)`` of each segment's piece along the local ``dim`` (the same on every rank)."""
+    def local_bounds(self, world_size: int, rank: int = 0) -> list[tuple[int, int]]:
+        """``[start, stop)`` of each segment's piece along rank ``rank``'s local ``dim``."""
         out, offset = [], 0
-        for size in self.local_segments(world_size):
+        for size in self.local_segments(world_size, rank):
             out.append((offset, offset + size))
             offset += size
         return out
@@ -114,22 +155,25 @@ class StridedShard(Shard):
         Equal segments are what merging a sharded dim behind other dims gives (``(B, heads) ->
         B*heads``): the layout then means the same whatever the number of segments, so it may
         lie on a dim of symbolic size (a dynamic batch) as long as the segment size is static."""
-        if self.whole or not self.segments or len(set(self.segments)) != 1:
+        if self.whole or self.heads or not self.segments or len(set(self.segments)) != 1:
             return None
         return self.segments[0]
 
     def pieces(self, rank: int, world_size: int) -> list[tuple[int, int]]:
         """``[start, stop)`` along ``dim`` of each piece rank ``rank`` holds, in local order."""
-        out = []
-        for i, (start, stop) in enumerate(self.bounds()):
-            step = (stop - start) // world_size
-            out.append((start, stop) if i in self.whole else (start + rank * step, start + (rank + 1) * step))
-        return out
+        return [(start + a, start + b) for i, (start, _) in enumerate(self.bounds())
+                for a, b in [self.segment_range(i, rank, world_size)]]
 
     def fits(self, size: int, world_size: int) -> bool:
-        """Whether the segments tile a dim of ``size`` and every split one divides by ``world_size``."""
-        return sum(self.segments) == size and all(s % world_size == 0 for i, s in enumerate(self.segments)
-                                                   if i not in self.whole)
+        """Whether the segments tile a dim of ``size`` and every split one divides by ``world_size``
+        (or, split in heads, into its whole heads with at least one head per rank)."""
+        if sum(self.segments) != size:
+            return False
+        if self.heads:
+            return len(self.heads) == len(self.segments) and all(
+                s % h == 0 and head_split(0, h, 1, world_size) is not None
+                for i, (s, h) in enumerate(zip(self.segments, self.heads, strict=True)) if i not in self.whole)
+        return all(s % world_size == 0 for i, s in enumerate(self.segments) if i not in self.whole)
 
 
 @dataclass(frozen=True)
@@ -179,7 +223,7 @@ class HeadShard:
     """``dim`` holds ``heads`` equal blocks (a head of ``size / heads`` indices each), split over
     the ranks in whole heads: ``groups`` equal groups of heads, group ``g`` held by the ``N /
     groups`` consecutive ranks ``[g * N/groups, (g+1) * N/groups)``, which share its heads by
-    :func:`chunk_range` (the first ranks one head more where they do not divide). Every rank's
+    :func:`balanced_range` (the first ranks one head more where they do not divide). Every rank's
     heads are contiguous and the ranks hold them in rank order, so concatenating the ranks' blocks
     gives the whole dim. Built by :func:`head_split`, which gives a plain ``Shard`` where the split
     is even (one name per layout)."""
@@ -200,7 +244,7 @@ class HeadShard:
     def head_range(self, rank: int, world_size: int) -> tuple[int, int]:
         """``[start, stop)`` of the heads rank ``rank`` holds."""
         per_group, ranks = self.heads // self.groups, world_size // self.groups
-        start, stop = chunk_range(per_group, rank % ranks, ranks)
+        start, stop = balanced_range(per_group, rank % ranks, ranks)
         base = (rank * self.groups // world_size) * per_group
         return base + start, base + stop
 
@@ -225,7 +269,7 @@ def head_split(dim: int, heads: int, groups: int, world_size: int) -> Shard | He
     per_group, ranks = heads // groups, world_size // groups
     if per_group % ranks == 0:
         return Shard(dim)
-    if min(chunk_sizes(per_group, ranks)) == 0:
+    if per_group < ranks:
         return None
     return HeadShard(dim, heads, groups)
 
@@ -256,7 +300,7 @@ def parse(text: str) -> Placement:
         return R
     if text == "P":
         return P
-    if text.startswith("S(") and text.endswith(")") and "h" in text:
+    if text.startswith("S(") and text.endswith(")") and "h" in text and "|" not in text:
         dim, _, heads = text[2:-1].partition(":")
         heads, _, groups = heads.partition("h")
         return HeadShard(int(dim), int(heads), int(groups.lstrip("/") or 1))
@@ -268,8 +312,10 @@ def parse(text: str) -> Placement:
         dim, _, segments = text[2:-1].partition("|")
         if segments:
             parts = segments.split("+")
-            return StridedShard(int(dim), tuple(int(x.rstrip("r")) for x in parts),
-                                tuple(i for i, x in enumerate(parts) if x.endswith("r")))
+            heads = tuple(int(x.partition(":")[2].rstrip("h") or 0) for x in parts)
+            return StridedShard(int(dim), tuple(int(x.rstrip("r").partition(":")[0]) for x in parts),
+                                tuple(i for i, x in enumerate(parts) if x.endswith("r")),
+                                heads if any(heads) else ())
         return Shard(int(dim))
     raise ValueError(f"not a placement: {text!r}")
 
@@ -288,6 +334,19 @@ def chunk_range(size: int, rank: int, world_size: int) -> tuple[int, int]:
     step = -(-size // world_size)
     start = min(rank * step, size)
     return start, min(start + step, size)
+
+
+def balanced_range(size: int, rank: int, world_size: int) -> tuple[int, int]:
+    """``[start, stop)`` of rank ``rank``'s share of ``size`` whole units (attention heads) split
+    as evenly as they go, the first ``size % N`` ranks one more: 25 heads over 8 ranks are 4 + 3 x 7,
+    12 over 8 are 2 x 4 + 1 x 4. Unlike :func:`chunk_range` (``ceil(size / N)`` each, which would
+    leave the last ranks of 25 over 8 with 1 and 0 heads) no rank is left empty while ``size >= N``;
+    the most any rank holds, ``ceil(size / N)``, is the same."""
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} out of range for world_size {world_size}")
+    base, extra = divmod(size, world_size)
+    start = rank * base + min(rank, extra)
+    return start, start + base + (rank < extra)
 
 
 def local_size(size: int, rank: int, world_size: int) -> int:
@@ -344,7 +403,7 @@ def local_shape(shape: tuple[int, ...], placement: Placement | None, world_size:
     holds the largest chunk of an uneven shard)."""
     if isinstance(placement, StridedShard):
         out = list(shape)
-        out[placement.dim] = placement.local_length(world_size)
+        out[placement.dim] = placement.local_length(world_size, rank)
         return tuple(out)
     if isinstance(placement, Shard):
         out = list(shape)
@@ -366,9 +425,11 @@ def local_shape(shape: tuple[int, ...], placement: Placement | None, world_size:
 
 def spread_size(size: int, placement: GroupedShard, world_size: int, rank: int) -> int:
     """Rank ``rank``'s share of a grouped shard's ``inner`` dim (its group's query heads per kv
-    head, ``size``): ``chunk_range`` over the group's ranks, so 7 over 2 ranks is 4 + 3."""
+    head, ``size``): :func:`balanced_range` over the group's ranks, as :class:`HeadShard` splits
+    the query heads, so 7 over 2 ranks is 4 + 3."""
     ranks = world_size // placement.groups
-    return local_size(size, rank % ranks, ranks)
+    start, stop = balanced_range(size, rank % ranks, ranks)
+    return stop - start
 
 
 def chunks(placement: Placement | None, world_size: int) -> int:

@@ -737,8 +737,9 @@ class ParameterMeta:
     (empty otherwise). ``local`` is this rank's shard once the materialize pass stored it; the
     methods here return shards and never store them. A fused layout (QKV) is a
     :class:`~autotp.placement.StridedShard` placement: each rank reads chunk ``rank`` of every
-    segment (one slice read per segment), and all of a segment the placement keeps whole (Falcon's
-    one k and one v head), and concatenates them; ``strided`` says so.
+    segment (one slice read per segment), or its heads of each where the segments are split in
+    whole heads (GPT-2 XL's 25), and all of a segment the placement keeps whole (Falcon's one k and
+    one v head), and concatenates them; ``strided`` says so.
     """
 
     fqn: str
@@ -798,7 +799,7 @@ class ParameterMeta:
             return self.global_shape
         shape = list(self.global_shape)
         if isinstance(self.placement, StridedShard):  # its whole segments too: q_r | k | v
-            shape[dim] = self.placement.local_length(world_size)
+            shape[dim] = self.placement.local_length(world_size, rank)
             return tuple(shape)
         start, stop = self.index_range(rank, world_size)
         shape[dim] = stop - start

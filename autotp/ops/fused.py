@@ -20,6 +20,13 @@ whose values decompose records). That tiles the heads dim as ``H + 1 + 1``: with
 N the q heads are split and the k and v heads held whole. A dim cut with dims after it also
 offers the segmentation of that dim flattened with them (``(H+2, D)`` -> ``(H+2)*D``, the size of
 the projection's output features), since the projection's weight only has the flat dim.
+
+Pieces that are an attention's heads no tp divides (``autotp/ops/heads.py``) are split in whole
+heads (``StridedShard.heads``): GPT-2 XL's ``c_attn`` cut by ``split(1600)`` into q | k | v of 25
+heads each at tp=2 is ``S(1|1600:25h+1600:25h+1600:25h)``, rank 0 holding heads 0-12 of each and
+rank 1 heads 13-24; Falcon-7B's 71 q heads beside its whole k and v head ``S(0|4544:71h+64r+64r)``.
+Each rank's q, k and v then hold the same heads, and attention stays local. A dim that is a head's
+width (4544 at tp 2, 4 and 8) is not split evenly, which would cut inside a head.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ import torch
 import torch.fx
 
 from autotp.ops._common import aten_ops
+from autotp.ops.heads import head_splits
 from autotp.ops.registry import CONSTANT_VALUE
 from autotp.placement import StridedShard, normalize_dim
 
@@ -40,8 +48,9 @@ _SLICES = set(aten_ops("slice.Tensor", "slice_copy.Tensor"))
 
 _INDEX = set(aten_ops("index.Tensor"))
 
-#: dim size -> the fused layouts of a dim of that size: (segments, the segments held whole)
-Segmentations = dict[int, set[tuple[tuple[int, ...], tuple[int, ...]]]]
+#: dim size -> the fused layouts of a dim of that size: (segments, the segments held whole, each
+#: segment's head count where they are split in whole heads, else ())
+Segmentations = dict[int, set[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]]
 
 
 def _shape(node: object) -> tuple[int | None, ...] | None:
@@ -67,6 +76,7 @@ def fused_segmentations(graph: torch.fx.Graph, world_size: int) -> Segmentations
     whole) found in ``graph``: ``split`` calls, and slices and constant indices of one tensor along
     one dim that tile it exactly."""
     found: Segmentations = defaultdict(set)
+    heads = {width: split.heads for width, split in head_splits(graph, world_size).items()}
     slices: dict[tuple[torch.fx.Node, int], set[tuple[int, int]]] = defaultdict(set)
     for n in graph.nodes:
         if n.op != "call_function" or not n.args or not isinstance(n.args[0], torch.fx.Node):
@@ -81,7 +91,7 @@ def fused_segmentations(graph: torch.fx.Graph, world_size: int) -> Segmentations
                 continue
             pieces = tuple(min(sizes, size - k) for k in range(0, size, sizes)) if isinstance(sizes, int) \
                 else tuple(sizes)
-            _add(found, size, pieces, world_size)
+            _add(found, size, pieces, world_size, heads)
         elif n.target in _SLICES:
             dim = normalize_dim(n.args[1] if len(n.args) > 1 else 0, len(shape))
             size = shape[dim]
@@ -107,10 +117,10 @@ def fused_segmentations(graph: torch.fx.Graph, world_size: int) -> Segmentations
             continue
         if all(a[1] == b[0] for a, b in zip(ordered, ordered[1:], strict=False)):
             pieces = tuple(e - s for s, e in ordered)
-            _add(found, shape[dim], pieces, world_size)
             unit = math.prod(shape[dim + 1:]) if None not in shape[dim + 1:] else 1
+            _add(found, shape[dim], pieces, world_size, heads, unit=unit, scale=1)
             if unit > 1:  # the same cut of the dim flattened with the ones after it (heads x head_dim)
-                _add(found, shape[dim] * unit, pieces, world_size, unit)
+                _add(found, shape[dim] * unit, pieces, world_size, heads, unit=unit, scale=unit)
     return dict(found)
 
 
@@ -126,15 +136,25 @@ def _constant_index(n: torch.fx.Node, ndim: int) -> tuple[int, int] | None:
     return (dim, value[0]) if value is not None and len(value) == 1 and dim < ndim else None
 
 
-def _add(found: Segmentations, size: int, pieces: tuple[int, ...], world_size: int, unit: int = 1) -> None:
-    """Record ``pieces`` (in units of ``unit`` indices) of a dim of ``size``: pieces divisible by
-    ``world_size`` are split, the others held whole; at least one must be split."""
-    whole = tuple(i for i, p in enumerate(pieces) if p % world_size)
-    if len(pieces) >= 2 and sum(pieces) * unit == size and all(p > 0 for p in pieces) and len(whole) < len(pieces):
-        found[size].add((tuple(p * unit for p in pieces), whole))
+def _add(found: Segmentations, size: int, pieces: tuple[int, ...], world_size: int, heads: dict[int, int],
+         unit: int = 1, scale: int = 1) -> None:
+    """Record ``pieces`` of a dim of ``size`` (each index of them ``unit`` elements of the tensor cut,
+    ``scale`` indices of the recorded dim). A piece whose elements are the width of an attention's
+    heads that ``world_size`` does not divide (``heads``: width -> head count, from
+    :func:`autotp.ops.heads.head_splits`) is split in whole heads; one divisible by ``world_size``
+    is split evenly (in ``N`` blocks, as heads, when others are split in heads); the others are
+    held whole. At least one must be split."""
+    if len(pieces) < 2 or sum(pieces) * scale != size or not all(p > 0 for p in pieces):
+        return
+    counts = [heads.get(p * unit, 0) for p in pieces]
+    whole = tuple(i for i, (p, h) in enumerate(zip(pieces, counts, strict=True)) if not h and p % world_size)
+    if len(whole) == len(pieces):
+        return
+    per_segment = tuple(0 if i in whole else h or world_size for i, h in enumerate(counts)) if any(counts) else ()
+    found[size].add((tuple(p * scale for p in pieces), whole, per_segment))
 
 
 def strided_candidates(shape: tuple[int, ...], segmentations: Segmentations) -> list[StridedShard]:
     """The fused layouts a parameter of ``shape`` may be stored in (one per dim and segmentation)."""
-    return [StridedShard(d, segs, whole) for d, size in enumerate(shape)
-            for segs, whole in sorted(segmentations.get(size, ()))]
+    return [StridedShard(d, segs, whole, heads) for d, size in enumerate(shape)
+            for segs, whole, heads in sorted(segmentations.get(size, ()))]

@@ -12,8 +12,10 @@ whose query groups cannot follow the kv heads (``KV`` neither dividing N nor div
 not offered (``autotp.api.check_divisible`` refuses it before loading).
 
 The head count and width are read off the graph, as kv heads are: wherever attention spreads kv
-heads over query heads (``(B, KV, 1, S, D) -> (B, KV, H/KV, S, D)``) or scaled dot-product
-attention meets q ``(B, H, L, D)`` and k ``(B, KV, S, D)``. A parameter dim of ``H * D`` indices
+heads over query heads (``(B, KV, 1, S, D) -> (B, KV, H/KV, S, D)``), scaled dot-product
+attention meets q ``(B, H, L, D)`` and k ``(B, KV, S, D)``, or, for attention written with
+matmuls (GPT-2's eager attention), a projection is cut into heads and they are moved before the
+tokens (``(B, S, H*D) -> (B, S, H, D) -> (B, H, S, D)``, multi-head). A parameter dim of ``H * D`` indices
 (q's projection rows, o_proj's columns, biases; k/v's too under multi-head attention) may then be
 split as ``S(d:Hh/G)``; the solver decides which, by least communication as for every shard.
 Nothing here looks at names.
@@ -29,6 +31,9 @@ from autotp.ops.kv_heads import _shape, kv_spread
 from autotp.placement import HeadShard, head_split
 
 _ATTENTION = {op for name in LAYOUTS for op in aten_ops(name)}
+_VIEWS = set(aten_ops("view.default", "view_copy.default", "_unsafe_view.default", "reshape.default"))
+_PERMUTES = set(aten_ops("permute.default", "permute_copy.default"))
+_PASS = set(aten_ops("clone.default", "alias.default", "contiguous.default"))
 
 
 def _groups(heads: int, kv_heads: int, world_size: int) -> int | None:
@@ -56,6 +61,10 @@ def head_splits(graph: torch.fx.Graph, world_size: int) -> dict[int, HeadShard]:
             q, k = _shape(n.args[0]), _shape(n.args[1])
             if q and k and len(q) == 4 and len(k) == 4 and q[1] % k[1] == 0:
                 sites.setdefault(q[1] * q[-1], (q[1], k[1]))
+    for n in graph.nodes:  # eager attention (batched matmuls): the projection cut into heads
+        heads = _cut_into_heads(n)
+        if heads is not None:
+            sites.setdefault(heads[0] * heads[1], (heads[0], heads[0]))
     out: dict[int, HeadShard] = {}
     for width, (heads, kv_heads) in sites.items():
         groups = _groups(heads, kv_heads, world_size)
@@ -63,6 +72,30 @@ def head_splits(graph: torch.fx.Graph, world_size: int) -> dict[int, HeadShard]:
         if isinstance(split, HeadShard):
             out[width] = split
     return out
+
+
+def _cut_into_heads(n: torch.fx.Node) -> tuple[int, int] | None:
+    """(H, D) where ``n`` views ``(B, S, H*D)`` as ``(B, S, H, D)`` and a permute (through copies and
+    brackets) then moves the heads before the tokens, ``(B, H, S, D)``: how attention written with
+    matmuls (GPT-2's eager attention, decomposed into ``bmm``) takes q, k and v apart. The heads
+    are taken to be their own kv heads (multi-head attention: grouped-query attention spreads its
+    kv heads, which the first site kind reads)."""
+    if n.op != "call_function" or n.target not in _VIEWS or not n.args or not isinstance(n.args[0], torch.fx.Node):
+        return None
+    x, out = _shape(n.args[0]), _shape(n)
+    if x is None or out is None or len(x) != 3 or len(out) != 4 or out[:2] != x[:2] or out[2] * out[3] != x[2] \
+            or min(out[2], out[3]) < 2:
+        return None
+    users, seen = list(n.users), 0
+    while users and seen < 8:
+        u, seen = users.pop(), seen + 1
+        if u.op != "call_function":
+            continue
+        if u.target in _PERMUTES and len(u.args) > 1 and list(u.args[1]) == [0, 2, 1, 3]:
+            return out[2], out[3]
+        if u.target in _PASS or "autotp" in str(u.target):
+            users += list(u.users)
+    return None
 
 
 def head_candidates(shape: tuple[int, ...], splits: dict[int, HeadShard]) -> list[HeadShard]:

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 from collections.abc import Sequence
 from typing import Any
@@ -57,22 +58,23 @@ def segment_of(p: StridedShard, start: int | None, end: int | None) -> int | Non
     return bounds.index((start, end)) if (start, end) in bounds else None
 
 
-def local_segment_bounds(p: StridedShard, start: int | None, end: int | None, world_size: int) -> tuple[int, int]:
-    """This rank's ``[start, stop)`` in its local shard of the segment the global slice
-    ``[start, end)`` of ``p``'s dim takes: its chunk of a split segment, or the whole one."""
+def local_segment_bounds(p: StridedShard, start: int | None, end: int | None, world_size: int, rank: int = 0
+                         ) -> tuple[int, int]:
+    """Rank ``rank``'s ``[start, stop)`` in its local shard of the segment the global slice
+    ``[start, end)`` of ``p``'s dim takes: its chunk (or heads) of a split segment, or the whole one."""
     i = segment_of(p, start, end)
     if i is None:
         raise ValueError(f"slice [{start}, {end}) is not one segment of {p}")  # internal: the rule checked
-    return p.local_bounds(world_size)[i]
+    return p.local_bounds(world_size, rank)[i]
 
 
-def local_segment_index(p: StridedShard, index: int, world_size: int) -> int:
+def local_segment_index(p: StridedShard, index: int, world_size: int, rank: int = 0) -> int:
     """Where the global index ``index`` (negative counts from the end) of a whole segment of ``p``
-    lies in every rank's local shard."""
+    lies in rank ``rank``'s local shard."""
     size = sum(p.segments)
     index = index + size if index < 0 else index
     i = next(k for k, (a, b) in enumerate(p.bounds()) if a <= index < b)
-    return p.local_bounds(world_size)[i][0] + index - p.bounds()[i][0]
+    return p.local_bounds(world_size, rank)[i][0] + index - p.bounds()[i][0]
 
 
 def whole_segment_of(p: StridedShard, indices: Sequence[int]) -> int | None:
@@ -91,14 +93,14 @@ def slice_bounds_local(target: Any, args: tuple, kwargs: dict, in_placements: Se
     moved to where that segment lies in the local shard."""
     x, p = args[0], in_placements[0]
     if target is torch.ops.aten.index.Tensor:
-        indices = [None if t is None else torch.tensor([local_segment_index(p, int(i), world_size)
+        indices = [None if t is None else torch.tensor([local_segment_index(p, int(i), world_size, rank)
                                                         for i in t.flatten().tolist()]).view(t.shape)
                    if d == p.dim else t for d, t in enumerate(args[1])]
         return target(x, indices)
     dim = normalize_dim(args[1] if len(args) > 1 else kwargs.get("dim", 0), x.ndim)
     start = args[2] if len(args) > 2 else kwargs.get("start")
     end = args[3] if len(args) > 3 else kwargs.get("end")
-    local_start, local_end = local_segment_bounds(p, start, end, world_size)
+    local_start, local_end = local_segment_bounds(p, start, end, world_size, rank)
     return target(x, dim, local_start, local_end, *args[4:])
 
 
@@ -120,7 +122,7 @@ def slice_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate
         start, end = op.arg(2, "start"), op.arg(3, "end")
         i = segment_of(p, start, end) if "narrow" not in str(op.target) and op.arg(4, "step", 1) == 1 else None
         if i is not None:
-            return [Candidate(R if i in p.whole else Shard(dim), local=SLICE_BOUNDS)]
+            return [Candidate(p.segment_placement(i, op.world_size), local=SLICE_BOUNDS)]
         return reject(f"slice [{start}, {end}) of fused dim {dim} is not one of its segments {p}")
     if "narrow" in str(op.target):
         # even a full-length narrow would ask each rank for the global length
@@ -282,10 +284,15 @@ def stack_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate
 @register_local(SPLIT_SIZES)
 def split_sizes_local(target: Any, args: tuple, kwargs: dict, in_placements: Sequence[Any],
                       out_placement: Any, rank: int, world_size: int) -> Any:
-    """split / split_with_sizes of a fused shard into its segments: every size divided by N."""
-    sizes = args[1]
-    local = sizes // world_size if isinstance(sizes, int) else [s // world_size for s in sizes]
-    return target(args[0], local, *args[2:], **kwargs)
+    """split / split_with_sizes of a fused shard into its segments: each size this rank's piece."""
+    return target(args[0], local_split_sizes(args[1], in_placements[0], rank, world_size), *args[2:], **kwargs)
+
+
+def local_split_sizes(sizes: int | Sequence[int], p: StridedShard, rank: int, world_size: int) -> int | list[int]:
+    """The split sizes of fused shard ``p``'s segments on rank ``rank``: one int where every local
+    segment has the same length (as ``split(H)`` was written), else the list of them."""
+    local = p.local_segments(world_size, rank)
+    return local[0] if isinstance(sizes, int) and len(set(local)) == 1 else local
 
 
 def split_pieces(op: OpCall, size: int) -> tuple[int, ...]:
@@ -313,11 +320,12 @@ def split_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate
     if isinstance(p, StridedShard):
         if p.dim != dim:
             d = shift_after_removal(p.dim, [dim]) if unbind else p.dim
-            return same(tuple(StridedShard(d, p.segments, p.whole) for _ in range(n)))
+            return same(tuple(dataclasses.replace(p, dim=d) for _ in range(n)))
         if p.whole:  # the split's local sizes would be the segments' local lengths (not done yet)
             return reject(f"split of a fused dim with segments held whole {p}")
         if not unbind and split_pieces(op, x.shape[dim]) == p.segments:
-            return [Candidate(tuple(Shard(dim) for _ in range(n)), local=SPLIT_SIZES)]
+            # each piece its segment's placement: Shard, or its whole heads (GPT-2 XL's 25 per rank count)
+            return [Candidate(tuple(p.segment_placement(i, op.world_size) for i in range(n)), local=SPLIT_SIZES)]
         return reject(f"split of fused dim {dim} into pieces other than its segments {p.segments}")
     if p.dim == dim:
         if not unbind and n == 1:
@@ -362,8 +370,8 @@ def repeat_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidat
     if k < 1:
         return reject(f"repeat {k} times along sharded dim {p.dim} leaves nothing to shard")
     if isinstance(p, StridedShard):
-        if p.whole:
-            return reject(f"repeat of a fused dim with segments held whole {p}")
+        if p.whole or p.heads:
+            return reject(f"repeat of a fused dim with segments held whole or split in heads {p}")
         return same(StridedShard(d, p.segments * k))
     return same(Shard(d) if k == 1 else StridedShard(d, (size,) * k))
 

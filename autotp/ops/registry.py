@@ -197,10 +197,11 @@ def _pointwise_strided(fn: Rule, op: OpCall, inputs: Sequence[Placement]) -> lis
     (``StridedShard.whole``), a ``Partial`` result is dropped: a sum over the fused dim (a matmul
     contracting it) would count every rank's copy of a whole segment."""
     strided = {p for p in inputs if isinstance(p, StridedShard)}
-    layouts = {(p.segments, p.whole) for p in strided}
+    layouts = {dataclasses.replace(p, dim=0) for p in strided}
     if len(layouts) > 1 or any(isinstance(p, Shard) and not isinstance(p, StridedShard) for p in inputs):
         return reject(f"inputs mix differently fused shards: {list(inputs)}")
-    ((segs, whole),) = layouts
+    (layout,) = layouts
+    segs, whole = layout.segments, layout.whole
     cands = fn(op, [Shard(p.dim) if isinstance(p, StridedShard) else p for p in inputs])
     if whole:
         cands = [c for c in cands if not any(isinstance(q, Partial) for q in
@@ -214,7 +215,7 @@ def _pointwise_strided(fn: Rule, op: OpCall, inputs: Sequence[Placement]) -> lis
             return p
         if not isinstance(spec, TensorSpec) or spec.shape[p.dim] != sum(segs):
             return None
-        return StridedShard(p.dim, segs, whole)
+        return dataclasses.replace(layout, dim=p.dim)
 
     out: list[Candidate] = []
     for c in cands:
@@ -264,7 +265,7 @@ def over_groups(fn: Rule, op: OpCall, inputs: Sequence[Placement]) -> list[Candi
         return GroupedShard(p.dim, g) if isinstance(p, Shard) else p
 
     out = [dataclasses.replace(c, output=regroup(c.output)) for c in cands
-           if c.local in (None, "shape") and not c.collectives
+           if c.local in (None, "shape", "replicated_share") and not c.collectives
            and not any(isinstance(q, (Partial, StridedShard)) for q in leaves(c.output))]
     return out if out else reject(f"no candidate of {op.target} keeps the grouped shards of {list(inputs)}")
 
@@ -277,7 +278,9 @@ def over_heads(fn: Rule, op: OpCall, inputs: Sequence[Placement]) -> list[Candid
     stay partial (every head is on exactly one rank, so the sum over heads is the sum over ranks).
     Refused: inputs that mix it with plain or grouped shards or another head split; fused (strided)
     results; local rewrites other than ``shape`` (which localizes by the rank's heads,
-    ``autotp/ops/shape.py: localize_sizes``) and any that communicate."""
+    ``autotp/ops/shape.py: localize_sizes``) and ``replicated_share`` (a Replicate bias of a
+    row-parallel result, GPT-2's ``c_proj``: each rank adds ``1 / N`` of it, whatever its heads),
+    and any that communicate."""
     heads = {(p.heads, p.groups) for p in inputs if isinstance(p, HeadShard)}
     if len(heads) > 1 or any(isinstance(p, (Shard, GroupedShard)) for p in inputs):
         return reject(f"head shards meet other shards at {op.target}: {list(inputs)}")
@@ -293,7 +296,7 @@ def over_heads(fn: Rule, op: OpCall, inputs: Sequence[Placement]) -> list[Candid
         return HeadShard(p.dim, h, g) if isinstance(p, Shard) else p
 
     out = [dataclasses.replace(c, output=rehead(c.output)) for c in cands
-           if c.local in (None, "shape") and not c.collectives
+           if c.local in (None, "shape", "replicated_share") and not c.collectives
            and not any(isinstance(q, StridedShard) for q in leaves(c.output))]
     return out if out else reject(f"no candidate of {op.target} keeps the head shards of {list(inputs)}")
 

@@ -29,6 +29,7 @@ dim by N (a strided dim too: it holds ``seg / N`` of each segment): such candida
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -88,9 +89,9 @@ def localize_sizes(sizes: Sequence[Any], out_placement: Any, world_size: int, ra
         if not (isinstance(sizes[d], int) and sizes[d] == -1):
             start, stop = out_placement.index_range(sizes[d], rank, world_size)
             sizes[d] = stop - start
-    elif isinstance(out_placement, StridedShard) and out_placement.whole:  # static: q_r | k | v
-        if not (isinstance(sizes[out_placement.dim], int) and sizes[out_placement.dim] == -1):
-            sizes[out_placement.dim] = out_placement.local_length(world_size)
+    elif isinstance(out_placement, StridedShard) and (out_placement.whole or out_placement.heads):
+        if not (isinstance(sizes[out_placement.dim], int) and sizes[out_placement.dim] == -1):  # static: q_r | k | v
+            sizes[out_placement.dim] = out_placement.local_length(world_size, rank)
     elif isinstance(out_placement, Shard):
         d = out_placement.dim
         size = sizes[d]
@@ -164,7 +165,7 @@ def view_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate]
         # a fused dim survives whole: (B*S, 192) S(1|64+64+64) -> (B, S, 192) S(2|64+64+64)
         for o in range(len(out)):
             if out[o] == x.shape[p.dim] and math.prod(out[o:]) == suffix:
-                return [Candidate(StridedShard(o, p.segments, p.whole), local="shape")]
+                return [Candidate(dataclasses.replace(p, dim=o), local="shape")]
         heads = _split_into_heads(p, x.shape, out, n)
         if heads is not None:
             return [Candidate(heads, local="shape")]
@@ -197,14 +198,17 @@ def _split_into_heads(p: StridedShard, shape: Sequence[int], out: Sequence[int],
                       ) -> StridedShard | None:
     """The fused dim cut into ``(F / k, k)`` (heads of ``k``), every segment whole heads and every
     rank's chunk of a split segment whole heads: Falcon's ``(B, S, (H+2)*D) S(2|H*D+Dr+Dr) -> (B, S,
-    H+2, D) S(2|H+1r+1r)``. None if the view does not cut it so."""
+    H+2, D) S(2|H+1r+1r)``; segments split in heads (``StridedShard.heads``) keep their head counts,
+    each head a whole number of ``k``: ``S(2|4544:71h+64r+64r) -> S(2|71:71h+1r+1r)``. None if the
+    view does not cut it so."""
     fused = shape[p.dim]
     for o in range(len(out)):
         if math.prod(out[o:]) != math.prod(shape[p.dim:]) or out[o] < 1 or fused % out[o] or out[o] == fused:
             continue
         unit = fused // out[o]  # indices of the fused dim per index of out dim o
-        if all(s % unit == 0 and (i in p.whole or (s // unit) % world_size == 0) for i, s in enumerate(p.segments)):
-            return StridedShard(o, tuple(s // unit for s in p.segments), p.whole)
+        if all(s % unit == 0 and (i in p.whole or (s // p.heads[i] if p.heads else s // world_size) % unit == 0
+                                  and (p.heads or s % world_size == 0)) for i, s in enumerate(p.segments)):
+            return StridedShard(o, tuple(s // unit for s in p.segments), p.whole, p.heads)
     return None
 
 
@@ -286,6 +290,10 @@ def expand_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidat
         if broadcast and size >= n and size % n == 0:
             # each rank expands its size-1 dim straight to its own chunk: (.., 1, ..) -> (.., out[k]/N, ..)
             cands.append(Candidate(Shard(k), local="shape"))
+        elif broadcast and k == 1 and len(out) == 4 and size % n and head_split(k, size, 1, n) is not None:
+            # the heads dim of attention's (B, H, S, D), whole heads no tp divides: one kv head broadcast
+            # over Falcon-7B's 71 query heads, each rank its own heads' copies ((B, 1, S, D) -> (B, 36, S, D))
+            cands.append(Candidate(HeadShard(k, size), local="shape"))
     return cands
 
 

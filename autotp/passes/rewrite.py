@@ -57,6 +57,7 @@ from autotp.ops.indexing import (
     VOCAB_GATHER,
     local_segment_bounds,
     local_segment_index,
+    local_split_sizes,
 )
 from autotp.ops.norm import SHARDED_SOFTMAX
 from autotp.ops.random import RANK_RNG
@@ -195,11 +196,11 @@ def rewrite(gm: torch.fx.GraphModule, annotation: Annotation, params: dict[torch
                 report.local_rewrites[tag] += 1
                 continue
             if tag == SPLIT_SIZES:
-                _localize_split(n, comm.world_size)
+                _localize_split(n, plan, comm.rank, comm.world_size)
                 report.local_rewrites[tag] += 1
                 continue
             if tag == SLICE_BOUNDS:
-                _localize_segment_slice(n, plan, comm.world_size)
+                _localize_segment_slice(n, plan, comm.rank, comm.world_size)
                 report.local_rewrites[tag] += 1
                 continue
             if tag == RANK_RNG:
@@ -494,9 +495,10 @@ SPLIT_FUNCTIONS = {torch.split, torch.functional.split, torch.Tensor.split, torc
 CHUNK_LIKE = {torch.chunk, torch.Tensor.chunk, "chunk"}
 
 
-def _localize_split(n: torch.fx.Node, world_size: int) -> None:
+def _localize_split(n: torch.fx.Node, plan: Any, rank: int, world_size: int) -> None:
     """Local rewrite ``split_sizes``: a fused shard split into its segments; each rank splits its
-    own chunks, so the piece sizes are divided by N (``chunk(k)`` keeps its count)."""
+    own chunks, so the piece sizes are its segments' local lengths: divided by N, or its heads'
+    rows where the segments are split in whole heads (``chunk(k)`` keeps its count)."""
     if n.target in CHUNK_LIKE:
         return
     if not (n.op == "call_method" and n.target in ("split", "split_with_sizes")
@@ -506,7 +508,11 @@ def _localize_split(n: torch.fx.Node, world_size: int) -> None:
     args, kwargs = list(n.args), dict(n.kwargs)
     key = next((k for k in ("split_size_or_sections", "split_size", "split_sizes") if k in kwargs), None)
     sizes = args[1] if key is None else kwargs[key]
-    if isinstance(sizes, torch.fx.Node):
+    edge = plan.edges.get((0, 0))
+    fused = edge.dst if edge is not None else None
+    if isinstance(fused, StridedShard) and fused.heads and not isinstance(sizes, torch.fx.Node):
+        sizes = local_split_sizes(sizes, fused, rank, world_size)
+    elif isinstance(sizes, torch.fx.Node):
         with n.graph.inserting_before(n):
             sizes = n.graph.call_function(_divide_sizes, (sizes, world_size))
     else:
@@ -523,7 +529,7 @@ def _divide_sizes(sizes: Any, world_size: int) -> Any:
     return sizes // world_size if isinstance(sizes, int) else [s // world_size for s in sizes]
 
 
-def _localize_segment_slice(n: torch.fx.Node, plan: Any, world_size: int) -> None:
+def _localize_segment_slice(n: torch.fx.Node, plan: Any, rank: int, world_size: int) -> None:
     """Local rewrite ``slice_bounds``: ``x[..., a:b]`` takes one segment of a fused shard; each rank
     takes its piece of it (its chunk, or the whole segment where every rank holds it); a constant
     list index ``x[..., [i], :]`` into a segment every rank holds whole reads it where it lies in
@@ -548,9 +554,9 @@ def _localize_segment_slice(n: torch.fx.Node, plan: Any, world_size: int) -> Non
             continue
         if d == dim:
             if isinstance(it, slice) and all(isinstance(b, (int, type(None))) for b in (it.start, it.stop)):
-                items[i] = slice(*local_segment_bounds(fused, it.start, it.stop, world_size), it.step)
+                items[i] = slice(*local_segment_bounds(fused, it.start, it.stop, world_size, rank), it.step)
             elif isinstance(it, list) and all(isinstance(k, int) for k in it):
-                items[i] = [local_segment_index(fused, k, world_size) for k in it]
+                items[i] = [local_segment_index(fused, k, world_size, rank) for k in it]
             else:
                 raise PassError(f"node {n.name}: the fused dim {dim} is indexed by {it!r}, not a constant slice "
                                 "or list")
@@ -573,6 +579,8 @@ def _localize_shape_args(n: torch.fx.Node, out: Shard | GroupedShard | HeadShard
             if isinstance(out, HeadShard):
                 args[1] = n.graph.call_function(_localize_at, (args[1], out.dim, out.heads, out.groups, comm.rank,
                                                                world_size))
+            elif isinstance(out, StridedShard) and (out.whole or out.heads):  # this rank's q_r | k | v
+                args[1] = n.graph.call_function(_size_at, (args[1], out.dim, out.local_length(world_size, comm.rank)))
             else:
                 rank, parts = (0, chunks(out, world_size)) if isinstance(out, GroupedShard) else (comm.rank, world_size)
                 args[1] = n.graph.call_function(_divide_size_at, (args[1], out.dim, rank, parts))
@@ -599,6 +607,12 @@ def _divide_size_at(sizes: Any, dim: int, rank: int, world_size: int) -> tuple:
     """A size list computed at run time (in global sizes), with the size at ``dim`` made this
     rank's chunk (``-1`` stays ``-1``)."""
     return tuple(localize_sizes(list(sizes), Shard(dim), world_size, rank))
+
+
+def _size_at(sizes: Any, dim: int, length: int) -> tuple:
+    """A size list computed at run time (in global sizes), with the size at ``dim`` set to
+    ``length`` (a fused shard's local length on this rank; ``-1`` stays ``-1``)."""
+    return tuple(length if d == dim and s != -1 else s for d, s in enumerate(sizes))
 
 
 def _localize_at(sizes: Any, dim: int, heads: int, groups: int, rank: int, world_size: int) -> tuple:
@@ -641,7 +655,7 @@ def _globalize_size_query(n: torch.fx.Node, plan: Any, world_size: int) -> bool:
     graph = n.graph
     users = list(n.users)
     total = _static_size(n.args[0], d)
-    whole = isinstance(edge.dst, StridedShard) and edge.dst.whole  # its local length is not total / N
+    whole = isinstance(edge.dst, StridedShard) and bool(edge.dst.whole or edge.dst.heads)  # not total / N
     if total is not None and total % world_size == 0 and not whole and not isinstance(edge.dst, HeadShard):
         total = None  # an even shard: local size x N, as for a symbolic dim
     with graph.inserting_after(n):

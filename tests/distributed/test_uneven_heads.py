@@ -165,30 +165,53 @@ def test_training_through_heads_no_tp_divides_equals_one_process(tmp_path: Path,
         torch.testing.assert_close(r["logits_after"], ref["logits_after"], atol=ATOL, rtol=RTOL)
 
 
-def _rank_logits(rank: int, world: int, folder: str) -> dict[str, Any]:
+def _rank_fused(rank: int, world: int, folder: str, qkv: str) -> dict[str, Any]:
     from autotp import parallelize_model
 
     model = parallelize_model(folder, tp_size=world)
+    ids = torch.tensor(PROMPT)
     with torch.no_grad():
-        logits = model(input_ids=torch.tensor(PROMPT)).logits
-    return {"logits": logits, "plan": model.autotp.plan}
+        logits = model(input_ids=ids).logits
+        tokens = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=PAD_ID)
+    return {"logits": logits, "tokens": tokens[0].tolist(), "plan": model.autotp.plan,
+            "qkv_shape": tuple(model.get_submodule(qkv).weight.shape)}
 
 
-@pytest.mark.parametrize(("arch", "sizes"), [
-    ("gpt2", dict(n_embd=48, n_head=3)),
-    ("falcon", dict(hidden_size=48, num_attention_heads=3)),  # multi-query inside the fused projection
-], ids=["gpt2-3-heads", "falcon-3-heads-one-kv"])
-def test_a_fused_qkv_projection_with_heads_no_tp_divides_is_exact_at_tp2(tmp_path: Path, arch: str,
-                                                                        sizes: dict[str, int]) -> None:
-    """A fused q|k|v output is not split in whole heads (its segments are not head-aligned per
-    rank): attention runs on gathered activations, correct but with all-gathers in the blocks."""
-    from transformers import AutoModelForCausalLM
+#: arch -> (config sizes, the fused q|k|v module of block 0, its weight's fused dim, its placement
+#: with 3 heads at tp=2, with 6 heads at tp=4)
+_FUSED = {
+    # GPT-2's c_attn (a Conv1D: (in, 3 * hidden)), split(hidden) into q | k | v of 3 heads of 16 each
+    "gpt2": (dict(n_embd=48), "transformer.h.0.attn.c_attn", 1, "n_head",
+             {2: "S(1|48:3h+48:3h+48:3h)", 4: "S(1|48:6h+48:6h+48:6h)"}),
+    # Falcon's multi-query query_key_value: q heads | its one k head | its one v head, k and v whole
+    "falcon": (dict(hidden_size=48), "transformer.h.0.self_attention.query_key_value", 0, "num_attention_heads",
+               {2: "S(0|48:3h+16r+16r)", 4: "S(0|48:6h+8r+8r)"}),
+}
 
-    folder = save_tiny(arch, tmp_path / arch, pad_token_id=PAD_ID, **sizes)
-    with torch.no_grad():
-        expected = AutoModelForCausalLM.from_pretrained(folder).eval()(input_ids=torch.tensor(PROMPT)).logits
-    for r in run_ranks(_rank_logits, 2, str(folder)):
-        torch.testing.assert_close(r["logits"], expected, atol=ATOL, rtol=RTOL)
+
+@pytest.mark.parametrize(("arch", "heads", "world", "q_heads"), [
+    ("gpt2", 3, 2, [2, 1]), ("falcon", 3, 2, [2, 1]), ("gpt2", 6, 4, [2, 2, 1, 1]), ("falcon", 6, 4, [2, 2, 1, 1]),
+], ids=["gpt2-3-heads-tp2", "falcon-3-heads-one-kv-tp2", "gpt2-6-heads-tp4", "falcon-6-heads-one-kv-tp4"])
+def test_a_fused_qkv_projection_with_heads_no_tp_divides_is_split_in_whole_heads(
+        tmp_path: Path, arch: str, heads: int, world: int, q_heads: list[int]) -> None:
+    """A fused q|k|v output is stored with each segment split in whole heads (``StridedShard.heads``):
+    rank r holds the same heads of q, k and v (of q only, beside the whole k and v head, for
+    Falcon's multi-query layout), so attention stays on each rank and the block communicates as
+    Megatron's (no all-gather in the graph, the logits leave it sharded). Each rank reads only its
+    heads' rows; logits and greedy tokens equal one process."""
+    sizes, qkv, dim, field, placement = _FUSED[arch]
+    folder = save_tiny(arch, tmp_path / arch, pad_token_id=PAD_ID, **sizes, **{field: heads})
+    head_dim = 48 // heads
+    ref_logits, ref_tokens = one_process_reference(folder, PROMPT, NEW_TOKENS, PAD_ID)
+    for rank, r in enumerate(run_ranks(_rank_fused, world, str(folder), qkv)):
+        torch.testing.assert_close(r["logits"], ref_logits, atol=ATOL, rtol=RTOL)
+        assert r["tokens"] == ref_tokens
+        params = r["plan"]["parameters"]
+        assert params[qkv + ".weight"]["placement"] == placement[world]
+        # this rank's heads of each segment (of q, beside the whole k and v head of multi-query)
+        rows = q_heads[rank] * head_dim * (3 if arch == "gpt2" else 1) + (2 * head_dim if arch == "falcon" else 0)
+        assert r["qkv_shape"][dim] == rows
+        assert "all_gather" not in r["plan"]["collectives"], r["plan"]["collectives"]
 
 
 def _rank_masked(rank: int, world: int, folder: str, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
