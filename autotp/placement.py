@@ -39,6 +39,7 @@ A multi-output op has a tuple of placements; a non-tensor value has ``None``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -126,6 +127,16 @@ class StridedShard(Shard):
         """The length of ``dim`` on rank ``rank`` (rank 0 holds the most)."""
         return sum(self.local_segments(world_size, rank))
 
+    def local_length_of(self, size: Any, world_size: int, rank: int = 0) -> Any:
+        """Rank ``rank``'s length of a dim of ``size`` (an int, or a symbolic size: any object
+        with ``//`` and ``*``) in this layout: with equal segments ``size`` is a whole number of
+        them (a dynamic batch merged with the heads), each of which the rank holds its piece of;
+        otherwise ``size`` is the sum of the segments."""
+        segment = self.segment_size
+        if segment is None:
+            return self.local_length(world_size, rank)
+        return size // segment * self.local_segments(world_size, rank)[0]
+
     def whole_share(self, world_size: int) -> float:
         """The share of the fused dim a rank holds beyond ``1 / N``: its whole segments' copies.
         Segments split in whole heads count as ``1 / N`` (rank 0's extra head is the split's
@@ -154,8 +165,10 @@ class StridedShard(Shard):
 
         Equal segments are what merging a sharded dim behind other dims gives (``(B, heads) ->
         B*heads``): the layout then means the same whatever the number of segments, so it may
-        lie on a dim of symbolic size (a dynamic batch) as long as the segment size is static."""
-        if self.whole or self.heads or not self.segments or len(set(self.segments)) != 1:
+        lie on a dim of symbolic size (a dynamic batch) as long as the segment size is static.
+        Segments split in whole heads count as equal when their head counts are (heads no tp
+        divides merged behind the batch: ``S(0|25:25h+25:25h)``)."""
+        if self.whole or not self.segments or len(set(self.segments)) != 1 or len(set(self.heads)) > 1:
             return None
         return self.segments[0]
 

@@ -276,8 +276,10 @@ def over_heads(fn: Rule, op: OpCall, inputs: Sequence[Placement]) -> list[Candid
     the rule claims for a shard over ``heads`` ranks holds head by head, and so for a run of heads:
     its ``Shard`` results are head shards of the same heads and groups, and its ``Partial`` results
     stay partial (every head is on exactly one rank, so the sum over heads is the sum over ranks).
-    Refused: inputs that mix it with plain or grouped shards or another head split; fused (strided)
-    results; local rewrites other than ``shape`` (which localizes by the rank's heads,
+    A strided result of equal segments (the heads merged behind the batch, ``(B, H, S, D) -> (B*H,
+    S, D)``) is each segment split in whole heads, ``StridedShard.heads`` (one group only).
+    Refused: inputs that mix it with plain or grouped shards or another head split; other fused
+    (strided) results; local rewrites other than ``shape`` (which localizes by the rank's heads,
     ``autotp/ops/shape.py: localize_sizes``) and ``replicated_share`` (a Replicate bias of a
     row-parallel result, GPT-2's ``c_proj``: each rank adds ``1 / N`` of it, whatever its heads),
     and any that communicate."""
@@ -293,11 +295,16 @@ def over_heads(fn: Rule, op: OpCall, inputs: Sequence[Placement]) -> list[Candid
     def rehead(p: Any) -> Any:
         if isinstance(p, tuple):
             return tuple(rehead(q) for q in p)
+        if isinstance(p, StridedShard):  # segments over h virtual ranks: each segment split in whole heads
+            return dataclasses.replace(p, heads=(h,) * len(p.segments))
         return HeadShard(p.dim, h, g) if isinstance(p, Shard) else p
+
+    def merged(p: Any) -> bool:  # (B, H) merged: equal segments, each split as the heads are (one group)
+        return g == 1 and not p.whole and not p.heads and p.segment_size is not None and p.segment_size % h == 0
 
     out = [dataclasses.replace(c, output=rehead(c.output)) for c in cands
            if c.local in (None, "shape", "replicated_share") and not c.collectives
-           and not any(isinstance(q, StridedShard) for q in leaves(c.output))]
+           and all(merged(q) for q in leaves(c.output) if isinstance(q, StridedShard))]
     return out if out else reject(f"no candidate of {op.target} keeps the head shards of {list(inputs)}")
 
 

@@ -91,7 +91,7 @@ def localize_sizes(sizes: Sequence[Any], out_placement: Any, world_size: int, ra
             sizes[d] = stop - start
     elif isinstance(out_placement, StridedShard) and (out_placement.whole or out_placement.heads):
         if not (isinstance(sizes[out_placement.dim], int) and sizes[out_placement.dim] == -1):  # static: q_r | k | v
-            sizes[out_placement.dim] = out_placement.local_length(world_size, rank)
+            sizes[out_placement.dim] = out_placement.local_length_of(sizes[out_placement.dim], world_size, rank)
     elif isinstance(out_placement, Shard):
         d = out_placement.dim
         size = sizes[d]
@@ -169,13 +169,16 @@ def view_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate]
         heads = _split_into_heads(p, x.shape, out, n)
         if heads is not None:
             return [Candidate(heads, local="shape")]
-        # equal segments split apart: (B*H, S, S) S(0|H+H) -> (B, H, S, S) S(1)
+        # equal segments split apart: (B*H, S, S) S(0|H+H) -> (B, H, S, S) S(1); split in whole heads
+        # no tp divides, S(0|25:25h+25:25h) -> S(1:25h)
         if p.segment_size is not None:
             segment = p.segment_size * math.prod(x.shape[p.dim + 1:])
             for o in range(len(out)):
-                if math.prod(out[o:]) == segment and out[o] >= n and out[o] % n == 0 \
+                split = head_split(o, p.heads[0], 1, n) if p.heads and out[o] % p.heads[0] == 0 \
+                    else Shard(o) if not p.heads and out[o] >= n and out[o] % n == 0 else None
+                if math.prod(out[o:]) == segment and split is not None \
                         and _static_segment(op, x.shape[p.dim + 1:], out, o):
-                    return [Candidate(Shard(o), local="shape")]
+                    return [Candidate(split, local="shape")]
         return reject(f"a view splits or merges the fused dim {p.dim} of {x.shape} (segments {p.segments}) "
                       f"other than into whole segments: {out}")
     for o in range(len(out)):

@@ -65,7 +65,7 @@ from autotp.ops.reduction import SHARDED_MEAN
 from autotp.ops.shape import localize_sizes
 from autotp.passes.annotate import Annotation
 from autotp.passes.hosts import GATHER_FUNCTIONS, SOFTMAX_FUNCTIONS, SOFTMAX_METHODS
-from autotp.placement import GroupedShard, HeadShard, Replicate, Shard, StridedShard, chunks
+from autotp.placement import GroupedShard, HeadShard, Replicate, Shard, StridedShard, chunks, parse
 from autotp.plan import gradient_node
 from autotp.rng import RankStreamCall
 
@@ -580,7 +580,7 @@ def _localize_shape_args(n: torch.fx.Node, out: Shard | GroupedShard | HeadShard
                 args[1] = n.graph.call_function(_localize_at, (args[1], out.dim, out.heads, out.groups, comm.rank,
                                                                world_size))
             elif isinstance(out, StridedShard) and (out.whole or out.heads):  # this rank's q_r | k | v
-                args[1] = n.graph.call_function(_size_at, (args[1], out.dim, out.local_length(world_size, comm.rank)))
+                args[1] = n.graph.call_function(_strided_size_at, (args[1], str(out), comm.rank, world_size))
             else:
                 rank, parts = (0, chunks(out, world_size)) if isinstance(out, GroupedShard) else (comm.rank, world_size)
                 args[1] = n.graph.call_function(_divide_size_at, (args[1], out.dim, rank, parts))
@@ -591,6 +591,9 @@ def _localize_shape_args(n: torch.fx.Node, out: Shard | GroupedShard | HeadShard
     sizes = list(args[1]) if packed else args[1:]
     if isinstance(sizes[out.dim], torch.fx.Node) and isinstance(out, HeadShard):
         raise PassError(f"node {n.name}: a symbolic size on a dim split in whole heads ({out})")
+    if isinstance(sizes[out.dim], torch.fx.Node) and isinstance(out, StridedShard) and (out.whole or out.heads):
+        with n.graph.inserting_before(n):  # a dynamic batch merged with heads split in whole heads
+            sizes[out.dim] = n.graph.call_function(_strided_length, (sizes[out.dim], str(out), comm.rank, world_size))
     if isinstance(sizes[out.dim], torch.fx.Node):
         with n.graph.inserting_before(n):
             sizes[out.dim] = n.graph.call_function(operator.floordiv, (sizes[out.dim], chunks(out, world_size)))
@@ -609,10 +612,16 @@ def _divide_size_at(sizes: Any, dim: int, rank: int, world_size: int) -> tuple:
     return tuple(localize_sizes(list(sizes), Shard(dim), world_size, rank))
 
 
-def _size_at(sizes: Any, dim: int, length: int) -> tuple:
-    """A size list computed at run time (in global sizes), with the size at ``dim`` set to
-    ``length`` (a fused shard's local length on this rank; ``-1`` stays ``-1``)."""
-    return tuple(length if d == dim and s != -1 else s for d, s in enumerate(sizes))
+def _strided_size_at(sizes: Any, placement: str, rank: int, world_size: int) -> tuple:
+    """A size list computed at run time (in global sizes), with the size at the fused shard's dim
+    made this rank's length (``StridedShard.local_length_of``; ``placement`` as text: FX code
+    prints its args; ``-1`` stays ``-1``)."""
+    return tuple(localize_sizes(list(sizes), parse(placement), world_size, rank))
+
+
+def _strided_length(size: Any, placement: str, rank: int, world_size: int) -> Any:
+    """One symbolic size at a fused shard's dim made this rank's length."""
+    return parse(placement).local_length_of(size, world_size, rank)
 
 
 def _localize_at(sizes: Any, dim: int, heads: int, groups: int, rank: int, world_size: int) -> tuple:
@@ -658,6 +667,9 @@ def _globalize_size_query(n: torch.fx.Node, plan: Any, world_size: int) -> bool:
     whole = isinstance(edge.dst, StridedShard) and bool(edge.dst.whole or edge.dst.heads)  # not total / N
     if total is not None and total % world_size == 0 and not whole and not isinstance(edge.dst, HeadShard):
         total = None  # an even shard: local size x N, as for a symbolic dim
+    if total is None and whole:
+        raise PassError(f"node {n.name}: the size of a symbolic dim of the fused shard {edge.dst} is queried; its "
+                        "ranks hold unequal lengths, so local x N is not its global size")
     with graph.inserting_after(n):
         if n.target == "numel" and total is not None:  # uneven: the local count over its local dim size
             with graph.inserting_before(n):

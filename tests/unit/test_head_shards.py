@@ -51,7 +51,10 @@ def test_qwen2_5_7b_query_heads_are_4_and_3_per_kv_head_at_tp8() -> None:
 def test_an_even_split_is_a_plain_shard_and_one_leaving_a_rank_without_a_head_is_none() -> None:
     assert head_split(1, 32, 8, 16) == Shard(1)  # 4 heads per kv head over 2 ranks: 2 + 2
     assert head_split(0, 3, 1, 2) == HeadShard(0, 3)  # multi-head: 2 + 1
-    assert head_split(0, 6, 1, 4) is None  # torch.chunk of 6 over 4 is 2 + 2 + 2 + 0
+    assert head_split(0, 6, 1, 4) == HeadShard(0, 6)  # as evenly as they go: 2 + 2 + 1 + 1
+    assert HeadShard(0, 6).heads_per_rank(4) == [2, 2, 1, 1]  # (torch.chunk would give 2 + 2 + 2 + 0)
+    assert HeadShard(0, 25).heads_per_rank(8) == [4, 3, 3, 3, 3, 3, 3, 3]
+    assert head_split(0, 3, 1, 4) is None  # fewer heads than ranks
     assert head_split(0, 28, 4, 32) is None  # 7 per kv head over 8 ranks
     assert head_split(0, 28, 3, 6) is None  # the groups do not divide the heads
 
@@ -148,3 +151,23 @@ def test_spread_kv_heads_merge_into_the_query_heads_split() -> None:
     pieces = [p.expand(localize_sizes([1, 2, 3, 5, 4], cand.output, WORLD, r)).reshape(
         localize_sizes([1, 6, 5, 4], view.output, WORLD, r)) for r, p in enumerate(_pieces(k, GroupedShard(1, 2), WORLD))]
     assert torch.equal(_whole(pieces, view.output), merged)
+
+
+def test_a_fused_shard_split_in_whole_heads_gives_each_rank_the_same_heads_of_every_segment() -> None:
+    """GPT-2 XL's c_attn (q | k | v of 25 heads of 64) at tp=8: rank r holds heads 4 + 3 x 7 of each
+    segment, the same ones in q, k and v; Falcon-7B's 71 q heads beside its whole k and v head."""
+    from autotp.placement import StridedShard
+
+    qkv = StridedShard(1, (1600, 1600, 1600), (), (25, 25, 25))
+    assert str(qkv) == "S(1|1600:25h+1600:25h+1600:25h)" and parse(str(qkv)) == qkv
+    assert qkv.fits(4800, 8) and not qkv.fits(4800, 32)  # 25 heads cannot give each of 32 ranks one
+    assert [qkv.local_length(8, r) for r in (0, 1, 7)] == [768, 576, 576]
+    assert qkv.pieces(1, 8) == [(256, 448), (1856, 2048), (3456, 3648)]  # heads 4-6 of q, k and v
+    assert qkv.segment_placement(1, 8) == HeadShard(1, 25)
+    assert qkv.whole_share(8) == 0  # unequal heads are the split's unevenness, not copies
+    falcon = StridedShard(0, (4544, 64, 64), (1, 2), (71, 0, 0))
+    assert parse(str(falcon)) == falcon and str(falcon) == "S(0|4544:71h+64r+64r)"
+    assert falcon.pieces(7, 8) == [(4032, 4544), (4544, 4608), (4608, 4672)]  # its last 8 q heads, k, v
+    assert [local_shape((4672, 4544), falcon, 8, r)[0] for r in (0, 7)] == [704, 640]
+    merged = StridedShard(0, (25, 25), (), (25, 25))  # (B, 25 heads) merged into B*25 at batch 2
+    assert merged.segment_size == 25 and merged.local_length_of(75, 8, 0) == 12  # 3 batches of heads 0-3

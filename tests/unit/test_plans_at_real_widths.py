@@ -62,6 +62,13 @@ REAL_WIDTHS: dict[str, tuple[str, str, dict[str, Any], int]] = {
     "falcon": ("Falcon-7B, 64 heads", "FalconConfig", dict(
         hidden_size=4096, num_attention_heads=64, vocab_size=65024, multi_query=True,
         new_decoder_architecture=False, parallel_attn=True, bias=False, alibi=False), 1),
+    # heads no tp divides inside a fused q|k|v projection, split in whole heads (StridedShard.heads):
+    # Falcon-7B's own 71 heads of 64 beside its one k and v head, and GPT-2 XL's 25 heads of 64 in each
+    # of q | k | v (c_attn cut by split)
+    "falcon-7b": ("Falcon-7B", "FalconConfig", dict(
+        hidden_size=4544, num_attention_heads=71, vocab_size=65024, multi_query=True,
+        new_decoder_architecture=False, parallel_attn=True, bias=False, alibi=False), 1),
+    "gpt2-xl": ("GPT-2 XL", "GPT2Config", dict(n_embd=1600, n_head=25, n_inner=6400, vocab_size=50257), 2),
     "olmo2": ("OLMo-2-7B", "Olmo2Config", dict(
         hidden_size=4096, num_attention_heads=32, num_key_value_heads=32, intermediate_size=11008,
         vocab_size=100352), 2),
@@ -87,9 +94,15 @@ def _config(arch: str) -> Any:
     return config
 
 
+#: configs whose query heads no tp divides: split in whole heads at every tp that leaves each rank one
+UNEVEN_HEADS = {"falcon-7b", "gpt2-xl"}
+
+
 def _valid_tps(arch: str) -> list[int]:
     fields = REAL_WIDTHS[arch][2]
-    return [tp for tp in (2, 4, 8) if all(fields[f] % tp == 0 for f in _SPLIT_FIELDS if f in fields)]
+    split = [f for f in _SPLIT_FIELDS if f in fields and not (arch in UNEVEN_HEADS and f in ("num_attention_heads",
+                                                                                              "n_head"))]
+    return [tp for tp in (2, 4, 8) if all(fields[f] % tp == 0 for f in split)]
 
 
 #: every valid tp at batch 1; batch 2 (eager attention merges batch and heads into one dim) at the
@@ -180,12 +193,41 @@ def test_qwen2_5_7b_plans_at_tp8_with_its_28_heads_split_4_and_3_per_kv_head() -
     assert params[attn + "q_proj.weight"]["local_shape"] == [512, 3584]  # rank 0's: 4 heads
 
 
+@pytest.mark.parametrize(("arch", "tp", "qkv", "placement", "rows"), [
+    # 71 q heads over 8 ranks are 9 x 7 + 8, each rank beside them the one k and the one v head whole
+    ("falcon-7b", 8, "transformer.h.0.self_attention.query_key_value.weight", "S(0|4544:71h+64r+64r)",
+     [(9 + 2) * 64] * 7 + [(8 + 2) * 64]),
+    # 25 heads in each of q | k | v over 8 ranks are 4 + 3 x 7, the same heads of each segment
+    ("gpt2-xl", 8, "transformer.h.0.attn.c_attn.weight", "S(1|1600:25h+1600:25h+1600:25h)",
+     [4 * 64 * 3] + [3 * 64 * 3] * 7),
+    # GPT-2's 12 heads over 8 ranks are 2 x 4 + 1 x 4
+    ("gpt2", 8, "transformer.h.0.attn.c_attn.weight", "S(1|768:12h+768:12h+768:12h)",
+     [2 * 64 * 3] * 4 + [1 * 64 * 3] * 4),
+], ids=["falcon-7b-tp8", "gpt2-xl-tp8", "gpt2-tp8"])
+def test_a_fused_qkv_whose_heads_no_tp_divides_is_split_in_whole_heads_of_each_segment(
+        arch: str, tp: int, qkv: str, placement: str, rows: list[int]) -> None:
+    """The fused projection's output is stored with each segment split in whole heads, so every
+    rank's q, k and v hold the same heads (q's only, beside the one k and v head of multi-query
+    attention), and prefill and decode step communicate as Megatron's: no all-gather but the logits."""
+    from autotp.placement import local_shape, parse
+
+    report = plan_model(_config(arch), tp)
+
+    for step in (report.forward, report.decode):
+        assert collectives_per_block(step.sites) == {layer: {"all_reduce": REAL_WIDTHS[arch][3]} for layer in range(2)}
+        assert [s["origin"] for s in step.sites if s["kind"] == "all_gather"] == ["lm_head"]
+    entry = report.parameters[qkv]
+    assert entry["placement"] == placement
+    shape, stored = tuple(entry["global_shape"]), parse(placement)
+    assert [local_shape(shape, stored, tp, rank)[stored.dim] for rank in range(tp)] == rows
+
+
 @pytest.mark.parametrize(("cls", "fields", "tp", "named", "valid"), [
     # Qwen2.5-7B at tp=32: 7 query heads per kv head over 8 ranks would leave a rank without one
     ("Qwen2Config", REAL_WIDTHS["qwen2"][2], 32, "num_attention_heads=28", "[1, 2, 4, 8, 16]"),
-    # GPT-2's 12 heads at tp=8: 2 heads on each of 6 ranks would leave 2 ranks without one
-    ("GPT2Config", REAL_WIDTHS["gpt2"][2], 8, "num_attention_heads=12", "[1, 2, 3, 4, 6, 12]"),
-], ids=["qwen2.5-7b-tp32", "gpt2-tp8"])
+    # GPT-2's 12 heads at tp=16: fewer heads than ranks
+    ("GPT2Config", REAL_WIDTHS["gpt2"][2], 16, "num_attention_heads=12", "[1, 2, 3, 4, 6, 8, 12]"),
+], ids=["qwen2.5-7b-tp32", "gpt2-tp16"])
 def test_a_head_count_no_split_serves_is_refused_with_the_valid_tps(cls: str, fields: dict, tp: int, named: str,
                                                                     valid: str) -> None:
     """Heads split in whole heads, at least one per rank: the refusal names the count and lists the
