@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from autotp.errors import AutoTPError
+from autotp.plan_report import PlanReport
 
 __all__ = ["main", "run"]
 
@@ -584,7 +585,7 @@ def _parse_overrides(items: Sequence[str]) -> dict[str, str]:
     return out
 
 
-def _plan_report(args: argparse.Namespace, overrides: dict[str, str]) -> tuple[Any, list[Any]]:
+def _plan_report(args: argparse.Namespace, overrides: dict[str, str]) -> tuple[PlanReport, list[Any]]:
     """The report ``autotp plan`` prints, and the explanations of ``--explain``.
 
     Read from the report cache (``autotp/report_cache.py``) before the planner, and with it torch
@@ -603,8 +604,6 @@ def _plan_report(args: argparse.Namespace, overrides: dict[str, str]) -> tuple[A
     key = cache.key(args.model, config, request) if config is not None else None
     state = cache.load(key)
     if state is not None:
-        from autotp.plan_report import PlanReport
-
         report = PlanReport.from_state(state)
         report.timings = {"report_cache_read_s": time.perf_counter() - started}
         return report, []
