@@ -25,7 +25,7 @@ the JSON; ``--shape`` picks the shape ``--layers`` varies.
 with a fresh ``AUTOTP_CACHE_DIR``, empty, then again with the report it stored
 (``autotp/report_cache.py``): the wall time of the whole command (interpreter start to exit) and
 its CPU seconds (``RUSAGE_CHILDREN``), and the digest of its plan (the JSON less timings, solver
-cost and ``depth``). ``--tree DIR`` runs the command from another checkout (its ``PYTHONPATH``),
+cost, ``depth`` and the folder's name). ``--tree DIR`` runs the command from another checkout (its ``PYTHONPATH``),
 so two trees are timed by one script under the same conditions:
 
     python benchmarks/solver_scaling.py --shape llama3-70b --layers 32 80 --decode --cached [--tree /other/checkout]
@@ -275,6 +275,7 @@ def run_command(shape: str, layers: int | None, tp: int, decode: bool, timeout: 
                 "command_wall_s": wall}
     report = json.loads(proc.stdout)
     timings, depth = report.get("timings", {}), report.get("depth")
+    report.pop("model")  # the point's temporary folder
     for key in _COMPUTATION:
         report.pop(key, None)
     for graph in report.get("graphs", []):
