@@ -284,6 +284,8 @@ def run_command(shape: str, layers: int | None, tp: int, decode: bool, timeout: 
     return {
         "shape": shape, "layers": layers or SHAPES[shape]["num_hidden_layers"], "tp": tp, "decode": decode,
         "full_depth": False, "tree": os.fspath(tree), "command": " ".join(cmd[1:]),
+        "tree_commit": subprocess.run(["git", "rev-parse", "HEAD"], cwd=tree, capture_output=True,
+                                      text=True).stdout.strip() or None,
         "command_wall_s": wall,
         "command_cpu_s": (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime),
         "timings": timings, "depth": depth,
