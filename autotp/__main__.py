@@ -1,8 +1,6 @@
 """``python -m autotp ...``: the same command line as the ``autotp`` console script."""
 
-import sys
-
-from autotp.cli import main
+from autotp.cli import run
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

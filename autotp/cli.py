@@ -27,8 +27,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import importlib.util
 import json
+import logging
 import os
 import sys
 import tempfile
@@ -38,11 +40,12 @@ import uuid
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from autotp.errors import AutoTPError
+from autotp.plan_report import PlanReport
 
-__all__ = ["main"]
+__all__ = ["main", "run"]
 
 #: Environment for quiet runs (set only where the user has not set them): no progress bars, no
 #: transformers advisory warnings, one OpenMP thread per rank (ranks share the machine's cores).
@@ -582,7 +585,7 @@ def _parse_overrides(items: Sequence[str]) -> dict[str, str]:
     return out
 
 
-def _plan_report(args: argparse.Namespace, overrides: dict[str, str]) -> tuple[Any, list[Any]]:
+def _plan_report(args: argparse.Namespace, overrides: dict[str, str]) -> tuple[PlanReport, list[Any]]:
     """The report ``autotp plan`` prints, and the explanations of ``--explain``.
 
     Read from the report cache (``autotp/report_cache.py``) before the planner, and with it torch
@@ -601,15 +604,21 @@ def _plan_report(args: argparse.Namespace, overrides: dict[str, str]) -> tuple[A
     key = cache.key(args.model, config, request) if config is not None else None
     state = cache.load(key)
     if state is not None:
-        from autotp.plan_report import PlanReport
-
         report = PlanReport.from_state(state)
         report.timings = {"report_cache_read_s": time.perf_counter() - started}
         return report, []
     with _environ(_QUIET_ENV):
-        _quiet_transformers()
-        from autotp.planner import explain_matching, plan_model
-
+        # Importing torch, Dynamo and transformers allocates millions of objects that live until
+        # exit; the collector would walk them again and again, in the imports and in every full
+        # collection while planning (0.6 + 0.5 CPU seconds of a Llama-3-70B-shaped plan). So no
+        # collection during the imports, and what they built is frozen out of later ones.
+        gc.disable()
+        try:
+            _quiet_transformers()
+            from autotp.planner import explain_matching, plan_model
+        finally:
+            gc.freeze()
+            gc.enable()
         report = plan_model(args.model, explain_names=args.explain, **request)
         explanations = [e for name in args.explain for e in explain_matching(report, name)]
     cache.store(key, report.to_state())
@@ -859,5 +868,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
+def run() -> NoReturn:
+    """The ``autotp`` command (the console script and ``python -m autotp``): :func:`main`, then exit
+    at once. A process that imported torch, Dynamo and transformers and planned a model spends
+    1.5-2.5 CPU seconds in the interpreter's teardown (collecting and finalizing its objects:
+    ``autotp plan`` of a Llama-3-70B shape, ``benchmarks/solver_scaling.py --cached``), after the
+    command has said all it has to say. So the streams are flushed, logging is shut down, and the
+    process ends with ``os._exit``: atexit handlers do not run (autotp registers none; every file a
+    command writes is closed and every rank joined before :func:`main` returns). Python callers
+    and tests use :func:`main`."""
+    code = main()
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):  # a closed pipe (autotp plan ... | head): nothing left to say
+            stream.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

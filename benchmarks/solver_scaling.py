@@ -17,10 +17,18 @@ The plot shows CPU seconds per phase (and the whole process's CPU and wall time)
 
 Since ``autotp/depth.py`` a deep model is planned from a shortened stand-in. ``--full-depth``
 also plans each point tracing every layer and records whether the two reports are equal
-(``PlanReport.plan_json`` digests); ``--cached`` plans each point as ``autotp plan`` does (with
-its report cache, ``autotp/report_cache.py``) in a fresh ``AUTOTP_CACHE_DIR``, empty, then again;
-``--label`` keeps a note (such as how loaded the machine was) in the JSON; ``--shape`` picks the
-shape ``--layers`` varies.
+(``PlanReport.plan_json`` digests); ``--label`` keeps a note (such as how loaded the machine was) in
+the JSON; ``--shape`` picks the shape ``--layers`` varies.
+
+``--cached`` times the command a user runs instead: each point's config is saved to a folder
+(``config.json`` only) and ``python -m autotp plan FOLDER --tp N --json`` runs in a fresh process
+with a fresh ``AUTOTP_CACHE_DIR``, empty, then again with the report it stored
+(``autotp/report_cache.py``): the wall time of the whole command (interpreter start to exit) and
+its CPU seconds (``RUSAGE_CHILDREN``), and the digest of its plan (the JSON less timings, solver
+cost, ``depth`` and the folder's name). ``--tree DIR`` runs the command from another checkout (its ``PYTHONPATH``),
+so two trees are timed by one script under the same conditions:
+
+    python benchmarks/solver_scaling.py --shape llama3-70b --layers 32 80 --decode --cached [--tree /other/checkout]
 
 Output: one JSON line per point on stdout, ``solver_scaling.json`` (all points plus the machine;
 ``--name`` renames it) and ``solver_scaling.png`` (matplotlib, if installed; otherwise a message
@@ -126,8 +134,7 @@ def make_config(shape: str, layers: int | None = None) -> Any:
     return config
 
 
-def child(shape: str, layers: int | None, tp: int, decode: bool, full_depth: bool = False,
-          report_cache: bool = False) -> dict[str, Any]:
+def child(shape: str, layers: int | None, tp: int, decode: bool, full_depth: bool = False) -> dict[str, Any]:
     """One point, in this (fresh) process."""
     import hashlib
 
@@ -136,7 +143,7 @@ def child(shape: str, layers: int | None, tp: int, decode: bool, full_depth: boo
 
     import_s = time.perf_counter() - wall0
     config = make_config(shape, layers)
-    report = plan_model(config, tp, decode=decode, full_depth=full_depth, report_cache=report_cache)
+    report = plan_model(config, tp, decode=decode, full_depth=full_depth)
     plan = json.dumps(report.plan_json(), sort_keys=True, default=str)
     return {
         "shape": shape,
@@ -238,15 +245,63 @@ def compare(rev: str, shapes: list[str], layers: int, tp: int, rounds: int, repe
     return 0
 
 
-def run_point(shape: str, layers: int | None, tp: int, decode: bool, timeout: float, full_depth: bool = False,
-              cache_dir: str | None = None) -> dict[str, Any]:
-    cmd = [sys.executable, __file__, "--child", shape, str(layers or 0), "--tp", str(tp)] + (
-        ["--decode"] if decode else []
-    ) + (["--full-depth"] if full_depth else []) + (["--report-cache"] if cache_dir else [])
-    env = dict(os.environ, AUTOTP_CACHE_DIR=cache_dir) if cache_dir else None
+#: what ``autotp plan --json`` holds about how the plan was computed (``PlanReport.plan_json`` drops it)
+_COMPUTATION = ("timings", "solver", "depth")
+_COMPUTATION_PER_GRAPH = ("timings", "cost", "lower_bound", "extra_cost_of_overrides")
+
+
+def run_command(shape: str, layers: int | None, tp: int, decode: bool, timeout: float, cache_dir: str,
+                tree: Path) -> dict[str, Any]:
+    """``python -m autotp plan`` of the point's config folder, from ``tree``, timed from outside."""
+    import hashlib
+    import resource
+
+    folder = Path(cache_dir) / "model"
+    if not folder.exists():
+        make_config(shape, layers).save_pretrained(folder)
+    cmd = [sys.executable, "-m", "autotp", "plan", os.fspath(folder), "--tp", str(tp), "--json"] + (
+        [] if decode else ["--no-decode"])
+    env = dict(os.environ, AUTOTP_CACHE_DIR=os.fspath(Path(cache_dir) / "cache"), PYTHONPATH=os.fspath(tree))
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=tree)
+    except subprocess.TimeoutExpired:
+        return {"shape": shape, "layers": layers, "tp": tp, "error": f"timed out after {timeout:.0f} s"}
+    wall = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if proc.returncode != 0:
+        return {"shape": shape, "layers": layers, "tp": tp, "error": proc.stderr.strip()[-2000:],
+                "command_wall_s": wall}
+    report = json.loads(proc.stdout)
+    timings, depth = report.get("timings", {}), report.get("depth")
+    report.pop("model")  # the point's temporary folder
+    for key in _COMPUTATION:
+        report.pop(key, None)
+    for graph in report.get("graphs", []):
+        for key in _COMPUTATION_PER_GRAPH:
+            graph.pop(key, None)
+    return {
+        "shape": shape, "layers": layers or SHAPES[shape]["num_hidden_layers"], "tp": tp, "decode": decode,
+        "full_depth": False, "tree": os.fspath(tree), "command": " ".join(cmd[1:]),
+        "tree_commit": subprocess.run(["git", "rev-parse", "HEAD"], cwd=tree, capture_output=True,
+                                      text=True).stdout.strip() or None,
+        "command_wall_s": wall,
+        "command_cpu_s": (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime),
+        "timings": timings, "depth": depth,
+        "plan_digest": hashlib.sha256(json.dumps(report, sort_keys=True).encode()).hexdigest(),
+        "collectives": report["collectives"], "collectives_per_token": report["collectives_per_token"],
+    }
+
+
+def run_point(shape: str, layers: int | None, tp: int, decode: bool, timeout: float, full_depth: bool = False
+              ) -> dict[str, Any]:
+    cmd = [sys.executable, __file__, "--child", shape, str(layers or 0), "--tp", str(tp)] + (
+        ["--decode"] if decode else []
+    ) + (["--full-depth"] if full_depth else [])
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return {"shape": shape, "layers": layers, "tp": tp, "error": f"timed out after {timeout:.0f} s"}
     wall = time.perf_counter() - start
@@ -272,8 +327,10 @@ def plot(points: list[dict[str, Any]], path: Path) -> str:
     plt = pyplot()
     if plt is None:
         return "no PNG written"
+    if not points:
+        return "no point to plot"
     ok = sorted(
-        (p for p in points if "error" not in p and p["shape"] == points[0]["shape"]), key=lambda p: p["layers"]
+        (p for p in points if "process_cpu_s" in p and p["shape"] == points[0]["shape"]), key=lambda p: p["layers"]
     )
     if not ok:
         return "no successful point to plot"
@@ -313,9 +370,11 @@ def main(argv: list[str] | None = None) -> int:
         "and say whether its report equals the stand-in's (PlanReport.plan_json)"
     )
     parser.add_argument(
-        "--cached", action="store_true", help="plan every point twice with a fresh AUTOTP_CACHE_DIR: "
-        "empty, then again with what the first run stored"
+        "--cached", action="store_true", help="time the command (python -m autotp plan FOLDER --json) for "
+        "every point twice with a fresh AUTOTP_CACHE_DIR: empty, then again with what the first run stored"
     )
+    parser.add_argument("--tree", default=None, help="--cached: run the command from this checkout "
+                        "(default: the one holding this script)")
     parser.add_argument("--label", default="", help="a note kept in the JSON (e.g. 'machine loaded by others')")
     parser.add_argument("--name", default="solver_scaling", help="the JSON / PNG file name (without suffix)")
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
@@ -326,12 +385,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3, help="--compare: fresh processes per tree")
     parser.add_argument("--repeat", type=int, default=3, help="--compare: solves per process")
     parser.add_argument("--child", nargs=2, metavar=("SHAPE", "LAYERS"), help=argparse.SUPPRESS)
-    parser.add_argument("--report-cache", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--child-resolve", nargs=2, metavar=("SHAPE", "LAYERS"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
         shape, layers = args.child[0], int(args.child[1]) or None
-        print(json.dumps(child(shape, layers, args.tp, args.decode, args.full_depth, args.report_cache)), flush=True)
+        print(json.dumps(child(shape, layers, args.tp, args.decode, args.full_depth)), flush=True)
         return 0
     if args.child_resolve:
         shape, layers = args.child_resolve[0], int(args.child_resolve[1])
@@ -345,15 +403,21 @@ def main(argv: list[str] | None = None) -> int:
         return compare(args.compare, args.shapes, args.layers[0], args.tp, args.rounds, args.repeat, out, provenance)
     points = []
     todo = [(args.shape, n) for n in args.layers] + [(s, None) for s in args.extra]
+    tree = Path(args.tree).resolve() if args.tree else Path(__file__).resolve().parent.parent
     for shape, layers in todo:
-        runs = [dict(full_depth=False)] + ([dict(full_depth=True)] if args.full_depth else [])
-        for run in runs:
-            cache = tempfile.mkdtemp(prefix="autotp-plan-cache-") if args.cached and not run["full_depth"] else None
-            for cache_state in ("empty", "cached") if cache else (None,):
-                point = run_point(shape, layers, args.tp, args.decode, args.timeout, cache_dir=cache, **run)
+        if args.cached:
+            folder = tempfile.mkdtemp(prefix="autotp-plan-cache-")
+            for cache_state in ("empty", "cached"):
+                point = run_command(shape, layers, args.tp, args.decode, args.timeout, folder, tree)
                 point["plan_cache"] = cache_state
                 print(json.dumps(point), flush=True)
                 points.append(point)
+        runs = [dict(full_depth=False)] * (not args.cached) + [dict(full_depth=True)] * args.full_depth
+        for run in runs:
+            point = run_point(shape, layers, args.tp, args.decode, args.timeout, **run)
+            point["plan_cache"] = None
+            print(json.dumps(point), flush=True)
+            points.append(point)
     _compare_depths(points)
     write_result(out / f"{args.name}.json", {"tp": args.tp, "label": args.label, "points": points}, provenance)
     print(plot([p for p in points if not p.get("full_depth") and p.get("plan_cache") != "cached"],
