@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import tempfile
 import time
@@ -77,22 +78,26 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--rows", default="plain,sp")
+    parser.add_argument("--rows", default="plain,sp,plain,sp", help="rows in order (alternate them: the machine's load drifts)")
     parser.add_argument("--out", default="sp_compile.json")
     args = parser.parse_args(argv)
     config = dict(hidden_size=args.hidden, intermediate_size=args.hidden * 2, num_hidden_layers=args.layers,
                   num_attention_heads=8, num_key_value_heads=4, vocab_size=1024, max_position_embeddings=256)
-    out: dict[str, Any] = {"config": config, "tp": 2, "rows": {}}
+    out: dict[str, Any] = {"config": config, "tp": 2, "rows": []}
     with tempfile.TemporaryDirectory() as tmp:
         folder = save_tiny("llama", Path(tmp) / "ckpt", seed=0, **config)
         for row in args.rows.split(","):
             t = time.perf_counter()
             ranks = run_ranks(_rank, 2, str(folder), row == "sp", timeout=3000)
-            out["rows"][row] = {"wall_s": time.perf_counter() - t, "ranks": ranks}
+            out["rows"].append({"row": row, "wall_s": time.perf_counter() - t, "ranks": ranks})
             r0 = ranks[0]
             print(row, f"load {r0['load_s']:.1f}s first step {r0['first_step_s']:.1f}s "
                   f"second {r0['second_step_s']:.2f}s", [(s["free_params"], round(s["seconds"], 2))
                                                          for s in r0["solves_step"]], flush=True)
+    for row in dict.fromkeys(args.rows.split(",")):
+        steps = sorted(r["ranks"][0]["first_step_s"] for r in out["rows"] if r["row"] == row)
+        out.setdefault("median_first_step_s", {})[row] = statistics.median(steps)
+    print("median first step", out["median_first_step_s"], flush=True)
     Path(args.out).write_text(json.dumps(out, indent=1, default=str))
     return 0
 
