@@ -2,7 +2,7 @@
 
     PYTHONPATH=$PWD python benchmarks/sp_compile.py --hidden 512 --layers 4 --out sp_compile.json
 
-Each row starts fresh ranks (empty plan cache), loads a seeded Llama checkpoint with
+Each row starts fresh ranks (plan cache off: ``AUTOTP_CACHE=0``), loads a seeded Llama checkpoint with
 ``parallelize_model`` and times the first training step (forward with labels + backward), which
 compiles the training graphs. Rank 0 plans each graph (``parallelize_model`` without ``timeout``);
 its per-graph breakdown comes from the plan cache's records (decompose, each solve, annotate) and
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -81,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", default="plain,sp,plain,sp", help="rows in order (alternate them: the machine's load drifts)")
     parser.add_argument("--out", default="sp_compile.json")
     args = parser.parse_args(argv)
+    os.environ["AUTOTP_CACHE"] = "0"  # a first compile: no plan cache (the ranks inherit it)
     config = dict(hidden_size=args.hidden, intermediate_size=args.hidden * 2, num_hidden_layers=args.layers,
                   num_attention_heads=8, num_key_value_heads=4, vocab_size=1024, max_position_embeddings=256)
     out: dict[str, Any] = {"config": config, "tp": 2, "rows": []}
