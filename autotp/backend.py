@@ -631,7 +631,10 @@ def _solve(gm: torch.fx.GraphModule, example_inputs: list[Any], param_inputs: di
     param_nodes = {aten_of[p] for p in param_inputs}
     t, c = time.perf_counter(), time.process_time()
     try:
-        solution = runner.run("solve", solve, shadow, opts, fixed, free, param_nodes)
+        # sequence parallelism re-solves with every parameter pinned where this solve stores it; with
+        # none free (an earlier graph placed them) that is every parameter as it is: one solve does
+        solution = runner.run("solve", solve, shadow, opts, fixed, free, param_nodes) \
+            if free or not ctx.config.sequence_parallel else None
     except SolverError as e:
         if not used:
             raise
@@ -656,9 +659,10 @@ def _solve(gm: torch.fx.GraphModule, example_inputs: list[Any], param_inputs: di
 
 
 def _sequence_parallel(shadow: Any, opts: SolverOptions, fixed: dict[torch.fx.Node, Placement],
-                       solution: Solution, param_nodes: set[torch.fx.Node]) -> tuple[Solution, SolverOptions]:
+                       solution: Solution | None, param_nodes: set[torch.fx.Node]) -> tuple[Solution, SolverOptions]:
     """Second solve for ``sequence_parallel``: every parameter pinned where the first (pure
-    communication) solve stored it, activations re-placed with full-size activations priced
+    communication) solve stored it (``solution``; None where an earlier graph pinned them all and
+    there was no first solve), activations re-placed with full-size activations priced
     (``SolverOptions.activation_weight``), and no latency per collective: the user asked to trade
     collectives for activation memory, and a reduce-scatter plus an all-gather move the bytes of
     the all-reduce they replace. Pinning keeps the Megatron weight layout and leaves the
@@ -669,8 +673,9 @@ def _sequence_parallel(shadow: Any, opts: SolverOptions, fixed: dict[torch.fx.No
     ``ShardingError`` naming it), where the first solve's plan runs at any length."""
     sp_opts = dataclasses.replace(opts, activation_weight=SEQUENCE_PARALLEL_WEIGHT, latency_bytes=0.0,
                                   shard_symbolic_dims=True)
-    second = solve(shadow, sp_opts, {**fixed, **solution.params}, {}, param_nodes)
-    second.params = dict(solution.params)
+    params = solution.params if solution is not None else {}
+    second = solve(shadow, sp_opts, {**fixed, **params}, {}, param_nodes)
+    second.params = dict(params)
     return second, sp_opts
 
 
