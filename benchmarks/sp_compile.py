@@ -39,7 +39,7 @@ def _rank(rank: int, world: int, folder: str, sequence_parallel: bool) -> dict[s
         solves.append({"free_params": len(free), "pinned": len(fixed), "aten_nodes": len(shadow.aten.graph.nodes),
                        "activation_weight": opts.activation_weight, "seconds": time.perf_counter() - t,
                        "cost": out.cost, "pruned_states": out.trace.pruned_states,
-                       "reused_nodes": out.trace.reused_nodes, "propagated": getattr(out.trace, "propagated", None)})
+                       "reused_nodes": out.trace.reused_nodes})
         return out
 
     backend.solve = timed_solve

@@ -467,14 +467,12 @@ class _Step:
 
 
 def solve(shadow: ShadowGraph, opts: SolverOptions, fixed: dict[torch.fx.Node, Placement],
-          free_params: dict[torch.fx.Node, ParamChoice], param_nodes: set[torch.fx.Node],
-          search: type[_Search] | None = None) -> Solution:
+          free_params: dict[torch.fx.Node, ParamChoice], param_nodes: set[torch.fx.Node]) -> Solution:
     """Find the cheapest placement of every tensor in ``shadow.aten`` (see the module docstring).
 
     ``fixed`` pins ATen placeholders (user inputs, buffers, parameters a previous graph placed);
     ``free_params`` lists the parameters whose storage placement this solve decides;
     ``param_nodes`` are all parameter placeholders (free or pinned): they are never redistributed.
-    ``search``: the frontier DP to run (``passes/propagate.py`` prunes it differently), else the beam search.
     """
     t0 = time.perf_counter()
     trace = SolveTrace()
@@ -526,7 +524,7 @@ def solve(shadow: ShadowGraph, opts: SolverOptions, fixed: dict[torch.fx.Node, P
 
     with _without_cycle_collection():
         states = _search_widening(steps, position, last_use, fixed_idx, free_idx, param_idx, opts, trace,
-                                  pinned_edges, search or _Search)
+                                  pinned_edges)
 
     best_cost, best_comm, best_mem, hist = min(states.values(), key=lambda v: v[0])
     placements: dict[torch.fx.Node, Any] = {}
@@ -570,15 +568,14 @@ def _without_cycle_collection() -> Iterator[None]:
 
 def _search_widening(steps: list[_Step], position: dict[int, int], last_use: dict[int, int],
                      fixed_idx: dict[int, Placement], free_idx: dict[int, ParamChoice], param_idx: set[int],
-                     opts: SolverOptions, trace: SolveTrace, pinned_edges: set[int],
-                     search_class: type[_Search] | None = None) -> dict:
+                     opts: SolverOptions, trace: SolveTrace, pinned_edges: set[int]) -> dict:
     """Run the search, widening the beam (x8, up to ``MAX_WIDENING``) where it lost every feasible
     plan or, with ``SolverOptions.exact``, left a gap; the final states."""
     width = opts.beam_width
     while True:  # a beam can lose every feasible plan (or, with ``exact``, leave a gap): widen it
         trace.pruned_states, trace.pruned_min = 0, float("inf")
-        search = (search_class or _Search)(steps, position, last_use, fixed_idx, free_idx, param_idx,
-                                           dataclasses.replace(opts, beam_width=width), trace, pinned_edges)
+        search = _Search(steps, position, last_use, fixed_idx, free_idx, param_idx,
+                         dataclasses.replace(opts, beam_width=width), trace, pinned_edges)
         try:
             states = search.run()
         except SolverError:

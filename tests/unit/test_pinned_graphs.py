@@ -1,0 +1,50 @@
+"""Pinned graphs: a graph whose parameters an earlier graph placed.
+
+Sequence parallelism solves a pinned graph once, not twice (the first, pure-communication solve
+decided nothing the second reads): the plan equals the two solves' exactly. In one process on the
+meta device (``plan_model``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+
+import autotp.backend as backend
+from autotp.passes.solve import LATENCY_BYTES, Solution, solve
+from tests._tiny import tiny_config
+
+
+def _pinned_solves(monkeypatch: pytest.MonkeyPatch, arch: str, sequence_parallel: bool) -> list[tuple]:
+    """Every solve ``plan_model`` runs for the tiny ``arch`` at tp=2 (warm-up, prefill, decode step),
+    as ``(shadow, opts, fixed, free, param_nodes, solution)``."""
+    from autotp.planner import plan_model
+
+    calls: list[tuple] = []
+    original = backend.solve
+
+    def recording(shadow: Any, opts: Any, fixed: Any, free: Any, param_nodes: Any) -> Solution:
+        solution = original(shadow, opts, fixed, free, param_nodes)
+        calls.append((shadow, opts, fixed, free, param_nodes, solution))
+        return solution
+
+    monkeypatch.setattr(backend, "solve", recording)
+    plan_model(tiny_config(arch), 2, seq_len=8, sequence_parallel=sequence_parallel, full_depth=True)
+    return calls
+
+
+def test_sequence_parallelism_solves_a_pinned_graph_once_with_the_plan_of_two_solves(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    pinned = [c for c in _pinned_solves(monkeypatch, "llama", True) if not c[3]]
+    assert pinned and all(c[1].activation_weight > 0 for c in pinned)  # only the sequence-parallel solve ran
+    for shadow, sp_opts, fixed, _, param_nodes, once in pinned:
+        # the pure-communication solve this graph had before, then the sequence-parallel one
+        plain = dataclasses.replace(sp_opts, activation_weight=0.0, latency_bytes=LATENCY_BYTES,
+                                    shard_symbolic_dims=False)
+        first = solve(shadow, plain, fixed, {}, param_nodes)
+        twice, _ = backend._sequence_parallel(shadow, plain, fixed, first, param_nodes)
+        assert twice.cost == once.cost
+        assert {n.name: str(p) for n, p in twice.placements.items()} == \
+            {n.name: str(p) for n, p in once.placements.items()}
