@@ -92,15 +92,27 @@ the optimum from below; ``Solution.gap = cost - lower_bound`` (0: the plan is op
 objective above, proved). With ``SolverOptions.exact`` the beam is widened (x8, up to
 ``MAX_WIDENING``) until the gap is 0. Without a dropped state the search was exhaustive and the gap
 is 0 by construction. Guaranteed: the bound never exceeds the optimum (tested against exhaustive
-search on random small graphs). Not guaranteed: that it is tight. It counts nothing of what a
-dropped state still has to pay, so a state dropped early (block 0 of Gemma-2-9B's widths, having
-paid 18,432 of a 2-layer plan's 92,161) leaves a gap even where the plan is optimal. Closing it
-needs a lower bound on the cost still to come *from that state* within a few percent (the dropped
-states pay ~3,000 more than the kept ones at that point): a per-block minimum over all incoming
-states does not give that, because a block can defer its last reduction to the next block
-(entering ``R`` and leaving ``Partial`` pays one all-reduce of Megatron's two); exact transfer
-costs between the placements at block boundaries, or a branch-and-bound re-search of the dropped
-states, would.
+search on random small graphs). Not guaranteed: that it is tight, and on real models it is not: it
+counts nothing of what a dropped state still has to pay, and the beam drops partial plans from the
+first block on, so every case of the real-width plan matrix reports a gap, tiny widths alike
+(``benchmarks/certificate_gap.py``). At Gemma-2-9B's widths (2 layers, tp=2) the plan costs 92,161
+and the bound is 18,432 at a beam of 32, 26,624 at 256 and 35,328 at 2,048 (28 s of CPU): widening
+(``exact``) does not close it. What would: a branch and bound that re-searches, with no beam, every
+partial plan whose paid cost plus a lower bound on its cost still to come is below the plan's cost,
+until none is left (then the gap is 0, proved). It is cheap only if that bound is within a few KB of
+each state's exact cost to go. Measured there with the plan's own remaining cost at each step in
+place of the bound (a guess, not a bound: it shows what a bound must achieve), the re-search keeps
+at most 234 states per node (0.2 s); with 4 KB of slack 459 (0.34 s); with one all-reduce of slack
+(18 KB) 12,000 (11 s); with no bound it passes 20,000 states in block 0's attention. Bounds that
+split the rest of the graph into independent parts lose at least an all-reduce per block: one block
+at a time, because a block may defer its last reduction to the next one (entering ``R`` and leaving
+``Partial`` pays one all-reduce of Megatron's two); one value at a time, because each consumer of a
+value then takes whatever placement suits it for free; one path at a time, because a path misses
+what its side inputs pay (a norm's reduce-scatter looks cheaper than its all-reduce until the
+next matmul gathers it back). A debt for each live ``Partial`` (its cheapest reduction) does not
+help either: dropped states that owe no reduction have paid as little (11,264 there). A bound
+tight enough must follow each state's deferred reductions and owed gathers through the rest of the
+graph; none is built yet.
 
 Repeated blocks: :func:`find_segments` cuts the schedule into blocks that repeat, found from the
 sequence of ops and shapes (never from module names). A block whose structure and incoming states
