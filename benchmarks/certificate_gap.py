@@ -6,8 +6,8 @@ the certificate cost in solve time? (Issue 19's target: gap 0 on the whole matri
 at most.)
 
 Method: the matrix is tests/unit/test_plans_at_real_widths.py's (``CASES``: each architecture at a
-public model's widths, 2 layers, every tp in 2, 4, 8 its sizes divide), read from the tree being
-measured. For each tree (this one; ``--compare REV`` also checks REV out in a throwaway git
+public model's widths, 2 layers, every tp in 2, 4, 8 its sizes divide, and batch 2 where the
+tree's matrix has it), read from the tree being measured. For each tree (this one; ``--compare REV`` also checks REV out in a throwaway git
 worktree) and round, one fresh process plans every case once with
 :func:`autotp.planner.plan_model` (meta device, forward only), keeps the exact solver inputs of its
 graph, and solves them again ``--repeat`` times, each timed in process CPU seconds
@@ -56,13 +56,14 @@ def child(cases: list[str], repeat: int) -> dict[str, Any]:
         return solve(*args, **kwargs)
 
     for case in CASES:
-        arch, tp = case.values
-        name = f"{arch}-tp{tp}"
+        arch, tp, *batch = case.values  # (a tree whose matrix has a batch-2 column gives it third)
+        name = case.id
         if cases and name not in cases:
             continue
+        calls.clear()
         backend.solve = spy  # every revision's backend calls the solver through this module global
         try:
-            plan_model(_config(arch), tp, decode=False)
+            plan_model(_config(arch), tp, decode=False, batch=batch[0] if batch else 1)
         finally:
             backend.solve = solve
         args, kwargs = calls[-1]
@@ -93,10 +94,12 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     for case in runs[names[0]][0]:
         entry: dict[str, Any] = {}
         for name in names:
+            if case not in runs[name][-1]:  # that tree's matrix lacks the case
+                continue
             last = runs[name][-1][case]
             entry[name] = {"solve_cpu_s": stats([t for r in runs[name] for t in r[case]["solve_cpu_s"]]),
                            **{k: last[k] for k in ("cost", "lower_bound", "gap", "pruned_states")}}
-        if len(names) == 2:
+        if len(entry) == 2 == len(names):
             entry["ratio"] = entry[names[0]]["solve_cpu_s"]["median"] / entry[names[1]]["solve_cpu_s"]["median"]
         out[case] = entry
     return out
@@ -138,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     results = summarize(runs)
     for case, entry in results.items():
         cells = [f"{name}: gap {entry[name]['gap']:.1f}, solve {statistics.median(entry[name]['solve_cpu_s']['all']):.3f} s"
-                 for name in trees]
+                 for name in trees if name in entry]
         ratio = f" (x{entry['ratio']:.2f})" if "ratio" in entry else ""
         print(f"{case:14s} " + "; ".join(cells) + ratio, file=sys.stderr)
     write_result(out / f"{args.name}.json", {"compare": args.compare, "rounds": args.rounds, "repeat": args.repeat,
