@@ -290,6 +290,38 @@ def test_on_random_small_graphs_the_lower_bound_never_exceeds_the_exhaustive_opt
             assert solution.gap == 0
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_on_random_small_graphs_the_search_below_the_plan_proves_the_exhaustive_optimum(seed: int) -> None:
+    """``SolverOptions.exact``: behind a beam of 1, the branch and bound below its plan
+    (autotp/passes/bound.py) ends with the exhaustive optimum's cost and a bound equal to it (gap
+    0, proved), where the beam alone left a gap or not."""
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    exhaustive, _, _ = _plan(_RandomNet(seed), 2, beam_width=EXHAUSTIVE, input_ids=ids)
+    beam, _, _ = _plan(_RandomNet(seed), 2, beam_width=1, input_ids=ids)
+    proved, _, _ = _plan(_RandomNet(seed), 2, beam_width=1, input_ids=ids, options={"exact": True})
+
+    assert proved.cost == pytest.approx(exhaustive.cost, rel=1e-9)
+    assert proved.gap == 0 and proved.lower_bound == proved.cost
+    assert (proved.trace.below_states is None) == (beam.gap == 0)  # searched below only where a gap was left
+
+
+def test_the_search_below_a_plan_that_gives_up_keeps_a_bound_no_plan_beats(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a frontier cap too small to finish, the search below keeps the larger of the beam's
+    bound and the least paid cost on its frontier where it stopped: never above the exhaustive
+    optimum."""
+    from autotp.passes import solve as solve_module
+
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    exhaustive, _, _ = _plan(_RandomNet(3), 2, beam_width=EXHAUSTIVE, input_ids=ids)
+    beam, _, _ = _plan(_RandomNet(3), 2, beam_width=1, input_ids=ids)
+    monkeypatch.setattr(solve_module, "BELOW_STATES", 2)
+    capped, _, _ = _plan(_RandomNet(3), 2, beam_width=1, input_ids=ids, options={"exact": True})
+
+    assert capped.trace.below_states > 2  # it gave up
+    assert beam.lower_bound <= capped.lower_bound <= exhaustive.cost + 1e-6
+    assert capped.cost == beam.cost  # and kept the beam's plan
+
+
 @pytest.mark.xfail(strict=True, reason="the certificate counts nothing of a dropped state's cost still to come (the "
                    "Certificate paragraph of autotp/passes/solve.py says what a bound must achieve to close it)")
 def test_at_gemma2_9b_widths_the_certificate_proves_megatrons_plan_optimal() -> None:
