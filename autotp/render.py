@@ -452,8 +452,8 @@ def render_text(report: PlanReport) -> str:
             + (
                 "proved optimal (gap 0)"
                 if not f.gap
-                else f"the optimum is at least {f.lower_bound:.1f} (gap {f.gap:.1f}: the beam dropped cheaper "
-                "partial plans: a wider beam, plan_model(beam_width=...), may close it)"
+                else f"the optimum is at least {f.lower_bound:.1f} (gap {f.gap:.1f}: at most what the plan may "
+                "lose, not a loss found: the beam dropped partial plans that had paid less so far)"
             )
         )
     if d is not None:

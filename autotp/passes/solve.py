@@ -89,18 +89,34 @@ Pruning is reported in the trace.
 Certificate: every state the beam drops has paid a cost that only grows on the way to a complete
 plan (all costs are >= 0), so ``lower_bound = min(best plan found, cheapest dropped state)`` bounds
 the optimum from below; ``Solution.gap = cost - lower_bound`` (0: the plan is optimal for the
-objective above, proved). With ``SolverOptions.exact`` the beam is widened (x8, up to
-``MAX_WIDENING``) until the gap is 0. Without a dropped state the search was exhaustive and the gap
-is 0 by construction. Guaranteed: the bound never exceeds the optimum (tested against exhaustive
-search on random small graphs). Not guaranteed: that it is tight. It counts nothing of what a
-dropped state still has to pay, so a state dropped early (block 0 of Gemma-2-9B's widths, having
-paid 18,432 of a 2-layer plan's 92,161) leaves a gap even where the plan is optimal. Closing it
-needs a lower bound on the cost still to come *from that state* within a few percent (the dropped
-states pay ~3,000 more than the kept ones at that point): a per-block minimum over all incoming
-states does not give that, because a block can defer its last reduction to the next block
-(entering ``R`` and leaving ``Partial`` pays one all-reduce of Megatron's two); exact transfer
-costs between the placements at block boundaries, or a branch-and-bound re-search of the dropped
-states, would.
+objective above, proved). Without a dropped state the search was exhaustive and the gap is 0 by
+construction. With ``SolverOptions.exact``, where the beam left a gap, a branch and bound
+(``autotp/passes/bound.py``) searches again with no beam, keeping every partial plan whose paid cost
+plus a lower bound on its cost still to come is below the plan's cost (less ``TIE``), and dropping
+the rest and the dominated: when its frontier empties the plan is optimal (gap 0), when plans remain
+the cheapest is the optimum and replaces the plan; past ``BELOW_STATES`` states it gives up and
+keeps the larger of the two bounds (its frontier's least paid cost plus bound, and the beam's). Its
+bound on the cost still to come is 0 so far, which proves small graphs (tested against exhaustive
+search) but gives up at real widths. Guaranteed: the bound never exceeds the optimum (tested against
+exhaustive search on random small graphs). Not guaranteed: that it is tight, and on real models it
+is not: it counts nothing of what a dropped state still has to pay, and the beam drops partial plans
+from the first block on, so every case of the real-width plan matrix reports a gap, tiny widths
+alike (``benchmarks/certificate_gap.py``). At Gemma-2-9B's widths (2 layers, tp=2) the plan costs
+92,161 and the bound is 18,432 at a beam of 32, 26,624 at 256 and 35,328 at 2,048 (28 s of CPU):
+widening does not close it, nor does ``exact`` (it gives up after 5 s). The branch and bound is
+cheap only if its bound on the cost still to come is within a few KB of each state's exact cost to
+go. Measured there with the plan's own remaining cost at each step in place of that bound (a guess,
+not a bound: it shows what a bound must achieve), it keeps at most 234 states per node (0.2 s); with
+4 KB of slack 459 (0.34 s); with one all-reduce of slack (18 KB) 12,000 (11 s); with no bound it
+passes 20,000 states in block 0's attention. Bounds that split the rest of the graph into
+independent parts lose at least an all-reduce per block: one block at a time, because a block may
+defer its last reduction to the next one (entering ``R`` and leaving ``Partial`` pays one all-reduce
+of Megatron's two); one value at a time, because each consumer of a value then takes whatever
+placement suits it for free; one path at a time, because a path misses what its side inputs pay (a
+norm's reduce-scatter looks cheaper than its all-reduce until the next matmul gathers it back). A
+debt for each live ``Partial`` (its cheapest reduction) does not help either: dropped states that
+owe no reduction have paid as little (11,264 there). A bound tight enough must follow each state's
+deferred reductions and owed gathers through the rest of the graph; none is built yet.
 
 Repeated blocks: :func:`find_segments` cuts the schedule into blocks that repeat, found from the
 sequence of ops and shapes (never from module names). A block whose structure and incoming states
@@ -158,6 +174,7 @@ SMALL_ROWS = 1 / 16  # a parameter with at most this share of the widest one's r
 #: difference, one small parameter's share of the memory tier, is orders of magnitude larger
 TIE = 1e-9
 MAX_WIDENING = 64  # the widest beam tried, as a multiple of SolverOptions.beam_width
+BELOW_STATES = 4096  # the widest frontier of the search below a plan (SolverOptions.exact) before it gives up
 NARROW_EPSILON = 1e-6  # a collective-free R->S edge is preferred only when it is needed
 
 
@@ -183,7 +200,8 @@ class SolverOptions:
     #: kv-head counts below the world size (``autotp/ops/kv_heads.py``): an ``R`` edge may narrow
     #: to a grouped shard of that many groups
     kv_groups: tuple[int, ...] = ()
-    #: widen the beam until the certificate proves the plan optimal (gap 0), up to MAX_WIDENING x
+    #: where the beam leaves a gap, search every plan cheaper than its plan (``autotp/passes/bound.py``):
+    #: gap 0, proved, unless the search's frontier passes ``BELOW_STATES`` (then the bound it reached)
     exact: bool = False
     #: a backward pass follows (a training graph): each redistribution also costs the collective
     #: its backward issues (an ``R -> S`` narrow is free forward and an all-gather backward)
@@ -316,6 +334,8 @@ class SolveTrace:
     max_states: int = 0
     reused_nodes: int = 0
     widened_to: int | None = None
+    #: the widest frontier of the search below the plan (``SolverOptions.exact``); None: not run
+    below_states: int | None = None
     unknown_ops: dict[str, int] = field(default_factory=dict)
     seconds: float = 0.0
 
@@ -570,9 +590,10 @@ def _search_widening(steps: list[_Step], position: dict[int, int], last_use: dic
                      fixed_idx: dict[int, Placement], free_idx: dict[int, ParamChoice], param_idx: set[int],
                      opts: SolverOptions, trace: SolveTrace, pinned_edges: set[int]) -> dict:
     """Run the search, widening the beam (x8, up to ``MAX_WIDENING``) where it lost every feasible
-    plan or, with ``SolverOptions.exact``, left a gap; the final states."""
+    plan; with ``SolverOptions.exact``, where it left a gap, search below its plan
+    (:func:`autotp.passes.bound.search_below`); the final states."""
     width = opts.beam_width
-    while True:  # a beam can lose every feasible plan (or, with ``exact``, leave a gap): widen it
+    while True:  # a beam can lose every feasible plan: widen it
         trace.pruned_states, trace.pruned_min = 0, float("inf")
         search = _Search(steps, position, last_use, fixed_idx, free_idx, param_idx,
                          dataclasses.replace(opts, beam_width=width), trace, pinned_edges)
@@ -584,12 +605,19 @@ def _search_widening(steps: list[_Step], position: dict[int, int], last_use: dic
             width *= 8
             trace.widened_to = width
             continue
-        best = min(v[0] for v in states.values())
-        if opts.exact and trace.pruned_min < best and width < opts.beam_width * MAX_WIDENING:
-            width *= 8
-            trace.widened_to = width
-            continue
         break
+    best = min(v[0] for v in states.values())
+    if opts.exact and trace.pruned_min < best:
+        from autotp.passes.bound import search_below  # (it builds on _Search)
+
+        # plans within TIE of the best are ties (another order of float sums): not worth a new plan
+        below = search_below(search, best - TIE * max(1.0, abs(best)), max_states=BELOW_STATES)
+        trace.below_states = below.max_states
+        if below.states is None:  # gave up: two lower bounds, the larger holds too
+            trace.pruned_min = max(trace.pruned_min, below.bound)
+        else:  # no plan is cheaper than the one it returns: proved optimal
+            trace.pruned_min = float("inf")
+            states = below.states or states
     return states
 
 
@@ -850,6 +878,13 @@ class _Search:
         more partial plans than the all-reduce it competes with, and looks cheaper until the
         all-gather is paid), and the beam loses the cheaper plan for good. The cheapest state the
         beam drops bounds the optimum from below (the certificate)."""
+        survivors = self.undominated(states)
+        if len(survivors) <= self.opts.beam_width:
+            return dict(survivors)
+        return self.rank(survivors)
+
+    def undominated(self, states: dict) -> list[tuple[State, tuple]]:
+        """The states no other state dominates (:meth:`dominates`), cheapest first."""
         survivors: list[tuple[State, tuple]] = []
         # ``a`` can dominate ``b`` only if it places every value it cannot move the way ``b`` does,
         # except where ``b``'s edge is still pending (:meth:`dominates`). So the survivors are
@@ -879,8 +914,10 @@ class _Search:
                 for other, other_index in indexes.items():
                     other_index.setdefault(project(fixed, other), []).append((key, value))
         self.trace.dominated_states += len(states) - len(survivors)
-        if len(survivors) <= self.opts.beam_width:
-            return dict(survivors)
+        return survivors
+
+    def rank(self, survivors: list[tuple[State, tuple]]) -> dict:
+        """The beam's cut of the undominated states (see :meth:`prune`)."""
         # by cost paid (see the module docstring); among equal costs, the state that owes the least
         # reduction first: it wins ties when states merge (an all-reduce right after a row-parallel
         # matmul, not a Partial carried through a residual add with its R/N shares)

@@ -1,0 +1,153 @@
+"""The solver's certificate on the real-width plan matrix: each plan's cost, its lower bound, the gap
+between them, and the solve time, here and (``--compare REV``) at another revision.
+
+Question: is the plan proved optimal (``Solution.gap == 0``) at the widths users run, and what does
+the certificate cost in solve time? (Issue 19's target: gap 0 on the whole matrix, solve time +20%
+at most.)
+
+Method: the matrix is tests/unit/test_plans_at_real_widths.py's (``CASES``: each architecture at a
+public model's widths, 2 layers, every tp in 2, 4, 8 its sizes divide, and batch 2 where the
+tree's matrix has it), read from the tree being measured. For each tree (this one; ``--compare REV`` also checks REV out in a throwaway git
+worktree) and round, one fresh process plans every case once with
+:func:`autotp.planner.plan_model` (meta device, forward only), keeps the exact solver inputs of its
+graph, and solves them again ``--repeat`` times, each timed in process CPU seconds
+(``time.process_time``: the machine may be shared, and other processes' time is not counted). The
+trees alternate round by round, so drift on the machine hits both alike. Per case: the median solve
+CPU time of each tree, their ratio, and each tree's cost, lower bound and gap (identical in every
+repetition: the solver is deterministic).
+
+Output: one JSON line per (tree, round) on stdout, a table on stderr, and
+``certificate_gap.json`` (``--name`` renames it) in ``--out`` (default ``benchmarks/results``).
+
+    python benchmarks/certificate_gap.py [--compare main] [--cases gemma2-tp2 llama-tp4] [--rounds 3] [--repeat 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, os.fspath(Path(__file__).resolve().parent))
+
+from _record import ROOT, Provenance, stats, write_result  # noqa: E402
+
+
+def child(cases: list[str], repeat: int) -> dict[str, Any]:
+    """Every case of the matrix (or ``cases``) in this fresh process, with whichever autotp and
+    tests ``PYTHONPATH`` selects."""
+    import autotp.backend as backend
+    from autotp.planner import plan_model
+    from tests.unit.test_plans_at_real_widths import CASES, _config
+
+    out: dict[str, Any] = {}
+    solve = backend.solve
+    calls: list[tuple[tuple, dict]] = []
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        calls.append((args, kwargs))
+        return solve(*args, **kwargs)
+
+    for case in CASES:
+        arch, tp, *batch = case.values  # (a tree whose matrix has a batch-2 column gives it third)
+        name = case.id
+        if cases and name not in cases:
+            continue
+        calls.clear()
+        backend.solve = spy  # every revision's backend calls the solver through this module global
+        try:
+            plan_model(_config(arch), tp, decode=False, batch=batch[0] if batch else 1)
+        finally:
+            backend.solve = solve
+        args, kwargs = calls[-1]
+        cpu = []
+        for _ in range(repeat):
+            start = time.process_time()
+            solution = solve(*args, **kwargs)
+            cpu.append(time.process_time() - start)
+        out[name] = {"solve_cpu_s": cpu, "cost": solution.cost, "lower_bound": solution.lower_bound,
+                     "gap": solution.gap, "pruned_states": solution.trace.pruned_states}
+    return out
+
+
+def run_tree(tree: Path, cases: list[str], repeat: int) -> dict[str, Any]:
+    cmd = [sys.executable, __file__, "--child", "--repeat", str(repeat), "--cases", *cases]
+    env = {**os.environ, "PYTHONPATH": os.fspath(tree)}
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tree, env=env)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"{tree}: {proc.stderr[-2000:]}")
+    return json.loads(lines[-1])
+
+
+def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """Per case: each tree's median solve CPU, certificate, and (with two trees) the time ratio."""
+    names = list(runs)
+    out: dict[str, Any] = {}
+    for case in runs[names[0]][0]:
+        entry: dict[str, Any] = {}
+        for name in names:
+            if case not in runs[name][-1]:  # that tree's matrix lacks the case
+                continue
+            last = runs[name][-1][case]
+            entry[name] = {"solve_cpu_s": stats([t for r in runs[name] for t in r[case]["solve_cpu_s"]]),
+                           **{k: last[k] for k in ("cost", "lower_bound", "gap", "pruned_states")}}
+        if len(entry) == 2 == len(names):
+            entry["ratio"] = entry[names[0]]["solve_cpu_s"]["median"] / entry[names[1]]["solve_cpu_s"]["median"]
+        out[case] = entry
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--compare", metavar="REV", help="also measure git revision REV")
+    parser.add_argument("--cases", nargs="*", default=[], help="only these cases (e.g. gemma2-tp2); default all")
+    parser.add_argument("--rounds", type=int, default=3, help="fresh processes per tree")
+    parser.add_argument("--repeat", type=int, default=3, help="solves per case and process")
+    parser.add_argument("--name", default="certificate_gap", help="the JSON file name (without suffix)")
+    parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        print(json.dumps(child(args.cases, args.repeat)), flush=True)
+        return 0
+
+    provenance = Provenance.start(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    trees = {"this": ROOT}
+    base = None
+    if args.compare:
+        base = Path(tempfile.mkdtemp(prefix="autotp-certificate-")) / "tree"
+        subprocess.run(["git", "worktree", "add", "--detach", os.fspath(base), args.compare], cwd=ROOT, check=True,
+                       capture_output=True)
+        trees[args.compare] = base
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in trees}
+    try:
+        for _ in range(args.rounds):
+            for name, tree in trees.items():  # alternate, so drift on the machine hits both alike
+                runs[name].append(run_tree(tree, args.cases, args.repeat))
+                print(json.dumps({"tree": name, **runs[name][-1]}), flush=True)
+    finally:
+        if base is not None:
+            subprocess.run(["git", "worktree", "remove", "--force", os.fspath(base)], cwd=ROOT, capture_output=True)
+    results = summarize(runs)
+    for case, entry in results.items():
+        cells = [f"{name}: gap {entry[name]['gap']:.1f}, solve {statistics.median(entry[name]['solve_cpu_s']['all']):.3f} s"
+                 for name in trees if name in entry]
+        ratio = f" (x{entry['ratio']:.2f})" if "ratio" in entry else ""
+        print(f"{case:14s} " + "; ".join(cells) + ratio, file=sys.stderr)
+    write_result(out / f"{args.name}.json", {"compare": args.compare, "rounds": args.rounds, "repeat": args.repeat,
+                                             "cases": results}, provenance)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
