@@ -603,14 +603,17 @@ def _solve(gm: torch.fx.GraphModule, example_inputs: list[Any], param_inputs: di
             options = [(R, nbytes * (world - 1) / world)]
             # a dim of whole heads no tp divides is split in whole heads, not cut inside one (a beam of
             # 32 lost the head split among plain shards that gather q back before attention)
+            # (likewise a fused q|k|v dim whose layout keeps heads whole: Phi-3's with kv heads per group)
             in_heads = head_candidates(tuple(value.shape), splits)
-            options += [(s, 0.0) for s in shard_candidates(tuple(value.shape), world, vocabularies)
-                        if s.dim not in {h.dim for h in in_heads}]
             # fused q|k|v; segments held whole on every rank cost their bytes beyond 1/N, as R does,
             # and are offered to inference graphs only: a training graph would also pay the whole
             # rows' gradient all-reduce (layers.WholeSegmentGradient), which the solver does not price
-            options += [(s, nbytes * s.whole_share(world))
-                        for s in strided_candidates(tuple(value.shape), fused) if not (backward and s.whole)]
+            # (nor the kv groups', collectives.RefuseGradient)
+            strided = [s for s in strided_candidates(tuple(value.shape), fused) if not (backward and s.shared)]
+            whole_heads = {h.dim for h in in_heads} | {s.dim for s in strided if not s.even}
+            options += [(s, 0.0) for s in shard_candidates(tuple(value.shape), world, vocabularies)
+                        if s.dim not in whole_heads]
+            options += [(s, nbytes * s.whole_share(world)) for s in strided]
             options += [(s, 0.0) for s in in_heads]
             heads = kv_heads.get(aten_of[ph]) if not backward else None  # grouped shards: forward only
             if heads is not None:  # a k/v projection whose heads tp exceeds: kept whole, one head per rank

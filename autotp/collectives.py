@@ -989,7 +989,7 @@ def refuse_gradient(x: Tensor) -> Tensor:
 def refuses_gradient(placement: Placement | None) -> bool:
     """Whether a parameter stored at ``placement`` is bound through :func:`refuse_gradient` in a
     graph that may train (see :class:`RefuseGradient`)."""
-    return isinstance(placement, StridedShard) and bool(placement.whole)
+    return isinstance(placement, StridedShard) and placement.shared
 
 
 def _whole_rows(placement: StridedShard, comm: Comm) -> list[tuple[int, int]]:
@@ -1316,7 +1316,8 @@ def full_tensor(local: Tensor, placement: Placement, comm: Comm, size: int | Non
                 for r, chunk in enumerate(gathered.chunk(n, dim))]
     # a whole segment is the same on every rank: rank 0's copy
     return torch.cat([per_rank[r][s] for s in range(len(placement.segments))
-                      for r in (range(1) if s in placement.whole else range(n))], dim)
+                      for r in (range(1) if s in placement.whole else range(0, n, n // placement.groups[s])
+                                if placement.groups and placement.groups[s] else range(n))], dim)
 
 
 def redistribute(

@@ -78,6 +78,10 @@ class StridedShard(Shard):
     its local size is ``sum(split segments) / N + sum(whole segments)``. Printed with an ``r``:
     ``S(2|8+1r+1r)``.
 
+    ``groups``: where set, one count per segment, nonzero for a segment of kv heads fewer than the
+    ranks (Phi-3's fused ``qkv_proj`` with grouped-query attention past its kv heads): rank ``r``
+    holds kv head group ``r * groups // N`` of it, as a :class:`GroupedShard` does, ``S(0|3072+256/2+256/2)``.
+
     ``heads``: where set, one head count per segment (0 for a whole one), and rank ``r`` holds
     the heads :meth:`HeadShard.head_range` gives it of each split segment instead of chunk ``r``:
     ``S(2|71:71h+1r+1r)``. Then the local length differs by rank (rank 0 holds the most); set only
@@ -87,11 +91,23 @@ class StridedShard(Shard):
     segments: tuple[int, ...] = ()
     whole: tuple[int, ...] = ()
     heads: tuple[int, ...] = ()
+    groups: tuple[int, ...] = ()
 
     def __str__(self) -> str:
-        segments = (f"{s}r" if i in self.whole else f"{s}:{self.heads[i]}h" if self.heads else str(s)
-                    for i, s in enumerate(self.segments))
+        segments = (f"{s}r" if i in self.whole else f"{s}/{self.groups[i]}" if self.groups and self.groups[i]
+                    else f"{s}:{self.heads[i]}h" if self.heads else str(s) for i, s in enumerate(self.segments))
         return f"S({self.dim}|{'+'.join(segments)})"
+
+    @property
+    def even(self) -> bool:
+        """Whether every rank holds ``1 / N`` of every segment (its local length is the dim's / N)."""
+        return not self.whole and not self.heads and not any(self.groups)
+
+    @property
+    def shared(self) -> bool:
+        """Whether some piece is held by several ranks (whole or grouped segments): a contraction
+        over the fused dim would count it once per holder, and its gradient too."""
+        return bool(self.whole) or any(self.groups)
 
     __repr__ = __str__
 
@@ -102,6 +118,9 @@ class StridedShard(Shard):
         size = self.segments[i]
         if i in self.whole:
             return 0, size
+        if self.groups and self.groups[i]:  # kv heads fewer than ranks: the group's kv heads
+            step, g = size // self.groups[i], rank * self.groups[i] // world_size
+            return g * step, (g + 1) * step
         if self.heads:
             start, stop = HeadShard(0, self.heads[i]).head_range(rank, world_size)
             unit = size // self.heads[i]
@@ -114,6 +133,8 @@ class StridedShard(Shard):
         where held whole, its head split where split in whole heads, else ``Shard``."""
         if i in self.whole:
             return R
+        if self.groups and self.groups[i]:
+            return GroupedShard(self.dim, self.groups[i])
         if self.heads:
             return head_split(self.dim, self.heads[i], 1, world_size) or Shard(self.dim)
         return Shard(self.dim)
@@ -141,7 +162,9 @@ class StridedShard(Shard):
         """The share of the fused dim a rank holds beyond ``1 / N``: its whole segments' copies.
         Segments split in whole heads count as ``1 / N`` (rank 0's extra head is the split's
         unevenness, as a :class:`HeadShard`'s, not a copy)."""
-        return sum(self.segments[i] for i in self.whole) * (1 - 1 / world_size) / sum(self.segments)
+        grouped = sum(s * (1 / g - 1 / world_size) for s, g in zip(self.segments, self.groups, strict=True) if g) \
+            if self.groups else 0.0
+        return (sum(self.segments[i] for i in self.whole) * (1 - 1 / world_size) + grouped) / sum(self.segments)
 
     def bounds(self) -> list[tuple[int, int]]:
         """``[start, stop)`` of each segment along the global ``dim``."""
@@ -168,7 +191,7 @@ class StridedShard(Shard):
         lie on a dim of symbolic size (a dynamic batch) as long as the segment size is static.
         Segments split in whole heads count as equal when their head counts are (heads no tp
         divides merged behind the batch: ``S(0|25:25h+25:25h)``)."""
-        if self.whole or not self.segments or len(set(self.segments)) != 1 or len(set(self.heads)) > 1:
+        if self.shared or not self.segments or len(set(self.segments)) != 1 or len(set(self.heads)) > 1:
             return None
         return self.segments[0]
 
@@ -182,11 +205,16 @@ class StridedShard(Shard):
         (or, split in heads, into its whole heads with at least one head per rank)."""
         if sum(self.segments) != size:
             return False
+        if any(self.groups) and not all(s % g == 0 and world_size % g == 0 and g < world_size
+                                        for s, g in zip(self.segments, self.groups, strict=True) if g):
+            return False
         if self.heads:
             return len(self.heads) == len(self.segments) and all(
                 s % h == 0 and head_split(0, h, 1, world_size) is not None
-                for i, (s, h) in enumerate(zip(self.segments, self.heads, strict=True)) if i not in self.whole)
-        return all(s % world_size == 0 for i, s in enumerate(self.segments) if i not in self.whole)
+                for i, (s, h) in enumerate(zip(self.segments, self.heads, strict=True))
+                if i not in self.whole and not (self.groups and self.groups[i]))
+        return all(s % world_size == 0 for i, s in enumerate(self.segments)
+                   if i not in self.whole and not (self.groups and self.groups[i]))
 
 
 @dataclass(frozen=True)
@@ -318,7 +346,7 @@ def parse(text: str) -> Placement:
         heads, _, groups = heads.partition("h")
         return HeadShard(int(dim), int(heads), int(groups.lstrip("/") or 1))
     if text.startswith("S(") and text.endswith(")"):
-        if "/" in text:
+        if "/" in text and "|" not in text:
             dim, _, groups = text[2:-1].partition("/")
             groups, _, inner = groups.partition(":")
             return GroupedShard(int(dim), int(groups), int(inner) if inner else None)
@@ -326,9 +354,10 @@ def parse(text: str) -> Placement:
         if segments:
             parts = segments.split("+")
             heads = tuple(int(x.partition(":")[2].rstrip("h") or 0) for x in parts)
-            return StridedShard(int(dim), tuple(int(x.rstrip("r").partition(":")[0]) for x in parts),
+            groups = tuple(int(x.partition("/")[2] or 0) for x in parts)
+            return StridedShard(int(dim), tuple(int(x.rstrip("r").partition(":")[0].partition("/")[0]) for x in parts),
                                 tuple(i for i, x in enumerate(parts) if x.endswith("r")),
-                                heads if any(heads) else ())
+                                heads if any(heads) else (), groups if any(groups) else ())
         return Shard(int(dim))
     raise ValueError(f"not a placement: {text!r}")
 

@@ -790,7 +790,7 @@ def _hf_style(fqn: str, e: Mapping[str, Any], key: str, *, out_emb: str | None, 
     bare = key == fqn
     if isinstance(placement, StridedShard) and ndim >= 2:
         segments = placement.segments
-        packed = len(segments) == _PACKED_SEGMENTS and len(set(segments)) == 1 and not placement.whole
+        packed = len(segments) == _PACKED_SEGMENTS and len(set(segments)) == 1 and placement.even
         if packed and placement.dim in (ndim - 2, ndim - 1):
             return "packed_colwise" if placement.dim == ndim - 2 else "packed_rowwise"
         held = "each of its" if not placement.whole else (

@@ -27,6 +27,11 @@ heads each at tp=2 is ``S(1|1600:25h+1600:25h+1600:25h)``, rank 0 holding heads 
 rank 1 heads 13-24; Falcon-7B's 71 q heads beside its whole k and v head ``S(0|4544:71h+64r+64r)``.
 Each rank's q, k and v then hold the same heads, and attention stays local. A dim that is a head's
 width (4544 at tp 2, 4 and 8) is not split evenly, which would cut inside a head.
+
+Pieces that are kv heads fewer than the ranks (``autotp/ops/kv_heads.py`` reads them off the graph)
+are held per group of ranks (``StridedShard.groups``), each rank the kv head its query heads use,
+as a separate k/v projection's ``GroupedShard``: Phi-3's ``qkv_proj`` with 32 query heads over 4 kv
+heads of 96 at tp=8 is ``S(0|3072+384/4+384/4)``; one kv head is held whole.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ import torch.fx
 
 from autotp.ops._common import aten_ops
 from autotp.ops.heads import head_splits
+from autotp.ops.kv_heads import kv_sites
 from autotp.ops.registry import CONSTANT_VALUE
 from autotp.placement import StridedShard, normalize_dim
 
@@ -49,8 +55,9 @@ _SLICES = set(aten_ops("slice.Tensor", "slice_copy.Tensor"))
 _INDEX = set(aten_ops("index.Tensor"))
 
 #: dim size -> the fused layouts of a dim of that size: (segments, the segments held whole, each
-#: segment's head count where they are split in whole heads, else ())
-Segmentations = dict[int, set[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]]
+#: segment's head count where they are split in whole heads, else (), each segment's kv groups
+#: where some are kv heads held per group of ranks, else ()); ``StridedShard``'s fields
+Segmentations = dict[int, set[tuple[tuple[int, ...], ...]]]
 
 
 def _shape(node: object) -> tuple[int | None, ...] | None:
@@ -77,6 +84,8 @@ def fused_segmentations(graph: torch.fx.Graph, world_size: int) -> Segmentations
     one dim that tile it exactly."""
     found: Segmentations = defaultdict(set)
     heads = {width: split.heads for width, split in head_splits(graph, world_size).items()}
+    # kv heads fewer than the ranks (and dividing them): held per group of ranks, or whole for one
+    heads.update({d * count: -count for _, count, d in kv_sites(graph) if count < world_size and world_size % count == 0})
     slices: dict[tuple[torch.fx.Node, int], set[tuple[int, int]]] = defaultdict(set)
     for n in graph.nodes:
         if n.op != "call_function" or not n.args or not isinstance(n.args[0], torch.fx.Node):
@@ -146,15 +155,17 @@ def _add(found: Segmentations, size: int, pieces: tuple[int, ...], world_size: i
     held whole. At least one must be split."""
     if len(pieces) < 2 or sum(pieces) * scale != size or not all(p > 0 for p in pieces):
         return
-    counts = [heads.get(p * unit, 0) for p in pieces]
-    whole = tuple(i for i, (p, h) in enumerate(zip(pieces, counts, strict=True)) if not h and p % world_size)
-    if len(whole) == len(pieces):
+    counts = [heads.get(p * unit, 0) for p in pieces]  # > 0: query heads, < 0: kv heads fewer than N
+    whole = tuple(i for i, (p, h) in enumerate(zip(pieces, counts, strict=True))
+                  if h == -1 or not h and p % world_size)
+    groups = tuple(-h if h < -1 else 0 for h in counts)
+    if len(whole) == len(pieces) or len(whole) + sum(1 for g in groups if g) == len(pieces):
         return
-    per_segment = tuple(0 if i in whole else h or world_size for i, h in enumerate(counts)) if any(counts) else ()
-    found[size].add((tuple(p * scale for p in pieces), whole, per_segment))
+    per_segment = tuple(0 if i in whole or groups[i] else h or world_size for i, h in enumerate(counts)) \
+        if any(h > 0 for h in counts) else ()
+    found[size].add((tuple(p * scale for p in pieces), whole, per_segment, groups if any(groups) else ()))
 
 
 def strided_candidates(shape: tuple[int, ...], segmentations: Segmentations) -> list[StridedShard]:
     """The fused layouts a parameter of ``shape`` may be stored in (one per dim and segmentation)."""
-    return [StridedShard(d, segs, whole, heads) for d, size in enumerate(shape)
-            for segs, whole, heads in sorted(segmentations.get(size, ()))]
+    return [StridedShard(d, *layout) for d, size in enumerate(shape) for layout in sorted(segmentations.get(size, ()))]

@@ -370,7 +370,7 @@ def repeat_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidat
     if k < 1:
         return reject(f"repeat {k} times along sharded dim {p.dim} leaves nothing to shard")
     if isinstance(p, StridedShard):
-        if p.whole or p.heads:
+        if not p.even:
             return reject(f"repeat of a fused dim with segments held whole or split in heads {p}")
         return same(StridedShard(d, p.segments * k))
     return same(Shard(d) if k == 1 else StridedShard(d, (size,) * k))

@@ -133,7 +133,7 @@ def kv_spread(n: torch.fx.Node) -> tuple[tuple[int, ...], int] | None:
     return (x, i) if _merges(n, i) else (x, -i)
 
 
-def _kv_sites(graph: torch.fx.Graph) -> list[tuple[torch.fx.Node, int, int]]:
+def kv_sites(graph: torch.fx.Graph) -> list[tuple[torch.fx.Node, int, int]]:
     """(key/value tensor, kv heads, head dim) wherever attention spreads kv heads over q heads."""
     sites = []
     for n in graph.nodes:
@@ -165,7 +165,7 @@ def kv_projections(graph: torch.fx.Graph, world_size: int) -> dict[torch.fx.Node
     """Placeholder -> :class:`KvHeads` for every k/v projection parameter (weight or bias) whose kv
     heads are fewer than ``world_size`` and divide it (see the module docstring)."""
     found: dict[torch.fx.Node, KvHeads] = {}
-    for start, count, head_dim in _kv_sites(graph):
+    for start, count, head_dim in kv_sites(graph):
         if count >= world_size or world_size % count:
             continue
         heads = KvHeads(count, head_dim)

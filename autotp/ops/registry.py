@@ -201,9 +201,9 @@ def _pointwise_strided(fn: Rule, op: OpCall, inputs: Sequence[Placement]) -> lis
     if len(layouts) > 1 or any(isinstance(p, Shard) and not isinstance(p, StridedShard) for p in inputs):
         return reject(f"inputs mix differently fused shards: {list(inputs)}")
     (layout,) = layouts
-    segs, whole = layout.segments, layout.whole
+    segs = layout.segments
     cands = fn(op, [Shard(p.dim) if isinstance(p, StridedShard) else p for p in inputs])
-    if whole:
+    if layout.shared:  # a piece on several ranks would be summed once per holder
         cands = [c for c in cands if not any(isinstance(q, Partial) for q in
                                              (c.output if isinstance(c.output, tuple) else (c.output,)))]
     if not cands:
@@ -300,7 +300,7 @@ def over_heads(fn: Rule, op: OpCall, inputs: Sequence[Placement]) -> list[Candid
         return HeadShard(p.dim, h, g) if isinstance(p, Shard) else p
 
     def merged(p: Any) -> bool:  # (B, H) merged: equal segments, each split as the heads are (one group)
-        return g == 1 and not p.whole and not p.heads and p.segment_size is not None and p.segment_size % h == 0
+        return g == 1 and p.even and p.segment_size is not None and p.segment_size % h == 0
 
     out = [dataclasses.replace(c, output=rehead(c.output)) for c in cands
            if c.local in (None, "shape", "replicated_share") and not c.collectives

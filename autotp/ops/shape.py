@@ -89,7 +89,7 @@ def localize_sizes(sizes: Sequence[Any], out_placement: Any, world_size: int, ra
         if not (isinstance(sizes[d], int) and sizes[d] == -1):
             start, stop = out_placement.index_range(sizes[d], rank, world_size)
             sizes[d] = stop - start
-    elif isinstance(out_placement, StridedShard) and (out_placement.whole or out_placement.heads):
+    elif isinstance(out_placement, StridedShard) and not out_placement.even:
         if not (isinstance(sizes[out_placement.dim], int) and sizes[out_placement.dim] == -1):  # static: q_r | k | v
             sizes[out_placement.dim] = out_placement.local_length_of(sizes[out_placement.dim], world_size, rank)
     elif isinstance(out_placement, Shard):
@@ -209,9 +209,10 @@ def _split_into_heads(p: StridedShard, shape: Sequence[int], out: Sequence[int],
         if math.prod(out[o:]) != math.prod(shape[p.dim:]) or out[o] < 1 or fused % out[o] or out[o] == fused:
             continue
         unit = fused // out[o]  # indices of the fused dim per index of out dim o
-        if all(s % unit == 0 and (i in p.whole or (s // p.heads[i] if p.heads else s // world_size) % unit == 0
+        if all(s % unit == 0 and (i in p.whole or p.groups and p.groups[i] and (s // p.groups[i]) % unit == 0
+                                  or (s // p.heads[i] if p.heads else s // world_size) % unit == 0
                                   and (p.heads or s % world_size == 0)) for i, s in enumerate(p.segments)):
-            return StridedShard(o, tuple(s // unit for s in p.segments), p.whole, p.heads)
+            return dataclasses.replace(p, dim=o, segments=tuple(s // unit for s in p.segments))
     return None
 
 

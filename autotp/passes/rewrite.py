@@ -126,7 +126,8 @@ def rewrite(gm: torch.fx.GraphModule, annotation: Annotation, params: dict[torch
             attr_nodes[ph] = graph.get_attr(lp.attr)
             placement = meta_of(lp.tensor).placement
             if trains and refuses_gradient(placement):  # whole segments: summed, unless a reader can't own them
-                readers = _whole_segment_readers(ph, annotation)
+                # kv heads held per group of ranks (StridedShard.groups): refused, not summed as whole rows
+                readers = _whole_segment_readers(ph, annotation) if not any(placement.groups) else None
                 if readers is not None:
                     name = f"autotp_whole_gradient_{ph.name}"
                     gm.add_submodule(name, WholeSegmentGradient(placement, comm, owner=False))
@@ -579,7 +580,7 @@ def _localize_shape_args(n: torch.fx.Node, out: Shard | GroupedShard | HeadShard
             if isinstance(out, HeadShard):
                 args[1] = n.graph.call_function(_localize_at, (args[1], out.dim, out.heads, out.groups, comm.rank,
                                                                world_size))
-            elif isinstance(out, StridedShard) and (out.whole or out.heads):  # this rank's q_r | k | v
+            elif isinstance(out, StridedShard) and not out.even:  # this rank's q_r | k | v
                 args[1] = n.graph.call_function(_strided_size_at, (args[1], str(out), comm.rank, world_size))
             else:
                 rank, parts = (0, chunks(out, world_size)) if isinstance(out, GroupedShard) else (comm.rank, world_size)
@@ -591,7 +592,7 @@ def _localize_shape_args(n: torch.fx.Node, out: Shard | GroupedShard | HeadShard
     sizes = list(args[1]) if packed else args[1:]
     if isinstance(sizes[out.dim], torch.fx.Node) and isinstance(out, HeadShard):
         raise PassError(f"node {n.name}: a symbolic size on a dim split in whole heads ({out})")
-    if isinstance(sizes[out.dim], torch.fx.Node) and isinstance(out, StridedShard) and (out.whole or out.heads):
+    if isinstance(sizes[out.dim], torch.fx.Node) and isinstance(out, StridedShard) and not out.even:
         with n.graph.inserting_before(n):  # a dynamic batch merged with heads split in whole heads
             sizes[out.dim] = n.graph.call_function(_strided_length, (sizes[out.dim], str(out), comm.rank, world_size))
     if isinstance(sizes[out.dim], torch.fx.Node):
@@ -664,7 +665,7 @@ def _globalize_size_query(n: torch.fx.Node, plan: Any, world_size: int) -> bool:
     graph = n.graph
     users = list(n.users)
     total = _static_size(n.args[0], d)
-    whole = isinstance(edge.dst, StridedShard) and bool(edge.dst.whole or edge.dst.heads)  # not total / N
+    whole = isinstance(edge.dst, StridedShard) and not edge.dst.even  # its local length is not total / N
     if total is not None and total % world_size == 0 and not whole and not isinstance(edge.dst, HeadShard):
         total = None  # an even shard: local size x N, as for a symbolic dim
     if total is None and whole:

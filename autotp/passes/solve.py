@@ -280,7 +280,7 @@ def whole_segment_floor(choice: ParamChoice) -> float:
     """Of a fused projection's unsaved bytes, those its layout with whole segments keeps
     (``StridedShard.whole``: Falcon's one k and one v head on every rank beside its split q heads):
     no plan keeping those heads whole saves them, as with :func:`head_floor` (0 without one)."""
-    return min((m for p, m in choice.options if isinstance(p, StridedShard) and p.whole), default=0.0)
+    return min((m for p, m in choice.options if isinstance(p, StridedShard) and p.shared), default=0.0)
 
 
 def _price_memory(free: dict[int, ParamChoice], steps: list[_Step], opts: SolverOptions) -> dict[int, ParamChoice]:

@@ -183,6 +183,10 @@ _FUSED = {
     # GPT-2's c_attn (a Conv1D: (in, 3 * hidden)), split(hidden) into q | k | v of 3 heads of 16 each
     "gpt2": (dict(n_embd=48), "transformer.h.0.attn.c_attn", 1, "n_head",
              {2: "S(1|48:3h+48:3h+48:3h)", 4: "S(1|48:6h+48:6h+48:6h)"}),
+    # Phi-3's qkv_proj with 8 query heads over 2 kv heads of 8 at tp=4: q split evenly, each kv head
+    # held by its group of 2 ranks (the cases below give it 8 heads)
+    "phi3": (dict(hidden_size=64, num_key_value_heads=2), "model.layers.0.self_attn.qkv_proj", 0,
+             "num_attention_heads", {4: "S(0|64+16/2+16/2)"}),
     # Falcon's multi-query query_key_value: q heads | its one k head | its one v head, k and v whole
     "falcon": (dict(hidden_size=48), "transformer.h.0.self_attention.query_key_value", 0, "num_attention_heads",
                {2: "S(0|48:3h+16r+16r)", 4: "S(0|48:6h+8r+8r)"}),
@@ -191,17 +195,20 @@ _FUSED = {
 
 @pytest.mark.parametrize(("arch", "heads", "world", "q_heads"), [
     ("gpt2", 3, 2, [2, 1]), ("falcon", 3, 2, [2, 1]), ("gpt2", 6, 4, [2, 2, 1, 1]), ("falcon", 6, 4, [2, 2, 1, 1]),
-], ids=["gpt2-3-heads-tp2", "falcon-3-heads-one-kv-tp2", "gpt2-6-heads-tp4", "falcon-6-heads-one-kv-tp4"])
+    ("phi3", 8, 4, [2, 2, 2, 2]),
+], ids=["gpt2-3-heads-tp2", "falcon-3-heads-one-kv-tp2", "gpt2-6-heads-tp4", "falcon-6-heads-one-kv-tp4",
+        "phi3-8-heads-over-2-kv-tp4"])
 def test_a_fused_qkv_projection_with_heads_no_tp_divides_is_split_in_whole_heads(
         tmp_path: Path, arch: str, heads: int, world: int, q_heads: list[int]) -> None:
     """A fused q|k|v output is stored with each segment split in whole heads (``StridedShard.heads``):
     rank r holds the same heads of q, k and v (of q only, beside the whole k and v head, for
     Falcon's multi-query layout), so attention stays on each rank and the block communicates as
-    Megatron's (no all-gather in the graph, the logits leave it sharded). Each rank reads only its
-    heads' rows; logits and greedy tokens equal one process."""
+    Megatron's (no all-gather in the graph, the logits leave it sharded). Phi-3's with fewer kv heads
+    than ranks holds each kv head on its group of ranks. Each rank reads only its heads' rows; logits
+    and greedy tokens equal one process."""
     sizes, qkv, dim, field, placement = _FUSED[arch]
     folder = save_tiny(arch, tmp_path / arch, pad_token_id=PAD_ID, **sizes, **{field: heads})
-    head_dim = 48 // heads
+    head_dim = sizes.get("hidden_size", 48) // heads
     ref_logits, ref_tokens = one_process_reference(folder, PROMPT, NEW_TOKENS, PAD_ID)
     for rank, r in enumerate(run_ranks(_rank_fused, world, str(folder), qkv)):
         torch.testing.assert_close(r["logits"], ref_logits, atol=ATOL, rtol=RTOL)
@@ -209,7 +216,7 @@ def test_a_fused_qkv_projection_with_heads_no_tp_divides_is_split_in_whole_heads
         params = r["plan"]["parameters"]
         assert params[qkv + ".weight"]["placement"] == placement[world]
         # this rank's heads of each segment (of q, beside the whole k and v head of multi-query)
-        rows = q_heads[rank] * head_dim * (3 if arch == "gpt2" else 1) + (2 * head_dim if arch == "falcon" else 0)
+        rows = q_heads[rank] * head_dim * (3 if arch == "gpt2" else 1) + (2 * head_dim if arch != "gpt2" else 0)
         assert r["qkv_shape"][dim] == rows
         assert "all_gather" not in r["plan"]["collectives"], r["plan"]["collectives"]
 

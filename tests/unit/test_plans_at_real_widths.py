@@ -86,8 +86,16 @@ _SPLIT_FIELDS = ("num_attention_heads", "num_key_value_heads", "n_head", "interm
 _BLOCK_MATRIX = re.compile(r"\.(?:layers|h|layer)\.\d+\..*weight$|\.experts\.")
 
 
+#: widths planned only past the kv heads (not in the matrix): Phi-3-mini's fused qkv_proj with 4 kv heads
+KV_PAST_RANKS: dict[str, tuple[str, str, dict[str, Any], int]] = {
+    "phi3-4kv": ("Phi-3-mini, 4 kv heads", "Phi3Config", dict(
+        hidden_size=3072, num_attention_heads=32, num_key_value_heads=4, intermediate_size=8192,
+        vocab_size=32064), 2),
+}
+
+
 def _config(arch: str) -> Any:
-    _, cls, fields, _ = REAL_WIDTHS[arch]
+    _, cls, fields, _ = REAL_WIDTHS.get(arch) or KV_PAST_RANKS[arch]
     config = getattr(transformers, cls)(**fields, num_hidden_layers=2)  # (every config maps the name)
     if arch == "gemma2":
         config._attn_implementation = "eager"  # its soft-capping needs it, as transformers says
@@ -203,18 +211,22 @@ def test_qwen2_5_7b_plans_at_tp8_with_its_28_heads_split_4_and_3_per_kv_head() -
     # GPT-2's 12 heads over 8 ranks are 2 x 4 + 1 x 4
     ("gpt2", 8, "transformer.h.0.attn.c_attn.weight", "S(1|768:12h+768:12h+768:12h)",
      [2 * 64 * 3] * 4 + [1 * 64 * 3] * 4),
-], ids=["falcon-7b-tp8", "gpt2-xl-tp8", "gpt2-tp8"])
+    # 4 kv heads of 96 over 8 ranks: q split evenly, each kv head held by its group of 2 ranks
+    ("phi3-4kv", 8, "model.layers.0.self_attn.qkv_proj.weight", "S(0|3072+384/4+384/4)", [(4 + 1 + 1) * 96] * 8),
+], ids=["falcon-7b-tp8", "gpt2-xl-tp8", "gpt2-tp8", "phi3-4-kv-heads-tp8"])
 def test_a_fused_qkv_whose_heads_no_tp_divides_is_split_in_whole_heads_of_each_segment(
         arch: str, tp: int, qkv: str, placement: str, rows: list[int]) -> None:
     """The fused projection's output is stored with each segment split in whole heads, so every
     rank's q, k and v hold the same heads (q's only, beside the one k and v head of multi-query
-    attention), and prefill and decode step communicate as Megatron's: no all-gather but the logits."""
+    attention, or the kv head its group of ranks holds), and prefill and decode step communicate as
+    Megatron's: no all-gather but the logits."""
     from autotp.placement import local_shape, parse
 
     report = plan_model(_config(arch), tp)
 
     for step in (report.forward, report.decode):
-        assert collectives_per_block(step.sites) == {layer: {"all_reduce": REAL_WIDTHS[arch][3]} for layer in range(2)}
+        blocks = (REAL_WIDTHS.get(arch) or KV_PAST_RANKS[arch])[3]
+        assert collectives_per_block(step.sites) == {layer: {"all_reduce": blocks} for layer in range(2)}
         assert [s["origin"] for s in step.sites if s["kind"] == "all_gather"] == ["lm_head"]
     entry = report.parameters[qkv]
     assert entry["placement"] == placement

@@ -1020,9 +1020,9 @@ def test_fused_segmentations_are_read_off_splits_and_tiling_slices() -> None:
 
     gm = make_fx(program)(torch.randn(2, 32), torch.randn(2, 40))
     found = fused_segmentations(gm.graph, 2)
-    assert found == {32: {((16, 8, 8), (), ())}, 40: {((20, 20), (), ())}}
+    assert found == {32: {((16, 8, 8), (), (), ())}, 40: {((20, 20), (), (), ())}}
     # 8 does not divide by 16: k and v held whole beside a split q; gate | up, all whole, is no layout
-    assert fused_segmentations(gm.graph, 16) == {32: {((16, 8, 8), (1, 2), ())}}
+    assert fused_segmentations(gm.graph, 16) == {32: {((16, 8, 8), (1, 2), (), ())}}
     assert strided_candidates((32, 12), found) == [StridedShard(0, (16, 8, 8))]
 
 
