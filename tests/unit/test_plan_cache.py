@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import shutil
 import warnings
 from pathlib import Path
 from typing import Any
@@ -74,11 +75,22 @@ def _same_program(a: dict[str, Any], b: dict[str, Any]) -> None:
     assert torch.equal(b["out"], a["out"])
 
 
+@pytest.fixture(scope="module")
+def _first_compile(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    """The tiny Llama compiled once into an empty cache folder: the folder and that compile's
+    results (read them, never change them)."""
+    cache = PlanCache(tmp_path_factory.mktemp("first") / "cache")
+    return cache.root, _compile(cache)
+
+
 @pytest.fixture
-def first(tmp_path: Path) -> tuple[PlanCache, dict[str, Any]]:
-    """A cache folder holding the entry of the tiny Llama's graph, and that compile's results."""
-    cache = PlanCache(tmp_path / "cache")
-    return cache, _compile(cache)
+def first(_first_compile, tmp_path: Path) -> tuple[PlanCache, dict[str, Any]]:
+    """A cache folder of this test's own holding the entry of the tiny Llama's graph, and the
+    results of the compile that stored it (a copy of one compile per module: the tests damage,
+    replace or add entries, never the results)."""
+    root, results = _first_compile
+    shutil.copytree(root, tmp_path / "cache")
+    return PlanCache(tmp_path / "cache"), results
 
 
 def test_a_second_compile_of_the_same_model_hits_and_runs_the_same_program(first) -> None:

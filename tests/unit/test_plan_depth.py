@@ -15,6 +15,7 @@ Tolerances: none, the compared fields are exact.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import pytest
@@ -56,7 +57,10 @@ CASES = {
 SITES_DIFFER = {"gpt2"}
 
 
+@functools.cache
 def _plans(arch: str) -> tuple[Any, Any]:
+    """``arch`` planned from a stand-in and at full depth (once per session: two tests read GPT-2's;
+    read the reports, never change them)."""
     make, tp, period = CASES[arch]
     shortened, full = plan_model(make(), tp), plan_model(make(), tp, full_depth=True)
     stand_in = 4 * period + shortened.num_layers % period
