@@ -974,10 +974,10 @@ def _grouped_gradient_error() -> AutoTPError:
 
 def _whole_segment_gradient_error() -> AutoTPError:
     return AutoTPError(
-        "training through a parameter whose segments every rank holds whole (a fused projection's one k and "
-        "v head beside its split q heads) read by an operation other than the projection itself is not "
-        "supported: its input gradient would count those segments once per rank. Load with "
-        "parallelize_model(..., warmup=False) so that the first, training call places it")
+        "training through a fused projection whose key/value heads several ranks hold alike (per group of "
+        "ranks where tp_size exceeds the kv heads, or whole beside split q heads but read by an operation "
+        "other than the projection) is not supported: its input gradient would count those heads once per "
+        "rank. Load with parallelize_model(..., warmup=False) so that the first, training call places it")
 
 
 def refuse_gradient(x: Tensor) -> Tensor:

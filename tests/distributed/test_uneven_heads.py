@@ -166,15 +166,20 @@ def test_training_through_heads_no_tp_divides_equals_one_process(tmp_path: Path,
 
 
 def _rank_fused(rank: int, world: int, folder: str, qkv: str) -> dict[str, Any]:
-    from autotp import parallelize_model
+    from autotp import AutoTPError, parallelize_model
 
     model = parallelize_model(folder, tp_size=world)
     ids = torch.tensor(PROMPT)
     with torch.no_grad():
         logits = model(input_ids=ids).logits
         tokens = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=PAD_ID)
-    return {"logits": logits, "tokens": tokens[0].tolist(), "plan": model.autotp.plan,
-            "qkv_shape": tuple(model.get_submodule(qkv).weight.shape)}
+    out = {"logits": logits, "tokens": tokens[0].tolist(), "plan": model.autotp.plan,
+           "qkv_shape": tuple(model.get_submodule(qkv).weight.shape)}
+    try:  # then one training step through the same layout
+        out["train"] = _train_step(model, model.autotp.context.comm)
+    except AutoTPError as e:
+        out["refused"] = str(e)
+    return out
 
 
 #: arch -> (config sizes, the fused q|k|v module of block 0, its weight's fused dim, its placement
@@ -205,11 +210,18 @@ def test_a_fused_qkv_projection_with_heads_no_tp_divides_is_split_in_whole_heads
     Falcon's multi-query layout), so attention stays on each rank and the block communicates as
     Megatron's (no all-gather in the graph, the logits leave it sharded). Phi-3's with fewer kv heads
     than ranks holds each kv head on its group of ranks. Each rank reads only its heads' rows; logits
-    and greedy tokens equal one process."""
+    and greedy tokens equal one process. A training step through the layout then gives one process's
+    loss, gradients, norm and logits after SGD (tolerances as in the training tests above), except
+    through Phi-3's kv heads held per group of ranks, which is refused with the way out, and through
+    GPT-2's split, whose training graph finds no plan (an AutoTPError; a gap to close): never
+    silently wrong."""
+    from transformers import AutoModelForCausalLM
+
     sizes, qkv, dim, field, placement = _FUSED[arch]
     folder = save_tiny(arch, tmp_path / arch, pad_token_id=PAD_ID, **sizes, **{field: heads})
     head_dim = sizes.get("hidden_size", 48) // heads
     ref_logits, ref_tokens = one_process_reference(folder, PROMPT, NEW_TOKENS, PAD_ID)
+    ref_train = _train_step(AutoModelForCausalLM.from_pretrained(folder))
     for rank, r in enumerate(run_ranks(_rank_fused, world, str(folder), qkv)):
         torch.testing.assert_close(r["logits"], ref_logits, atol=ATOL, rtol=RTOL)
         assert r["tokens"] == ref_tokens
@@ -219,6 +231,18 @@ def test_a_fused_qkv_projection_with_heads_no_tp_divides_is_split_in_whole_heads
         rows = q_heads[rank] * head_dim * (3 if arch == "gpt2" else 1) + (2 * head_dim if arch != "gpt2" else 0)
         assert r["qkv_shape"][dim] == rows
         assert "all_gather" not in r["plan"]["collectives"], r["plan"]["collectives"]
+        if arch == "phi3":
+            assert "per group of ranks" in r["refused"] and "warmup=False" in r["refused"], r.get("refused")
+            continue
+        if arch == "gpt2":  # known gap: its batch-2 training graph finds no plan over the pinned head split
+            assert "no valid placement plan" in r["refused"], r.get("refused")
+            continue
+        assert "refused" not in r, r["refused"]
+        assert r["train"]["loss"] == pytest.approx(ref_train["loss"], rel=1e-5)
+        for name, grad in ref_train["grads"].items():
+            torch.testing.assert_close(r["train"]["grads"][name], grad, atol=ATOL, rtol=RTOL, msg=name)
+        assert r["train"]["norm"] == pytest.approx(ref_train["norm"], rel=1e-5)
+        torch.testing.assert_close(r["train"]["logits_after"], ref_train["logits_after"], atol=ATOL, rtol=RTOL)
 
 
 def _rank_masked(rank: int, world: int, folder: str, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
