@@ -137,7 +137,8 @@ def test_a_remote_config_class_is_refused_without_trust_remote_code(tmp_path, ll
 @pytest.mark.parametrize(
     ("sizes", "tp", "named", "valid"),
     [
-        (dict(num_attention_heads=6, num_key_value_heads=6, hidden_size=48), 4, ["num_attention_heads=6"], [1, 2]),
+        # 6 heads split in whole heads over 4 ranks (2 + 2 + 1 + 1), not over 8 (a rank without a head)
+        (dict(num_attention_heads=6, num_key_value_heads=6, hidden_size=48), 8, ["num_attention_heads=6"], [1, 2, 4]),
         (dict(num_key_value_heads=3, num_attention_heads=6, hidden_size=48, intermediate_size=96), 2, ["num_key_value_heads=3"], [1, 3, 6]),
         (dict(num_key_value_heads=4), 16, ["num_attention_heads=8"], [1, 2, 4, 8]),
         (dict(num_key_value_heads=8, intermediate_size=100), 8, ["intermediate_size=100"], [1, 2, 4]),
