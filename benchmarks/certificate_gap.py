@@ -25,53 +25,36 @@ Output: one JSON line per (tree, round) on stdout, a table on stderr, and
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, os.fspath(Path(__file__).resolve().parent))
 
 from _record import ROOT, Provenance, stats, write_result  # noqa: E402
+from _solve_timing import time_last_solve  # noqa: E402
 
 
 def child(cases: list[str], repeat: int) -> dict[str, Any]:
     """Every case of the matrix (or ``cases``) in this fresh process, with whichever autotp and
     tests ``PYTHONPATH`` selects."""
-    import autotp.backend as backend
     from autotp.planner import plan_model
     from tests.unit.test_plans_at_real_widths import CASES, _config
 
     out: dict[str, Any] = {}
-    solve = backend.solve
-    calls: list[tuple[tuple, dict]] = []
-
-    def spy(*args: Any, **kwargs: Any) -> Any:
-        calls.append((args, kwargs))
-        return solve(*args, **kwargs)
-
     for case in CASES:
         arch, tp, *batch = case.values  # (a tree whose matrix has a batch-2 column gives it third)
         name = case.id
         if cases and name not in cases:
             continue
-        calls.clear()
-        backend.solve = spy  # every revision's backend calls the solver through this module global
-        try:
-            plan_model(_config(arch), tp, decode=False, batch=batch[0] if batch else 1)
-        finally:
-            backend.solve = solve
-        args, kwargs = calls[-1]
-        cpu = []
-        for _ in range(repeat):
-            start = time.process_time()
-            solution = solve(*args, **kwargs)
-            cpu.append(time.process_time() - start)
+        solution, cpu = time_last_solve(
+            functools.partial(plan_model, _config(arch), tp, decode=False, batch=batch[0] if batch else 1), repeat)
         out[name] = {"solve_cpu_s": cpu, "cost": solution.cost, "lower_bound": solution.lower_bound,
                      "gap": solution.gap, "pruned_states": solution.trace.pruned_states}
     return out

@@ -64,6 +64,7 @@ from typing import Any
 sys.path.insert(0, os.fspath(Path(__file__).resolve().parent))
 
 from _record import Provenance, pyplot, write_result  # noqa: E402
+from _solve_timing import time_last_solve  # noqa: E402
 
 SHAPES: dict[str, dict[str, Any]] = {
     "llama3-8b": dict(
@@ -174,30 +175,13 @@ def child_resolve(shape: str, layers: int, tp: int, repeat: int) -> dict[str, An
     with whichever autotp ``PYTHONPATH`` selects)."""
     import inspect
 
-    import autotp.backend as backend
     from autotp.planner import plan_model
 
-    calls: list[tuple[tuple, dict]] = []
-    solve = backend.solve
-
-    def spy(*args: Any, **kwargs: Any) -> Any:
-        calls.append((args, kwargs))
-        return solve(*args, **kwargs)
-
-    backend.solve = spy  # every revision's backend calls the solver through this module global
     # every layer traced and solved in every tree (a tree with autotp/depth.py would otherwise
     # solve a shortened stand-in and time a smaller graph)
     whole = {"full_depth": True} if "full_depth" in inspect.signature(plan_model).parameters else {}
-    try:
-        plan_model(make_config(shape, layers), tp, decode=False, **whole)
-    finally:
-        backend.solve = solve
-    args, kwargs = calls[-1]
-    cpu = []
-    for _ in range(repeat):
-        start = time.process_time()
-        solution = solve(*args, **kwargs)
-        cpu.append(time.process_time() - start)
+    solution, cpu = time_last_solve(lambda: plan_model(make_config(shape, layers), tp, decode=False, **whole),
+                                    repeat)
     return {"shape": shape, "layers": layers, "tp": tp, "solve_cpu_s": cpu, "cost": solution.cost,
             "lower_bound": getattr(solution, "lower_bound", None), "gap": getattr(solution, "gap", None),
             "reused_nodes": solution.trace.reused_nodes, "pruned_states": solution.trace.pruned_states}
