@@ -953,7 +953,7 @@ class RefuseGradient(torch.autograd.Function):
     the ``AutoTPError`` its maker gives. The rewrite puts it on such a parameter's use in every
     graph that may train, so a wrong gradient never passes silently: a parameter with segments every
     rank holds whole (``StridedShard.whole``) read by a node whose output does not keep them whole
-    (where :class:`OwnWholeSegmentsOnRankZero` cannot go)."""
+    (where :class:`WholeSegmentBackward` cannot go)."""
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, error: Callable[[], AutoTPError]) -> Tensor:
@@ -992,70 +992,46 @@ def refuses_gradient(placement: Placement | None) -> bool:
     return isinstance(placement, StridedShard) and placement.shared
 
 
-def _whole_rows(placement: StridedShard, comm: Comm) -> list[tuple[int, int]]:
-    """``[start, stop)`` along this rank's local ``placement.dim`` of each segment every rank holds
-    whole (after its own split segments' pieces, which may be uneven)."""
-    bounds = placement.local_bounds(comm.world_size, comm.rank)
-    return [bounds[i] for i in sorted(placement.whole)]
+class WholeSegmentBackward(torch.autograd.Function):
+    """Identity forward on segments every rank holds whole (``StridedShard.whole``: Falcon's one k
+    and v head beside its split q heads); backward, one of two halves of their gradient:
 
-
-class OwnWholeSegmentsOnRankZero(torch.autograd.Function):
-    """On the output of a fused projection whose segments every rank holds whole (Falcon's one k
-    and v head beside its split q heads): identity forward; backward, ranks other than 0 drop the
-    whole segments' gradient. Those segments are replicated values, so their gradient arrives whole
-    on every rank (the module invariant: an ``R`` gradient is the full logical one), while the
-    projection's input gradient is a partial sum over ranks (its split segments): without this the
-    sum would count the whole segments' share ``N`` times. Kept on rank 0 only, it counts once;
-    :class:`SumWholeSegmentGradient` then gives every rank the whole rows' weight gradient."""
+    * ``owner=True``, on the fused projection's output: ranks other than 0 drop the whole segments'
+      gradient. Those segments are replicated values, so their gradient arrives whole on every rank
+      (the module invariant: an ``R`` gradient is the full logical one), while the projection's
+      input gradient is a partial sum over ranks (its split segments): without this the sum would
+      count the whole segments' share ``N`` times. Kept on rank 0 only, it counts once.
+    * ``owner=False``, on the parameter: one all-reduce of the whole segments' rows of its gradient,
+      which the owner left on rank 0 alone, so every rank holds the same gradient of the rows it
+      holds alike (and an optimizer step keeps them equal)."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, placement: StridedShard, comm: Comm) -> Tensor:
-        ctx.placement, ctx.comm = placement, comm
+    def forward(ctx: Any, x: Tensor, placement: StridedShard, comm: Comm, owner: bool) -> Tensor:
+        ctx.placement, ctx.comm, ctx.owner = placement, comm, owner
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
-        if ctx.comm.rank == 0:
-            return grad, None, None
-        out = grad.clone(memory_format=torch.contiguous_format)
-        for start, stop in _whole_rows(ctx.placement, ctx.comm):
-            out.narrow(ctx.placement.dim, start, stop - start).zero_()
-        return out, None, None
-
-
-def own_whole_segments_on_rank_zero(x: Tensor, placement: StridedShard, comm: Comm) -> Tensor:
-    """:class:`OwnWholeSegmentsOnRankZero` (a plain function, for an FX ``call_function`` node)."""
-    return OwnWholeSegmentsOnRankZero.apply(x, placement, comm)
-
-
-class SumWholeSegmentGradient(torch.autograd.Function):
-    """On a parameter stored with whole segments (``StridedShard.whole``): identity forward;
-    backward, one all-reduce of the whole segments' rows of its gradient, which
-    :class:`OwnWholeSegmentsOnRankZero` left on rank 0 alone, so every rank holds the same
-    gradient of the rows it holds alike (and an optimizer step keeps them equal)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, placement: StridedShard, comm: Comm) -> Tensor:
-        ctx.placement, ctx.comm = placement, comm
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
         d, comm = ctx.placement.dim, ctx.comm
-        rows = _whole_rows(ctx.placement, comm)
+        if ctx.owner and comm.rank == 0:
+            return grad, None, None, None
+        rows = ctx.placement.whole_local_bounds(comm.world_size, comm.rank)
         out = grad.clone(memory_format=torch.contiguous_format)
-        whole = torch.cat([out.narrow(d, a, b - a) for a, b in rows], d)
-        summed = _all_reduce(whole, comm, backward=True)
+        if ctx.owner:
+            for a, b in rows:
+                out.narrow(d, a, b - a).zero_()
+            return out, None, None, None
+        summed = _all_reduce(torch.cat([out.narrow(d, a, b - a) for a, b in rows], d), comm, backward=True)
         offset = 0
         for a, b in rows:
             out.narrow(d, a, b - a).copy_(summed.narrow(d, offset, b - a))
             offset += b - a
-        return out, None, None
+        return out, None, None, None
 
 
-def sum_whole_segment_gradient(x: Tensor, placement: StridedShard, comm: Comm) -> Tensor:
-    """:class:`SumWholeSegmentGradient` (a plain function, for an FX ``call_function`` node)."""
-    return SumWholeSegmentGradient.apply(x, placement, comm)
+def whole_segment_backward(x: Tensor, placement: StridedShard, comm: Comm, owner: bool) -> Tensor:
+    """:class:`WholeSegmentBackward` (a plain function, for an FX ``call_function`` node)."""
+    return WholeSegmentBackward.apply(x, placement, comm, owner)
 
 
 def _one_chunk_per_group(gathered: Tensor, src: GroupedShard, world_size: int) -> Tensor:

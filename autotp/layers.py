@@ -65,20 +65,17 @@ class ChunkGroupGradient(nn.Module):
 class WholeSegmentGradient(nn.Module):
     """Segments every rank holds whole (``StridedShard.whole``: Falcon's one k and v head beside its
     split q heads) as a graph that may train reads them: identity forward. On the parameter
-    (``owner=False``), backward all-reduces the whole segments' rows of its gradient
-    (:class:`autotp.collectives.SumWholeSegmentGradient`); on the projection's output
-    (``owner=True``), backward keeps their gradient on rank 0 only
-    (:class:`autotp.collectives.OwnWholeSegmentsOnRankZero`), so the input gradient counts them
-    once. A module, like :class:`Redistribute`, so the rewritten graph names it."""
+    (``owner=False``), backward all-reduces the whole segments' rows of its gradient; on the
+    projection's output (``owner=True``), backward keeps their gradient on rank 0 only, so the
+    input gradient counts them once (:class:`autotp.collectives.WholeSegmentBackward`). A module,
+    like :class:`Redistribute`, so the rewritten graph names it."""
 
     def __init__(self, placement: StridedShard, comm: Comm, owner: bool) -> None:
         super().__init__()
         self.placement, self.comm, self.owner = placement, comm, owner
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.owner:
-            return collectives.own_whole_segments_on_rank_zero(x, self.placement, self.comm)
-        return collectives.sum_whole_segment_gradient(x, self.placement, self.comm)
+        return collectives.whole_segment_backward(x, self.placement, self.comm, self.owner)
 
     def extra_repr(self) -> str:
         return f"{self.placement}, backward: " + (

@@ -182,6 +182,12 @@ class StridedShard(Shard):
             offset += size
         return out
 
+    def whole_local_bounds(self, world_size: int, rank: int = 0) -> list[tuple[int, int]]:
+        """``[start, stop)`` along rank ``rank``'s local ``dim`` of each segment every rank holds
+        whole (after that rank's pieces of the split segments, which may be uneven)."""
+        bounds = self.local_bounds(world_size, rank)
+        return [bounds[i] for i in sorted(self.whole)]
+
     @property
     def segment_size(self) -> int | None:
         """The size every segment has, or None when they differ (q | k | v of unequal sizes).

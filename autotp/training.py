@@ -56,9 +56,9 @@ def clip_grad_norm_(model: torch.nn.Module, max_norm: float, norm_type: float = 
         if over_tp and isinstance(meta.placement, GroupedShard):  # the N / groups ranks of a group hold one chunk
             square = square * meta.placement.groups / tp_comm.world_size
         if over_tp and isinstance(meta.placement, StridedShard) and meta.placement.whole:  # whole rows: once
-            bounds, dim = meta.placement.local_bounds(tp_comm.world_size, tp_comm.rank), meta.placement.dim
-            whole = sum(_local(grad).narrow(dim, bounds[i][0], bounds[i][1] - bounds[i][0]).double().pow(2).sum()
-                        for i in meta.placement.whole)
+            dim = meta.placement.dim
+            whole = sum(_local(grad).narrow(dim, a, b - a).double().pow(2).sum()
+                        for a, b in meta.placement.whole_local_bounds(tp_comm.world_size, tp_comm.rank))
             square = square - whole * (tp_comm.world_size - 1) / tp_comm.world_size
         squares[(0 if over_dp else 2) if over_tp else (1 if over_dp else 3)] += square
     if dp is not None:

@@ -28,7 +28,7 @@ import torch
 
 from tests._dist import run_ranks
 from tests._tiny import one_process_reference, save_tiny
-from tests.distributed.test_kv_head_groups import _train_step
+from tests.distributed.test_kv_head_groups import _train_step, assert_trains_like
 
 pytestmark = pytest.mark.dist
 
@@ -157,12 +157,7 @@ def test_training_through_heads_no_tp_divides_equals_one_process(tmp_path: Path,
     ref = _train_step(AutoModelForCausalLM.from_pretrained(folder))
     for r in run_ranks(_rank_train, world, str(folder)):
         assert {p for n, p in r["placements"].items() if "q_proj.weight" in n} == {q_placement}, r["placements"]
-        assert r["loss"] == pytest.approx(ref["loss"], rel=1e-5)
-        assert set(r["grads"]) == set(ref["grads"])
-        for name, grad in ref["grads"].items():
-            torch.testing.assert_close(r["grads"][name], grad, atol=ATOL, rtol=RTOL, msg=name)
-        assert r["norm"] == pytest.approx(ref["norm"], rel=1e-5)
-        torch.testing.assert_close(r["logits_after"], ref["logits_after"], atol=ATOL, rtol=RTOL)
+        assert_trains_like(r, ref)
 
 
 def _rank_fused(rank: int, world: int, folder: str, qkv: str) -> dict[str, Any]:
@@ -238,11 +233,7 @@ def test_a_fused_qkv_projection_with_heads_no_tp_divides_is_split_in_whole_heads
             assert "no valid placement plan" in r["refused"], r.get("refused")
             continue
         assert "refused" not in r, r["refused"]
-        assert r["train"]["loss"] == pytest.approx(ref_train["loss"], rel=1e-5)
-        for name, grad in ref_train["grads"].items():
-            torch.testing.assert_close(r["train"]["grads"][name], grad, atol=ATOL, rtol=RTOL, msg=name)
-        assert r["train"]["norm"] == pytest.approx(ref_train["norm"], rel=1e-5)
-        torch.testing.assert_close(r["train"]["logits_after"], ref_train["logits_after"], atol=ATOL, rtol=RTOL)
+        assert_trains_like(r["train"], ref_train)
 
 
 def _rank_masked(rank: int, world: int, folder: str, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
