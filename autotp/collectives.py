@@ -901,26 +901,39 @@ class ReduceOverChunkGroup(torch.autograd.Function):
     holds a partial gradient of the same rows; the sum is the gradient one process computes. (The
     gradient into the projection's input is a partial sum over all ranks, reduced by the
     all-reduce-backward edge every replicated input of a non-replicated node gets.) The rewrite
-    puts it on such a parameter's use in every graph that may train."""
+    puts it on such a parameter's use in every graph that may train.
+
+    ``rows``: only these ``[start, stop)`` ranges along ``dim`` are summed, the rest of the gradient
+    is this rank's own: a fused q|k|v projection whose k and v heads are held per group of ranks
+    beside its split q heads (``StridedShard.groups``, Phi-3's ``qkv_proj``), where the group's
+    ranks hold those rows alike and each its own q rows."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, comm: Comm, groups: int) -> Tensor:
-        ctx.comm, ctx.groups = comm, groups
+    def forward(ctx: Any, x: Tensor, comm: Comm, groups: int, dim: int = 0,
+                rows: tuple[tuple[int, int], ...] | None = None) -> Tensor:
+        ctx.comm, ctx.groups, ctx.dim, ctx.rows = comm, groups, dim, rows
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
-        ctx.comm._record("all_reduce", grad, backward=True)
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None, None]:
+        d, rows = ctx.dim, ctx.rows
         out = grad.clone(memory_format=torch.contiguous_format)
+        summed = out if rows is None else torch.cat([out.narrow(d, a, b - a) for a, b in rows], d)
+        ctx.comm._record("all_reduce", summed, backward=True)
         if not ctx.comm.simulated:
             with _guard(ctx.comm, "all_reduce"):
-                dist.all_reduce(out, group=chunk_group(ctx.comm, ctx.groups))
-        return out, None, None
+                dist.all_reduce(summed, group=chunk_group(ctx.comm, ctx.groups))
+        offset = 0
+        for a, b in rows or ():
+            out.narrow(d, a, b - a).copy_(summed.narrow(d, offset, b - a))
+            offset += b - a
+        return out, None, None, None, None
 
 
-def reduce_over_chunk_group(x: Tensor, comm: Comm, groups: int) -> Tensor:
+def reduce_over_chunk_group(x: Tensor, comm: Comm, groups: int, dim: int = 0,
+                            rows: tuple[tuple[int, int], ...] | None = None) -> Tensor:
     """:class:`ReduceOverChunkGroup` (a plain function, for an FX ``call_function`` node)."""
-    return ReduceOverChunkGroup.apply(x, comm, groups)
+    return ReduceOverChunkGroup.apply(x, comm, groups, dim, rows)
 
 
 def chunk_group(comm: Comm, groups: int) -> dist.ProcessGroup | None:
@@ -974,10 +987,10 @@ def _grouped_gradient_error() -> AutoTPError:
 
 def _whole_segment_gradient_error() -> AutoTPError:
     return AutoTPError(
-        "training through a fused projection whose key/value heads several ranks hold alike (per group of "
-        "ranks where tp_size exceeds the kv heads, or whole beside split q heads but read by an operation "
-        "other than the projection) is not supported: its input gradient would count those heads once per "
-        "rank. Load with parallelize_model(..., warmup=False) so that the first, training call places it")
+        "training through a fused projection whose key/value heads every rank holds whole beside its split "
+        "query heads, read by an operation other than the projection, is not supported: its input gradient "
+        "would count those heads once per rank. Load with parallelize_model(..., warmup=False) so that the "
+        "first, training call places it")
 
 
 def refuse_gradient(x: Tensor) -> Tensor:
@@ -987,9 +1000,11 @@ def refuse_gradient(x: Tensor) -> Tensor:
 
 
 def refuses_gradient(placement: Placement | None) -> bool:
-    """Whether a parameter stored at ``placement`` is bound through :func:`refuse_gradient` in a
-    graph that may train (see :class:`RefuseGradient`)."""
-    return isinstance(placement, StridedShard) and placement.shared
+    """Whether a parameter stored at ``placement`` may be bound through :func:`refuse_gradient` in a
+    graph that may train (see :class:`RefuseGradient`): segments every rank holds whole (which
+    train where the projection alone reads them, ``autotp/passes/rewrite.py``). Segments held per
+    group of ranks alone train through :class:`ReduceOverChunkGroup` over their rows."""
+    return isinstance(placement, StridedShard) and bool(placement.whole)
 
 
 class WholeSegmentBackward(torch.autograd.Function):
