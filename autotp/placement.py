@@ -190,7 +190,7 @@ class StridedShard(Shard):
 
     def grouped_local_bounds(self, world_size: int, rank: int = 0) -> dict[int, list[tuple[int, int]]]:
         """Kv group count -> ``[start, stop)`` along rank ``rank``'s local ``dim`` of each segment
-        held per group of ranks with that count (Phi-3's k and v heads: ``{2: [(16, 32), (32, 48)]}``
+        held per group of ranks with that count (Phi-3's k and v heads: ``{2: [(16, 24), (24, 32)]}``
         for ``S(0|64+16/2+16/2)`` at tp=4); the ``N / count`` ranks of a group hold those rows alike."""
         out: dict[int, list[tuple[int, int]]] = {}
         for i, bounds in enumerate(self.local_bounds(world_size, rank)):
