@@ -80,7 +80,7 @@ import socket
 import time
 import uuid
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -916,17 +916,17 @@ class ReduceOverChunkGroup(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None, None]:
-        d, rows = ctx.dim, ctx.rows
+        comm = ctx.comm
+
+        def over_group(t: Tensor) -> Tensor:  # in place, over this rank's group
+            comm._record("all_reduce", t, backward=True)
+            if not comm.simulated:
+                with _guard(comm, "all_reduce"):
+                    dist.all_reduce(t, group=chunk_group(comm, ctx.groups))
+            return t
+
         out = grad.clone(memory_format=torch.contiguous_format)
-        summed = out if rows is None else torch.cat([out.narrow(d, a, b - a) for a, b in rows], d)
-        ctx.comm._record("all_reduce", summed, backward=True)
-        if not ctx.comm.simulated:
-            with _guard(ctx.comm, "all_reduce"):
-                dist.all_reduce(summed, group=chunk_group(ctx.comm, ctx.groups))
-        offset = 0
-        for a, b in rows or ():
-            out.narrow(d, a, b - a).copy_(summed.narrow(d, offset, b - a))
-            offset += b - a
+        out = over_group(out) if ctx.rows is None else _sum_rows(out, ctx.dim, ctx.rows, over_group)
         return out, None, None, None, None
 
 
@@ -1036,12 +1036,18 @@ class WholeSegmentBackward(torch.autograd.Function):
             for a, b in rows:
                 out.narrow(d, a, b - a).zero_()
             return out, None, None, None
-        summed = _all_reduce(torch.cat([out.narrow(d, a, b - a) for a, b in rows], d), comm, backward=True)
-        offset = 0
-        for a, b in rows:
-            out.narrow(d, a, b - a).copy_(summed.narrow(d, offset, b - a))
-            offset += b - a
-        return out, None, None, None
+        return _sum_rows(out, d, rows, lambda t: _all_reduce(t, comm, backward=True)), None, None, None
+
+
+def _sum_rows(out: Tensor, dim: int, rows: Sequence[tuple[int, int]], reduce: Callable[[Tensor], Tensor]) -> Tensor:
+    """``out`` with its ``[start, stop)`` ranges ``rows`` along ``dim`` replaced, in place, by their
+    sum over ranks: one collective (``reduce``) over the rows concatenated."""
+    summed = reduce(torch.cat([out.narrow(dim, a, b - a) for a, b in rows], dim))
+    offset = 0
+    for a, b in rows:
+        out.narrow(dim, a, b - a).copy_(summed.narrow(dim, offset, b - a))
+        offset += b - a
+    return out
 
 
 def whole_segment_backward(x: Tensor, placement: StridedShard, comm: Comm, owner: bool) -> Tensor:
