@@ -208,9 +208,9 @@ def test_a_fused_qkv_projection_with_heads_no_tp_divides_is_split_in_whole_heads
     than ranks holds each kv head on its group of ranks. Each rank reads only its heads' rows; logits
     and greedy tokens equal one process. A training step through the layout then gives one process's
     loss, gradients, norm and logits after SGD (tolerances as in the training tests above): GPT-2's
-    batch-2 training graph merges the batch with the uneven heads (``S(0|3:3h+3:3h)``) as its
-    generation does; Phi-3's kv heads held per group of ranks get their rows' gradient summed over
-    the group (``layers.ChunkGroupGradient``) and counted once by ``clip_grad_norm_``."""
+    batch-2 training graph keeps the uneven head split through attention (with dropout too: the
+    test below); Phi-3's kv heads held per group of ranks get their rows' gradient summed over the
+    group (``layers.ChunkGroupGradient``) and counted once by ``clip_grad_norm_``."""
     from transformers import AutoModelForCausalLM
 
     sizes, qkv, dim, field, placement = _FUSED[arch]
