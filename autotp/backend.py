@@ -608,7 +608,7 @@ def _solve(gm: torch.fx.GraphModule, example_inputs: list[Any], param_inputs: di
             # fused q|k|v; segments held whole on every rank cost their bytes beyond 1/N, as R does,
             # and are offered to inference graphs only: a training graph would also pay the whole
             # rows' gradient all-reduce (layers.WholeSegmentGradient), which the solver does not price
-            # (nor the kv groups', collectives.RefuseGradient)
+            # (nor the kv groups', layers.ChunkGroupGradient)
             strided = [s for s in strided_candidates(tuple(value.shape), fused) if not (backward and s.shared)]
             whole_heads = {h.dim for h in in_heads} | {s.dim for s in strided if not s.even}
             options += [(s, 0.0) for s in shard_candidates(tuple(value.shape), world, vocabularies)

@@ -80,7 +80,7 @@ import socket
 import time
 import uuid
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -901,26 +901,39 @@ class ReduceOverChunkGroup(torch.autograd.Function):
     holds a partial gradient of the same rows; the sum is the gradient one process computes. (The
     gradient into the projection's input is a partial sum over all ranks, reduced by the
     all-reduce-backward edge every replicated input of a non-replicated node gets.) The rewrite
-    puts it on such a parameter's use in every graph that may train."""
+    puts it on such a parameter's use in every graph that may train.
+
+    ``rows``: only these ``[start, stop)`` ranges along ``dim`` are summed, the rest of the gradient
+    is this rank's own: a fused q|k|v projection whose k and v heads are held per group of ranks
+    beside its split q heads (``StridedShard.groups``, Phi-3's ``qkv_proj``), where the group's
+    ranks hold those rows alike and each its own q rows."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, comm: Comm, groups: int) -> Tensor:
-        ctx.comm, ctx.groups = comm, groups
+    def forward(ctx: Any, x: Tensor, comm: Comm, groups: int, dim: int = 0,
+                rows: tuple[tuple[int, int], ...] | None = None) -> Tensor:
+        ctx.comm, ctx.groups, ctx.dim, ctx.rows = comm, groups, dim, rows
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
-        ctx.comm._record("all_reduce", grad, backward=True)
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None, None]:
+        comm = ctx.comm
+
+        def over_group(t: Tensor) -> Tensor:  # in place, over this rank's group
+            comm._record("all_reduce", t, backward=True)
+            if not comm.simulated:
+                with _guard(comm, "all_reduce"):
+                    dist.all_reduce(t, group=chunk_group(comm, ctx.groups))
+            return t
+
         out = grad.clone(memory_format=torch.contiguous_format)
-        if not ctx.comm.simulated:
-            with _guard(ctx.comm, "all_reduce"):
-                dist.all_reduce(out, group=chunk_group(ctx.comm, ctx.groups))
-        return out, None, None
+        out = over_group(out) if ctx.rows is None else _sum_rows(out, ctx.dim, ctx.rows, over_group)
+        return out, None, None, None, None
 
 
-def reduce_over_chunk_group(x: Tensor, comm: Comm, groups: int) -> Tensor:
+def reduce_over_chunk_group(x: Tensor, comm: Comm, groups: int, dim: int = 0,
+                            rows: tuple[tuple[int, int], ...] | None = None) -> Tensor:
     """:class:`ReduceOverChunkGroup` (a plain function, for an FX ``call_function`` node)."""
-    return ReduceOverChunkGroup.apply(x, comm, groups)
+    return ReduceOverChunkGroup.apply(x, comm, groups, dim, rows)
 
 
 def chunk_group(comm: Comm, groups: int) -> dist.ProcessGroup | None:
@@ -974,10 +987,10 @@ def _grouped_gradient_error() -> AutoTPError:
 
 def _whole_segment_gradient_error() -> AutoTPError:
     return AutoTPError(
-        "training through a fused projection whose key/value heads several ranks hold alike (per group of "
-        "ranks where tp_size exceeds the kv heads, or whole beside split q heads but read by an operation "
-        "other than the projection) is not supported: its input gradient would count those heads once per "
-        "rank. Load with parallelize_model(..., warmup=False) so that the first, training call places it")
+        "training through a fused projection whose key/value heads every rank holds whole beside its split "
+        "query heads, read by an operation other than the projection, is not supported: its input gradient "
+        "would count those heads once per rank. Load with parallelize_model(..., warmup=False) so that the "
+        "first, training call places it")
 
 
 def refuse_gradient(x: Tensor) -> Tensor:
@@ -987,9 +1000,11 @@ def refuse_gradient(x: Tensor) -> Tensor:
 
 
 def refuses_gradient(placement: Placement | None) -> bool:
-    """Whether a parameter stored at ``placement`` is bound through :func:`refuse_gradient` in a
-    graph that may train (see :class:`RefuseGradient`)."""
-    return isinstance(placement, StridedShard) and placement.shared
+    """Whether a parameter stored at ``placement`` may be bound through :func:`refuse_gradient` in a
+    graph that may train (see :class:`RefuseGradient`): segments every rank holds whole (which
+    train where the projection alone reads them, ``autotp/passes/rewrite.py``). Segments held per
+    group of ranks alone train through :class:`ReduceOverChunkGroup` over their rows."""
+    return isinstance(placement, StridedShard) and bool(placement.whole)
 
 
 class WholeSegmentBackward(torch.autograd.Function):
@@ -1021,12 +1036,18 @@ class WholeSegmentBackward(torch.autograd.Function):
             for a, b in rows:
                 out.narrow(d, a, b - a).zero_()
             return out, None, None, None
-        summed = _all_reduce(torch.cat([out.narrow(d, a, b - a) for a, b in rows], d), comm, backward=True)
-        offset = 0
-        for a, b in rows:
-            out.narrow(d, a, b - a).copy_(summed.narrow(d, offset, b - a))
-            offset += b - a
-        return out, None, None, None
+        return _sum_rows(out, d, rows, lambda t: _all_reduce(t, comm, backward=True)), None, None, None
+
+
+def _sum_rows(out: Tensor, dim: int, rows: Sequence[tuple[int, int]], reduce: Callable[[Tensor], Tensor]) -> Tensor:
+    """``out`` with its ``[start, stop)`` ranges ``rows`` along ``dim`` replaced, in place, by their
+    sum over ranks: one collective (``reduce``) over the rows concatenated."""
+    summed = reduce(torch.cat([out.narrow(dim, a, b - a) for a, b in rows], dim))
+    offset = 0
+    for a, b in rows:
+        out.narrow(dim, a, b - a).copy_(summed.narrow(dim, offset, b - a))
+        offset += b - a
+    return out
 
 
 def whole_segment_backward(x: Tensor, placement: StridedShard, comm: Comm, owner: bool) -> Tensor:

@@ -48,18 +48,23 @@ class ChunkGroupGradient(nn.Module):
     """A parameter held per group of ranks (``GroupedShard``: a k/v projection whose kv heads the
     ranks outnumber) as a graph that may train reads it: identity forward; backward sums its
     gradient over the ranks of this rank's group (:class:`autotp.collectives.ReduceOverChunkGroup`).
+    With ``rows`` (``[start, stop)`` along ``dim``) only those rows are summed: the kv heads of a
+    fused q|k|v projection held per group of ranks beside its split q heads (``StridedShard.groups``).
     A module, like :class:`Redistribute`, so the rewritten graph names it."""
 
-    def __init__(self, comm: Comm, groups: int) -> None:
+    def __init__(self, comm: Comm, groups: int, dim: int = 0, rows: tuple[tuple[int, int], ...] | None = None
+                 ) -> None:
         super().__init__()
         self.comm = comm
         self.groups = groups
+        self.dim, self.rows = dim, rows
 
     def forward(self, x: Tensor) -> Tensor:
-        return collectives.reduce_over_chunk_group(x, self.comm, self.groups)
+        return collectives.reduce_over_chunk_group(x, self.comm, self.groups, self.dim, self.rows)
 
     def extra_repr(self) -> str:
-        return f"backward all_reduce over each group of {self.comm.world_size // self.groups} ranks"
+        rows = "" if self.rows is None else f" of rows {list(self.rows)} of dim {self.dim}"
+        return f"backward all_reduce{rows} over each group of {self.comm.world_size // self.groups} ranks"
 
 
 class WholeSegmentGradient(nn.Module):

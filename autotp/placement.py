@@ -188,6 +188,23 @@ class StridedShard(Shard):
         bounds = self.local_bounds(world_size, rank)
         return [bounds[i] for i in sorted(self.whole)]
 
+    def grouped_local_bounds(self, world_size: int, rank: int = 0) -> dict[int, list[tuple[int, int]]]:
+        """Kv group count -> ``[start, stop)`` along rank ``rank``'s local ``dim`` of each segment
+        held per group of ranks with that count (Phi-3's k and v heads: ``{2: [(16, 24), (24, 32)]}``
+        for ``S(0|64+16/2+16/2)`` at tp=4); the ``N / count`` ranks of a group hold those rows alike."""
+        out: dict[int, list[tuple[int, int]]] = {}
+        for i, bounds in enumerate(self.local_bounds(world_size, rank)):
+            if self.groups and self.groups[i]:
+                out.setdefault(self.groups[i], []).append(bounds)
+        return out
+
+    def holders(self, i: int, world_size: int) -> int:
+        """How many ranks hold the same piece of segment ``i``: every rank a whole one, the ``N /
+        groups`` ranks of a group one held per group of ranks, else one (each its own piece)."""
+        if i in self.whole:
+            return world_size
+        return world_size // self.groups[i] if self.groups and self.groups[i] else 1
+
     @property
     def segment_size(self) -> int | None:
         """The size every segment has, or None when they differ (q | k | v of unequal sizes).

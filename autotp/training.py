@@ -33,7 +33,8 @@ def clip_grad_norm_(model: torch.nn.Module, max_norm: float, norm_type: float = 
     ``mesh["dp"]`` (a ``DTensor``) is summed over dp, one sharded by tensor parallelism over tp,
     and a gradient that is whole on every rank of a dim (DDP's averaged gradients over dp, a
     replicated parameter's over tp) is counted once along it; a grouped kv-head shard's once per
-    group.
+    group, as are the rows of a fused projection that several ranks hold alike (its kv heads whole
+    on every rank or held per group of ranks).
     """
     handle = getattr(model, "autotp", None)
     if handle is None:
@@ -55,11 +56,12 @@ def clip_grad_norm_(model: torch.nn.Module, max_norm: float, norm_type: float = 
         square = _local(grad).double().pow(2).sum()
         if over_tp and isinstance(meta.placement, GroupedShard):  # the N / groups ranks of a group hold one chunk
             square = square * meta.placement.groups / tp_comm.world_size
-        if over_tp and isinstance(meta.placement, StridedShard) and meta.placement.whole:  # whole rows: once
-            dim = meta.placement.dim
-            whole = sum(_local(grad).narrow(dim, a, b - a).double().pow(2).sum()
-                        for a, b in meta.placement.whole_local_bounds(tp_comm.world_size, tp_comm.rank))
-            square = square - whole * (tp_comm.world_size - 1) / tp_comm.world_size
+        if over_tp and isinstance(meta.placement, StridedShard) and meta.placement.shared:  # shared rows: once
+            layout, n = meta.placement, tp_comm.world_size
+            for i, (a, b) in enumerate(layout.local_bounds(n, tp_comm.rank)):
+                if layout.holders(i, n) > 1:  # whole on every rank, or kv heads held per group of ranks
+                    rows = _local(grad).narrow(layout.dim, a, b - a).double().pow(2).sum()
+                    square = square - rows * (1 - 1 / layout.holders(i, n))
         squares[(0 if over_dp else 2) if over_tp else (1 if over_dp else 3)] += square
     if dp is not None:
         squares[:2] = sum_over_ranks(squares[:2], dp.comm)  # FSDP2's dp shards

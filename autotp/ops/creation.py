@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from autotp.ops._common import P, R, aten_ops, is_float, out_spec, same
-from autotp.ops.registry import Candidate, OpCall, register, reject
+from autotp.ops.registry import POINTWISE, Candidate, OpCall, register, reject
 from autotp.placement import Placement, Replicate, Shard
 
 
@@ -60,7 +60,7 @@ def new_factory_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Can
 
 
 @register(*aten_ops("full_like.default", "zeros_like.default", "ones_like.default", "empty_like.default",
-                    "fill.Scalar"))
+                    "fill.Scalar"), strided=POINTWISE)
 def like_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate]:
     """A constant of ``x``'s shape: Shard stays Shard, R or P (full local shape) give R."""
     p = inputs[0]

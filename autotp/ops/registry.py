@@ -280,9 +280,11 @@ def over_heads(fn: Rule, op: OpCall, inputs: Sequence[Placement]) -> list[Candid
     S, D)``) is each segment split in whole heads, ``StridedShard.heads`` (one group only).
     Refused: inputs that mix it with plain or grouped shards or another head split; other fused
     (strided) results; local rewrites other than ``shape`` (which localizes by the rank's heads,
-    ``autotp/ops/shape.py: localize_sizes``) and ``replicated_share`` (a Replicate bias of a
-    row-parallel result, GPT-2's ``c_proj``: each rank adds ``1 / N`` of it, whatever its heads),
-    and any that communicate."""
+    ``autotp/ops/shape.py: localize_sizes``), ``replicated_share`` (a Replicate bias of a
+    row-parallel result, GPT-2's ``c_proj``: each rank adds ``1 / N`` of it, whatever its heads)
+    and ``rank_rng`` (random numbers of the rank's heads from its own stream: every head is on
+    one rank, so every element is still one independent draw; the attention dropout of heads no
+    tp divides), and any that communicate."""
     heads = {(p.heads, p.groups) for p in inputs if isinstance(p, HeadShard)}
     if len(heads) > 1 or any(isinstance(p, (Shard, GroupedShard)) for p in inputs):
         return reject(f"head shards meet other shards at {op.target}: {list(inputs)}")
@@ -303,7 +305,7 @@ def over_heads(fn: Rule, op: OpCall, inputs: Sequence[Placement]) -> list[Candid
         return g == 1 and p.even and p.segment_size is not None and p.segment_size % h == 0
 
     out = [dataclasses.replace(c, output=rehead(c.output)) for c in cands
-           if c.local in (None, "shape", "replicated_share") and not c.collectives
+           if c.local in (None, "shape", "replicated_share", "rank_rng") and not c.collectives
            and all(merged(q) for q in leaves(c.output) if isinstance(q, StridedShard))]
     return out if out else reject(f"no candidate of {op.target} keeps the head shards of {list(inputs)}")
 

@@ -13,7 +13,8 @@ and brackets every Dynamo node with two identity custom ops that survive decompo
 
 Everything between a node's edges and its marks is the node's ATen decomposition; it must run on
 local shards unchanged (or with a local rewrite a rule names). The table is torch's core-ATen
-decomposition minus scaled-dot-product attention, which stays one node with one head-dim rule.
+decomposition minus scaled-dot-product attention, which stays one node with one head-dim rule,
+and ``empty_like``, which keeps its input's placement (:func:`decomposition_table`).
 
 Runs in a fresh ``FakeTensorMode`` (no real data is touched), with ``preserve_node_meta`` so every
 ATen node carries ``from_node`` / ``stack_trace`` back to its Dynamo origin.
@@ -93,11 +94,14 @@ class ShadowGraph:
 
 @functools.cache
 def decomposition_table() -> dict:
-    """Core ATen decompositions minus SDPA (kept whole: the attention rules place it). Built once
+    """Core ATen decompositions minus SDPA (kept whole: the attention rules place it) and
+    ``empty_like`` (kept whole so that its result keeps its input's placement: decomposed, it is a
+    factory of no input, replicated, and the dropout SDPA's math kernel draws as
+    ``empty_like(attn).bernoulli_(1 - p)`` could not follow the attention's head shards). Built once
     per process (it walks every registered op); callers must not mutate it."""
     table = dict(core_aten_decompositions())
     for op in list(table):
-        if "scaled_dot_product" in str(op):
+        if "scaled_dot_product" in str(op) or str(op).startswith("aten.empty_like"):
             del table[op]
     return table
 

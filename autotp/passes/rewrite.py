@@ -125,8 +125,15 @@ def rewrite(gm: torch.fx.GraphModule, annotation: Annotation, params: dict[torch
         with graph.inserting_before(first_real):
             attr_nodes[ph] = graph.get_attr(lp.attr)
             placement = meta_of(lp.tensor).placement
-            if trains and refuses_gradient(placement):  # whole segments: summed, unless a reader can't own them
-                # kv heads held per group of ranks (StridedShard.groups): refused, not summed as whole rows
+            if trains and isinstance(placement, StridedShard) and any(placement.groups) and not placement.whole:
+                # fused kv heads held per group of ranks: their rows' gradient summed over each group
+                for groups, rows in placement.grouped_local_bounds(comm.world_size, comm.rank).items():
+                    chunk_group(comm, groups)  # made now, by every rank in compile order
+                    name = f"autotp_group_gradient_{ph.name}_{groups}"
+                    gm.add_submodule(name, ChunkGroupGradient(comm, groups, placement.dim, tuple(rows)))
+                    attr_nodes[ph] = graph.call_module(name, (attr_nodes[ph],))
+                    report.grad_only_collectives += 1
+            elif trains and refuses_gradient(placement):  # whole segments: summed, unless a reader can't own them
                 readers = _whole_segment_readers(ph, annotation) if not any(placement.groups) else None
                 if readers is not None:
                     name = f"autotp_whole_gradient_{ph.name}"

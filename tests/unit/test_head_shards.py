@@ -171,3 +171,19 @@ def test_a_fused_shard_split_in_whole_heads_gives_each_rank_the_same_heads_of_ev
     assert [local_shape((4672, 4544), falcon, 8, r)[0] for r in (0, 7)] == [704, 640]
     merged = StridedShard(0, (25, 25), (), (25, 25))  # (B, 25 heads) merged into B*25 at batch 2
     assert merged.segment_size == 25 and merged.local_length_of(75, 8, 0) == 12  # 3 batches of heads 0-3
+
+
+def test_kv_heads_held_per_group_inside_a_fused_shard_name_the_rows_a_group_shares() -> None:
+    """Phi-3's qkv_proj with 8 query heads over 2 kv heads of 8 at tp=4: rank r holds its 2 q heads
+    (16 rows) and kv head ``r // 2`` of k and of v (8 rows each), which the 2 ranks of its group
+    hold alike; their gradient is summed over the group and their squares counted once (the
+    training helpers ask ``grouped_local_bounds`` and ``holders``). Whole segments are held by all."""
+    from autotp.placement import StridedShard
+
+    qkv = parse("S(0|64+16/2+16/2)")
+    assert qkv == StridedShard(0, (64, 16, 16), (), (), (0, 2, 2))
+    assert qkv.pieces(3, 4) == [(48, 64), (72, 80), (88, 96)]  # q heads 6-7, kv head 1 of k and of v
+    assert qkv.grouped_local_bounds(4, 3) == {2: [(16, 24), (24, 32)]}
+    assert [qkv.holders(i, 4) for i in range(3)] == [1, 2, 2]
+    falcon = parse("S(0|48:3h+16r+16r)")
+    assert falcon.grouped_local_bounds(2, 1) == {} and [falcon.holders(i, 2) for i in range(3)] == [1, 2, 2]
