@@ -175,6 +175,7 @@ SMALL_ROWS = 1 / 16  # a parameter with at most this share of the widest one's r
 TIE = 1e-9
 MAX_WIDENING = 64  # the widest beam tried, as a multiple of SolverOptions.beam_width
 BELOW_STATES = 4096  # the widest frontier of the search below a plan (SolverOptions.exact) before it gives up
+CERTIFY_SECONDS = 10.0  # the most HiGHS time the integer program of the certificate may take
 NARROW_EPSILON = 1e-6  # a collective-free R->S edge is preferred only when it is needed
 
 
@@ -206,6 +207,9 @@ class SolverOptions:
     #: a backward pass follows (a training graph): each redistribution also costs the collective
     #: its backward issues (an ``R -> S`` narrow is free forward and an all-gather backward)
     backward: bool = False
+    #: where the beam dropped states, bound the optimum with the objective's linear program
+    #: (``autotp/passes/ilp.py``): its LP relaxation, then, where that leaves a gap, the integer program
+    certify: bool = True
 
 
 @dataclass
@@ -336,6 +340,9 @@ class SolveTrace:
     widened_to: int | None = None
     #: the widest frontier of the search below the plan (``SolverOptions.exact``); None: not run
     below_states: int | None = None
+    #: the linear program's certificate (``SolverOptions.certify``): how it was solved ("lp" or
+    #: "milp"), its bound, size and CPU seconds; None: not run (the beam dropped nothing)
+    certificate: dict[str, Any] | None = None
     unknown_ops: dict[str, int] = field(default_factory=dict)
     seconds: float = 0.0
 
@@ -607,6 +614,8 @@ def _search_widening(steps: list[_Step], position: dict[int, int], last_use: dic
             continue
         break
     best = min(v[0] for v in states.values())
+    if opts.certify and trace.pruned_min < best:
+        _certify(search, best, trace)
     if opts.exact and trace.pruned_min < best:
         from autotp.passes.bound import search_below  # (it builds on _Search)
 
@@ -619,6 +628,27 @@ def _search_widening(steps: list[_Step], position: dict[int, int], last_use: dic
             trace.pruned_min = float("inf")
             states = below.states or states
     return states
+
+
+def _certify(search: _Search, best: float, trace: SolveTrace) -> None:
+    """Bound the optimum with the objective's LP relaxation and, where it leaves a gap, with the
+    integer program (``autotp/passes/ilp.py``; at most ``CERTIFY_SECONDS`` of HiGHS): a bound within
+    ``TIE`` of the plan's cost proves the plan optimal (``trace.pruned_min`` becomes ``inf``), a
+    lower one raises the beam's bound."""
+    from autotp.passes.ilp import certify  # (it builds on _Search)
+
+    start = time.process_time()
+    tie = TIE * max(1.0, abs(best))
+    found = certify(search, relax=True)
+    if found.bound < best - tie and found.variables:
+        found = certify(search, relax=False, time_limit=CERTIFY_SECONDS)
+    trace.certificate = {"method": "lp" if found.relaxed else "milp", "bound": found.bound,
+                         "variables": found.variables, "constraints": found.constraints,
+                         "cpu_s": time.process_time() - start, "note": found.reason}
+    if found.bound >= best - tie:
+        trace.pruned_min = float("inf")
+    else:
+        trace.pruned_min = max(trace.pruned_min, found.bound)
 
 
 @dataclass(frozen=True)
