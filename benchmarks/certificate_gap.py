@@ -55,8 +55,9 @@ def child(cases: list[str], repeat: int) -> dict[str, Any]:
             continue
         solution, cpu = time_last_solve(
             functools.partial(plan_model, _config(arch), tp, decode=False, batch=batch[0] if batch else 1), repeat)
+        certificate = getattr(solution.trace, "certificate", None)  # (None on trees without it)
         out[name] = {"solve_cpu_s": cpu, "cost": solution.cost, "lower_bound": solution.lower_bound,
-                     "gap": solution.gap, "pruned_states": solution.trace.pruned_states}
+                     "gap": solution.gap, "pruned_states": solution.trace.pruned_states, "certificate": certificate}
     return out
 
 
@@ -81,7 +82,7 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
                 continue
             last = runs[name][-1][case]
             entry[name] = {"solve_cpu_s": stats([t for r in runs[name] for t in r[case]["solve_cpu_s"]]),
-                           **{k: last[k] for k in ("cost", "lower_bound", "gap", "pruned_states")}}
+                           **{k: last.get(k) for k in ("cost", "lower_bound", "gap", "pruned_states", "certificate")}}
         if len(entry) == 2 == len(names):
             entry["ratio"] = entry[names[0]]["solve_cpu_s"]["median"] / entry[names[1]]["solve_cpu_s"]["median"]
         out[case] = entry

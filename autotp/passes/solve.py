@@ -644,7 +644,8 @@ def _certify(search: _Search, best: float, trace: SolveTrace) -> None:
         found = certify(search, relax=False, time_limit=CERTIFY_SECONDS)
     trace.certificate = {"method": "lp" if found.relaxed else "milp", "bound": found.bound,
                          "variables": found.variables, "constraints": found.constraints,
-                         "cpu_s": time.process_time() - start, "note": found.reason}
+                         "cpu_s": time.process_time() - start, "build_cpu_s": found.build_s,
+                         "highs_cpu_s": found.solve_s, "note": found.reason}
     if found.bound >= best - tie:
         trace.pruned_min = float("inf")
     else:
