@@ -119,11 +119,21 @@ def _build(search: _Search) -> tuple[_Program, dict[str, int]]:
         return x[j]
 
     def define(j: int, groups: dict[Any, list[int]]) -> None:
-        """``x[j, p] = sum(groups[p])``: the placement of ``j`` is what those columns give."""
+        """``x[j, p] = sum(groups[p])``: the placement of ``j`` is what those columns give (the
+        column itself where there is one)."""
         x[j] = {}
         for p, cols in groups.items():
+            if len(cols) == 1:
+                x[j][p] = cols[0]
+                continue
             x[j][p] = col = prog.var()
             prog.row([(col, -1.0)] + [(c, 1.0) for c in cols], 0.0, 0.0)
+
+    # values redistributed by more than one edge: their collectives are columns of their own, shared
+    moved: dict[int, int] = {}
+    for step in search.steps:
+        if step.kind == "edge" and step.inputs:
+            moved[step.inputs[0]] = moved.get(step.inputs[0], 0) + 1
 
     copies: dict[tuple, int] = {}  # (value, p, q, cost) -> the shared collective's column
     first_edge: set[int] = set()
@@ -166,13 +176,14 @@ def _build(search: _Search) -> tuple[_Program, dict[str, int]]:
                 else:
                     for q in edge_targets(p, step.spec, opts.world_size, opts.kv_groups):
                         moves[p, q] = edge_cost(p, q, step.spec, opts)
-            t = {move: prog.var() for move in moves}
+            shared = moved[m] > 1
+            t = {move: prog.var(0.0 if shared else cost) for move, cost in moves.items()}
             for p, c in src.items():
                 prog.row([(c, -1.0)] + [(col, 1.0) for (a, _), col in t.items() if a == p], 0.0, 0.0)
             groups = {}
             for (p, q), col in t.items():
                 groups.setdefault(q, []).append(col)
-                if p != q and moves[p, q] > 0.0:
+                if shared and p != q and moves[p, q] > 0.0:
                     key = (m, p, q, moves[p, q])
                     if key not in copies:
                         copies[key] = prog.var(moves[p, q])
