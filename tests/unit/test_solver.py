@@ -315,6 +315,22 @@ def test_where_the_beam_drops_partial_plans_the_linear_program_proves_its_plan_o
     assert solution.gap == 0 and solution.lower_bound == solution.cost == uncertified.cost
 
 
+def test_where_the_program_cannot_be_built_the_certificate_keeps_the_beams_bound_and_says_why(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """An op with more input-placement combinations than the program enumerates leaves no program:
+    the bound is the beam's own (the cheapest dropped state), and the trace names the op."""
+    from autotp.passes import ilp
+
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    uncertified, _, _ = _plan(_TwoBlocks(), 2, beam_width=1, input_ids=ids, options={"certify": False})
+    monkeypatch.setattr(ilp, "MAX_COMBINATIONS", 1)
+    solution, _, _ = _plan(_TwoBlocks(), 2, beam_width=1, input_ids=ids)
+
+    assert solution.lower_bound == uncertified.lower_bound < solution.cost
+    assert solution.trace.certificate["variables"] == 0
+    assert "input combinations" in solution.trace.certificate["note"]
+
+
 def test_the_search_below_a_plan_that_gives_up_keeps_a_bound_no_plan_beats(monkeypatch: pytest.MonkeyPatch) -> None:
     """With a frontier cap too small to finish, the search below keeps the larger of the beam's
     bound and the least paid cost on its frontier where it stopped: never above the exhaustive
