@@ -13,16 +13,17 @@ Formulation, over the solver's steps (its inputs, ``_Search``):
   one per value, over the placements it can reach (computed forward in schedule order from the
   pinned placeholders and the parameters' options). A free parameter's ``x`` costs its option's
   priced memory (the objective's tiers 1 and 3).
-* ``s[n, c]``: op ``n`` reads its distinct inputs in placements ``c.inputs`` and the rule's candidate
-  ``c`` gives its output, at ``internal_cost + activation_cost``; enumerated by calling the rule on
-  every combination of its inputs' reachable placements. For each input and placement, the
-  strategies that read it so sum to that input's ``x`` (so exactly one strategy runs), and the
-  strategies that give output ``o`` sum to ``x[n, o]``. No feasible strategy: the program is
-  infeasible exactly where every partial plan of the beam dies.
+* ``s[n, k]``: op ``n`` reads its distinct inputs in the placements of combination ``k`` and takes
+  one candidate the rule returns for them, at ``internal_cost + activation_cost``; enumerated by
+  calling the rule on every combination of its inputs' reachable placements. For each input and
+  placement, the strategies that read the input in that placement sum to its ``x`` (so exactly one
+  strategy runs), and those that give output ``o`` sum to ``x[n, o]``. A combination with no
+  candidate has no strategy: the program forbids exactly the partial plans the beam abandons.
 * an edge (a tensor crossing a Dynamo-node boundary) ``e`` from value ``m``: ``t[e, p, q]`` moves it
   from ``p`` to ``q`` (``edge_targets``; ``q = p`` free), with marginals ``x[m, p]`` and
-  ``x[e, q]``. The collective is paid on ``y[m, p, q] >= t[e, p, q]``, once per value and
-  redistribution however many edges ask for it (the rewrite shares it). A parameter's edge and an
+  ``x[e, q]``. The collective is paid once per value and redistribution however many edges ask for
+  it (the rewrite shares it): on ``t`` where one edge reads ``m``, else on a column
+  ``y[m, p, q] >= t[e, p, q]`` of every edge ``e`` of ``m``. A parameter's edge and an
   in-place edge keep the value's placement; a graph output must be ``R`` (or keep its shard with
   ``SolverOptions.sharded_outputs``); a mark copies its input, a getitem takes its item.
 
@@ -32,8 +33,18 @@ for an edge scheduled after the first one is resolved, and a graph-output gather
 (``_Search.edge_options``); the program shares always. So the program's optimum, and its LP
 relaxation's, are lower bounds of the beam's objective over all plans: where either reaches the
 beam's cost (within ``TIE``), the plan is optimal, proved. Tested against exhaustive search on small
-graphs (tests/unit/test_solver.py). The program does not rebuild a plan: it certifies or bounds the
-beam's.
+graphs (tests/unit/test_solver.py): the integer program's optimum is the exhaustive optimum, also
+where the beam misses it. The program does not rebuild a plan: it certifies or bounds the beam's.
+What it cannot express it refuses (``Certificate.reason``): an op with more than
+``MAX_COMBINATIONS`` combinations of input placements, a free parameter an op reads without an
+edge, an edge without a producer.
+
+Size and cost: one column per reachable (value, placement), per (op, input combination, candidate)
+and per (edge, move); the rule calls are those the beam already cached, mostly. At 2 layers of
+Gemma-2-9B's widths, tp=2 (1,052 steps): 3,634 columns and 2,854 rows, built in 0.02 s of CPU, its
+LP relaxation solved by HiGHS in 0.03 s (the integer program in 0.05 s; the beam takes ~0.45 s).
+It grows with the graph, not with the number of distinct blocks (40 tiny Llama layers: 45,444
+columns, 1.2 s of CPU).
 """
 
 from __future__ import annotations

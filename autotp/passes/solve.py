@@ -112,7 +112,7 @@ hence its time limit), nor that the program is built at all: an op with more tha
 ``ilp.MAX_COMBINATIONS`` combinations of input placements, or a graph shape it does not express,
 leaves the beam's bound (``SolveTrace.certificate``'s note says why). The program covers the whole
 graph (repeated blocks are not reused as the beam reuses them): on 40 tiny Llama layers it has
-75,170 variables and cost 1.7 s of CPU; ``plan_model`` and the backend solve a shortened stand-in of
+45,444 variables and costs 1.2 s of CPU; ``plan_model`` and the backend solve a shortened stand-in of
 a deep model (``autotp/depth.py``).
 
 With ``SolverOptions.exact``, where a gap remains, a branch and bound (``autotp/passes/bound.py``)
