@@ -14,7 +14,9 @@ graph, and solves them again ``--repeat`` times, each timed in process CPU secon
 (``time.process_time``: the machine may be shared, and other processes' time is not counted). The
 trees alternate round by round, so drift on the machine hits both alike. Per case: the median solve
 CPU time of each tree, their ratio, and each tree's cost, lower bound and gap (identical in every
-repetition: the solver is deterministic).
+repetition: the solver is deterministic), with the certificate that gave the bound
+(``SolveTrace.certificate``: "lp" or "milp", the program's size and its CPU seconds, included in the
+solve time; None where the beam dropped nothing, or on trees without it).
 
 Output: one JSON line per (tree, round) on stdout, a table on stderr, and
 ``certificate_gap.json`` (``--name`` renames it) in ``--out`` (default ``benchmarks/results``).
