@@ -36,7 +36,7 @@ beam's cost (within ``TIE``), the plan is optimal, proved. Tested against exhaus
 graphs (tests/unit/test_solver.py): the integer program's optimum is the exhaustive optimum, also
 where the beam misses it. The program does not rebuild a plan: it certifies or bounds the beam's.
 The bound is HiGHS's floating-point optimum, exact up to its tolerances (1e-7 on feasibility; on the
-real-width matrix the LP optimum and the beam's cost agree to 1e-11 relative).
+real-width matrix the LP optimum and the beam's cost agree within 1e-6, of costs near 1e5).
 What it cannot express it refuses (``Certificate.reason``): an op with more than
 ``MAX_COMBINATIONS`` combinations of input placements, a free parameter an op reads without an
 edge, an edge without a producer.
