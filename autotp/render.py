@@ -453,7 +453,7 @@ def render_text(report: PlanReport) -> str:
                 "proved optimal (gap 0)"
                 if not f.gap
                 else f"the optimum is at least {f.lower_bound:.1f} (gap {f.gap:.1f}: at most what the plan may "
-                "lose, not a loss found: the beam dropped partial plans that had paid less so far)"
+                "lose; neither the beam nor the certificate's linear program, autotp/passes/ilp.py, proved more)"
             )
         )
     if d is not None:

@@ -14,7 +14,9 @@ graph, and solves them again ``--repeat`` times, each timed in process CPU secon
 (``time.process_time``: the machine may be shared, and other processes' time is not counted). The
 trees alternate round by round, so drift on the machine hits both alike. Per case: the median solve
 CPU time of each tree, their ratio, and each tree's cost, lower bound and gap (identical in every
-repetition: the solver is deterministic).
+repetition: the solver is deterministic), with the certificate that gave the bound
+(``SolveTrace.certificate``: "lp" or "milp", the program's size and its CPU seconds, included in the
+solve time; None where the beam dropped nothing, or on trees without it).
 
 Output: one JSON line per (tree, round) on stdout, a table on stderr, and
 ``certificate_gap.json`` (``--name`` renames it) in ``--out`` (default ``benchmarks/results``).
@@ -55,8 +57,9 @@ def child(cases: list[str], repeat: int) -> dict[str, Any]:
             continue
         solution, cpu = time_last_solve(
             functools.partial(plan_model, _config(arch), tp, decode=False, batch=batch[0] if batch else 1), repeat)
+        certificate = getattr(solution.trace, "certificate", None)  # (None on trees without it)
         out[name] = {"solve_cpu_s": cpu, "cost": solution.cost, "lower_bound": solution.lower_bound,
-                     "gap": solution.gap, "pruned_states": solution.trace.pruned_states}
+                     "gap": solution.gap, "pruned_states": solution.trace.pruned_states, "certificate": certificate}
     return out
 
 
@@ -81,7 +84,7 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
                 continue
             last = runs[name][-1][case]
             entry[name] = {"solve_cpu_s": stats([t for r in runs[name] for t in r[case]["solve_cpu_s"]]),
-                           **{k: last[k] for k in ("cost", "lower_bound", "gap", "pruned_states")}}
+                           **{k: last.get(k) for k in ("cost", "lower_bound", "gap", "pruned_states", "certificate")}}
         if len(entry) == 2 == len(names):
             entry["ratio"] = entry[names[0]]["solve_cpu_s"]["median"] / entry[names[1]]["solve_cpu_s"]["median"]
         out[case] = entry

@@ -6,7 +6,9 @@ below ``U``. :func:`search_below` runs the solver's frontier search again with n
 every partial plan whose paid cost plus ``to_go`` is below ``U`` and drops only those that cannot
 beat ``U`` and those another state dominates (exact, ``_Search.dominates``). When its frontier
 empties, no plan is cheaper than ``U`` (the plan is optimal: gap 0, proved); when complete plans
-remain, the cheapest of them is the optimum.
+remain, the cheapest of them is the optimum. The solver runs it only where the certificate's linear
+program (``autotp/passes/ilp.py``) leaves a gap: that program bounds the optimum, this search is what
+replaces the plan by a cheaper one.
 
 ``to_go(position, state)`` must never exceed the state's exact cost still to come (*admissible*);
 0 always is. The frontier is capped (``max_states``): past the cap the search gives up and returns

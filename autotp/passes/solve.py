@@ -87,36 +87,47 @@ copy and carries the partial sums along the residual stream into block 0's atten
 Pruning is reported in the trace.
 
 Certificate: every state the beam drops has paid a cost that only grows on the way to a complete
-plan (all costs are >= 0), so ``lower_bound = min(best plan found, cheapest dropped state)`` bounds
-the optimum from below; ``Solution.gap = cost - lower_bound`` (0: the plan is optimal for the
-objective above, proved). Without a dropped state the search was exhaustive and the gap is 0 by
-construction. With ``SolverOptions.exact``, where the beam left a gap, a branch and bound
-(``autotp/passes/bound.py``) searches again with no beam, keeping every partial plan whose paid cost
-plus a lower bound on its cost still to come is below the plan's cost (less ``TIE``), and dropping
-the rest and the dominated: when its frontier empties the plan is optimal (gap 0), when plans remain
-the cheapest is the optimum and replaces the plan; past ``BELOW_STATES`` states it gives up and
-keeps the larger of the two bounds (its frontier's least paid cost plus bound, and the beam's). Its
-bound on the cost still to come is 0 so far, which proves small graphs (tested against exhaustive
-search) but gives up at real widths. Guaranteed: the bound never exceeds the optimum (tested against
-exhaustive search on random small graphs). Not guaranteed: that it is tight, and on real models it
-is not: it counts nothing of what a dropped state still has to pay, and the beam drops partial plans
-from the first block on, so every case of the real-width plan matrix reports a gap, tiny widths
-alike (``benchmarks/certificate_gap.py``). At Gemma-2-9B's widths (2 layers, tp=2) the plan costs
-92,161 and the bound is 18,432 at a beam of 32, 26,624 at 256 and 35,328 at 2,048 (28 s of CPU):
-widening does not close it, nor does ``exact`` (it gives up after 5 s). The branch and bound is
-cheap only if its bound on the cost still to come is within a few KB of each state's exact cost to
-go. Measured there with the plan's own remaining cost at each step in place of that bound (a guess,
-not a bound: it shows what a bound must achieve), it keeps at most 234 states per node (0.2 s); with
-4 KB of slack 459 (0.34 s); with one all-reduce of slack (18 KB) 12,000 (11 s); with no bound it
-passes 20,000 states in block 0's attention. Bounds that split the rest of the graph into
-independent parts lose at least an all-reduce per block: one block at a time, because a block may
-defer its last reduction to the next one (entering ``R`` and leaving ``Partial`` pays one all-reduce
-of Megatron's two); one value at a time, because each consumer of a value then takes whatever
-placement suits it for free; one path at a time, because a path misses what its side inputs pay (a
-norm's reduce-scatter looks cheaper than its all-reduce until the next matmul gathers it back). A
-debt for each live ``Partial`` (its cheapest reduction) does not help either: dropped states that
-owe no reduction have paid as little (11,264 there). A bound tight enough must follow each state's
-deferred reductions and owed gathers through the rest of the graph; none is built yet.
+plan (all costs are >= 0), so ``min(best plan found, cheapest dropped state)`` bounds the optimum
+from below; without a dropped state the search was exhaustive and the gap is 0 by construction.
+That bound is loose wherever the beam drops states, since a state dropped in block 0 has paid
+little yet (Gemma-2-9B's widths, 2 layers, tp=2: plan 92,161, bound 18,432 at a beam of 32, 35,328
+at 2,048). So there (``SolverOptions.certify``, on by default) the same objective is written as a
+0/1 integer linear program (``autotp/passes/ilp.py``: a one-hot placement per value, one strategy
+per op and rule candidate over its inputs' reachable placements, each redistribution of a value
+paid once, every cost from this module's functions) and HiGHS solves its LP relaxation; where that
+leaves a gap, the integer program itself, for at most ``CERTIFY_SECONDS`` (then the best bound it
+proved). Every plan the beam can return is a solution of the program at the same cost or less (the
+program shares a redistribution between edges wherever the beam does, and in a few places the beam
+does not), so both optima bound the optimum from below; within ``TIE`` of the plan's cost the plan
+is proved optimal (gap 0). ``Solution.lower_bound`` is the larger of the beam's bound and the
+program's, and ``SolveTrace.certificate`` says how it was reached, the program's size and its CPU
+time. Measured: on every case of the real-width plan matrix (``benchmarks/certificate_gap.py``),
+and with decode graphs and sequence parallelism on the cases tried, the LP relaxation alone reaches
+the plan's cost (gap 0), at 11-31% of the beam's CPU time (median 15%: 0.02-0.08 s, 835-3,839
+columns; the larger shares on the smallest solves, encoders at 0.06-0.13 s). On small random
+graphs the bound equals the optimum of an exhaustive search at beams 1 and 4, also where a beam of
+1 misses that optimum (then the integer program finds it, below the plan: the plan is not
+replaced, ``exact`` does that). Guaranteed: the bound never exceeds the optimum of this objective
+(tested against exhaustive search). Not guaranteed: that the LP relaxation is tight (the integer
+program is exact but NP-hard in general, hence its time limit), nor that the program is built at
+all: an op with more than ``ilp.MAX_COMBINATIONS`` combinations of input placements, or a graph
+shape it does not express, leaves the beam's bound (``SolveTrace.certificate``'s note says why).
+The program covers the whole graph (repeated blocks are not reused as the beam reuses them), so it
+grows with depth: 8 layers of Gemma-2-9B's widths at tp=2, gap 0, 13,156 columns and 0.25 s against the
+beam's 1.5-1.8 s; 40 tiny Llama layers, 45,444 columns and 1.2 s. ``plan_model`` solves a shortened
+stand-in of a deep model (``autotp/depth.py``), the backend the whole graph.
+
+With ``SolverOptions.exact``, where a gap remains, a branch and bound (``autotp/passes/bound.py``)
+searches again with no beam, keeping every partial plan whose paid cost plus a lower bound on its
+cost still to come is below the plan's cost (less ``TIE``), and dropping the rest and the
+dominated: when its frontier empties the plan is optimal (gap 0), when plans remain the cheapest is
+the optimum and replaces the plan; past ``BELOW_STATES`` states it gives up and keeps the larger of
+the two bounds. Its bound on the cost still to come is 0, which proves small graphs but gives up at
+real widths: every bound that splits the rest of the graph into independent parts (blocks, values,
+paths) loses at least an all-reduce per block, and the search is cheap only with a bound within a
+few KB of each state's exact cost to go (at Gemma-2-9B's widths, 2 layers, tp=2, with the plan's
+own remaining cost standing in for it: at most 234 states per node; with one all-reduce of slack
+about 12,000; with none, more than 20,000 in block 0's attention).
 
 Repeated blocks: :func:`find_segments` cuts the schedule into blocks that repeat, found from the
 sequence of ops and shapes (never from module names). A block whose structure and incoming states
@@ -175,6 +186,7 @@ SMALL_ROWS = 1 / 16  # a parameter with at most this share of the widest one's r
 TIE = 1e-9
 MAX_WIDENING = 64  # the widest beam tried, as a multiple of SolverOptions.beam_width
 BELOW_STATES = 4096  # the widest frontier of the search below a plan (SolverOptions.exact) before it gives up
+CERTIFY_SECONDS = 10.0  # the most HiGHS time the integer program of the certificate may take
 NARROW_EPSILON = 1e-6  # a collective-free R->S edge is preferred only when it is needed
 
 
@@ -206,6 +218,9 @@ class SolverOptions:
     #: a backward pass follows (a training graph): each redistribution also costs the collective
     #: its backward issues (an ``R -> S`` narrow is free forward and an all-gather backward)
     backward: bool = False
+    #: where the beam dropped states, bound the optimum with the objective's linear program
+    #: (``autotp/passes/ilp.py``): its LP relaxation, then, where that leaves a gap, the integer program
+    certify: bool = True
 
 
 @dataclass
@@ -336,6 +351,9 @@ class SolveTrace:
     widened_to: int | None = None
     #: the widest frontier of the search below the plan (``SolverOptions.exact``); None: not run
     below_states: int | None = None
+    #: the linear program's certificate (``SolverOptions.certify``): how it was solved ("lp" or
+    #: "milp"), its bound, size and CPU seconds; None: not run (the beam dropped nothing)
+    certificate: dict[str, Any] | None = None
     unknown_ops: dict[str, int] = field(default_factory=dict)
     seconds: float = 0.0
 
@@ -607,6 +625,8 @@ def _search_widening(steps: list[_Step], position: dict[int, int], last_use: dic
             continue
         break
     best = min(v[0] for v in states.values())
+    if opts.certify and trace.pruned_min < best:
+        _certify(search, best, trace)
     if opts.exact and trace.pruned_min < best:
         from autotp.passes.bound import search_below  # (it builds on _Search)
 
@@ -619,6 +639,28 @@ def _search_widening(steps: list[_Step], position: dict[int, int], last_use: dic
             trace.pruned_min = float("inf")
             states = below.states or states
     return states
+
+
+def _certify(search: _Search, best: float, trace: SolveTrace) -> None:
+    """Bound the optimum with the objective's LP relaxation and, where it leaves a gap, with the
+    integer program (``autotp/passes/ilp.py``; at most ``CERTIFY_SECONDS`` of HiGHS): a bound within
+    ``TIE`` of the plan's cost proves the plan optimal (``trace.pruned_min`` becomes ``inf``), a
+    lower one raises the beam's bound."""
+    from autotp.passes.ilp import certify  # (it builds on _Search)
+
+    start = time.process_time()
+    tie = TIE * max(1.0, abs(best))
+    found = certify(search, relax=True)
+    if found.bound < best - tie and found.variables:
+        found = certify(search, relax=False, time_limit=CERTIFY_SECONDS)
+    trace.certificate = {"method": "lp" if found.relaxed else "milp", "bound": found.bound,
+                         "variables": found.variables, "constraints": found.constraints,
+                         "cpu_s": time.process_time() - start, "build_cpu_s": found.build_s,
+                         "highs_cpu_s": found.solve_s, "note": found.reason}
+    if found.bound >= best - tie:
+        trace.pruned_min = float("inf")
+    else:
+        trace.pruned_min = max(trace.pruned_min, found.bound)
 
 
 @dataclass(frozen=True)
