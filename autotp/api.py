@@ -595,15 +595,19 @@ def _warmup_ids(module: torch.nn.Module, world_size: int) -> tuple[torch.Tensor,
 
 
 def _warmup_inputs(module: torch.nn.Module, world_size: int) -> dict[str, Any]:
-    """The plain warm-up call's inputs (:func:`_warm_up`): the model's own ``dummy_inputs`` keys,
-    ``(1, 2N+1)`` ids for each token input, and the model's own ``use_cache`` default."""
+    """The plain warm-up call's inputs (:func:`_warm_up`): the model's own ``dummy_inputs`` keys but
+    its masks, ``(1, 2N+1)`` ids for each token input, and the model's own ``use_cache`` default.
+    A plain call passes ids alone (T5's ``model(input_ids=..., decoder_input_ids=...)``), and a
+    keyword the warm-up passed that the call does not (T5's dummy ``decoder_attention_mask``) fails
+    Dynamo's guard on the keywords: the call would compile another graph."""
     dummy = getattr(module, "dummy_inputs", None)
     inputs: dict[str, Any] = dict(dummy) if isinstance(dummy, dict) and dummy else {}
     ids = torch.arange(1, 2 * world_size + 2).unsqueeze(0)  # (1, 2N+1)
     for key in TOKEN_INPUTS:
         if key in inputs or key == "input_ids":
             inputs[key] = ids.clone()
-    inputs.pop("attention_mask", None)
+    for mask in ("attention_mask", "decoder_attention_mask"):
+        inputs.pop(mask, None)
     return inputs
 
 

@@ -76,6 +76,10 @@ class PlanReport:
     #: how the layers were planned: expanded from a shortened stand-in (``autotp/depth.py``) or at
     #: full depth, and why
     depth: str | None = None
+    #: the warm-up graph, compiled first when ``(batch, seq_len)`` is not the warm-up shape
+    #: ``(1, 2*tp+1)``: its free solve fixed the plan, so it is the ``forward`` that a plan at
+    #: batch 1 and the default length reports (None when ``forward`` is that graph itself)
+    warmup: GraphReport | None = None
 
     @property
     def collectives(self) -> dict[str, int]:
@@ -120,12 +124,14 @@ class PlanReport:
         state = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "record"}
         state["forward"] = asdict(self.forward)
         state["decode"] = asdict(self.decode) if self.decode is not None else None
+        state["warmup"] = asdict(self.warmup) if self.warmup is not None else None
         return state
 
     @classmethod
     def from_state(cls, state: Mapping[str, Any]) -> PlanReport:
-        return cls(**{**state, "forward": GraphReport.from_state(state["forward"]),
-                      "decode": GraphReport.from_state(state["decode"]) if state["decode"] is not None else None})
+        graphs = {key: GraphReport.from_state(state[key]) if state.get(key) is not None else None
+                  for key in ("decode", "warmup")}
+        return cls(**{**state, "forward": GraphReport.from_state(state["forward"]), **graphs})
 
     #: what :meth:`to_json` holds about how the plan was computed rather than what it is
     COMPUTATION = ("timings", "solver", "depth")

@@ -13,7 +13,8 @@ Two calls, as in generation (three when ``(B, S)`` is not the warm-up shape):
 
 0. **warm-up** (only when ``(B, S)`` differs from ``(1, 2N+1)``): ``parallelize_model``'s warm-up
    shape. Its free solve fixes every parameter's placement (the plan), as the warm-up does on
-   the ranks.
+   the ranks. The report keeps it (``PlanReport.warmup``): it is the prefill a plan at the
+   default shape reports, so one plan at ``(B, S)`` answers for both shapes.
 1. **prefill**: ``input_ids`` of shape ``(B, S)`` (into an empty KV cache when a decode step
    follows). At the default shape ``(1, 2N+1)`` this graph is the warm-up and fixes the plan;
    otherwise it is solved with the parameters pinned, as a long prefill is on the ranks, so the
@@ -344,7 +345,7 @@ def _plan(config: Any, module: torch.nn.Module, name: str, options: AutoTPConfig
         param_bytes_total=bytes_total, forward=run.forward, decode=run.decode, decode_note=run.decode_note,
         kv_cache_bytes_per_rank=kv_rank, kv_cache_bytes_total=kv_total,
         timings=_timings(run, build_s, t_start, cpu_start), tp_plan=tp_plan, tp_plan_refusal=refusal,
-        overrides=overrides, record=run.record, depth=f"planned at full depth: {why}",
+        overrides=overrides, record=run.record, depth=f"planned at full depth: {why}", warmup=run.warmup,
     )
 
 
@@ -411,7 +412,7 @@ def _trace(config: Any, module: torch.nn.Module, options: AutoTPConfig, shape: t
         warmup, _ = _run_graph("warm-up", forward, warm_kwargs, comm, seen)
     first = len(seen)
     fwd, prefill = _run_graph("forward", forward, kwargs, comm, seen)
-    compiled = {"forward": seen[first:]}
+    compiled = {"forward": seen[first:], **({"warm-up": seen[:first]} if warmup is not None else {})}
     record = seen[0].graph.solve if seen else None  # the free solve
 
     dec, note, kv = None, None, None
@@ -451,7 +452,7 @@ def _expanded(name: str, config: Any, module: torch.nn.Module, stand_in: torch.n
 
     tp = options.tp_size
     graphs = {}
-    for key, g in (("forward", run.forward), ("decode", run.decode)):
+    for key, g in (("warm-up", run.warmup), ("forward", run.forward), ("decode", run.decode)):
         if g is None:
             continue
         compiled = run.compiled[key]
@@ -481,7 +482,7 @@ def _expanded(name: str, config: Any, module: torch.nn.Module, stand_in: torch.n
         param_bytes_total=bytes_total, forward=graphs["forward"], decode=graphs.get("decode"),
         decode_note=run.decode_note, kv_cache_bytes_per_rank=kv_rank, kv_cache_bytes_total=kv_total,
         timings=_timings(run, build_s, t_start, cpu_start), tp_plan=tp_plan, tp_plan_refusal=refusal,
-        overrides=dict(options.overrides), record=None, depth=short.describe(),
+        overrides=dict(options.overrides), record=None, depth=short.describe(), warmup=graphs.get("warm-up"),
     )
 
 

@@ -11,6 +11,11 @@ test never hangs past ``timeout``.
 ``fn`` must be a module-level function (it is pickled by qualified name); its arguments and
 return value must be picklable.
 
+Each rank sends its CPU seconds (user + sys) back with its message, and :data:`RANK_CPU` sums
+them in the calling process: forked from the forkserver, ranks are not the caller's children, so
+neither ``getrusage(RUSAGE_CHILDREN)`` nor ``/usr/bin/time`` sees them (``conftest.py``'s
+``--cpu-per-file`` adds them to each test's own CPU).
+
 Ranks are forked from a ``forkserver`` that imported torch, Dynamo, transformers and autotp once
 per session (:data:`PRELOAD`): a ``spawn``-ed rank spent ~5 s of CPU importing them, in every
 rank of every test, before doing anything. A forked rank is still a fresh process (the server only
@@ -26,6 +31,7 @@ import datetime
 import multiprocessing.connection as mpc
 import os
 import pickle
+import resource
 import time
 import traceback
 from collections.abc import Callable
@@ -37,7 +43,7 @@ import torch.multiprocessing as mp
 
 from tests._tiny import ARCHS
 
-__all__ = ["RankError", "run_ranks"]
+__all__ = ["RANK_CPU", "RankCpu", "RankError", "run_ranks"]
 
 _HOST = "127.0.0.1"
 #: after the first failure, how long the other ranks get to report their own error before they
@@ -75,6 +81,23 @@ def _apply_environment(env: dict[str, str]) -> None:
     constants.HF_HUB_OFFLINE = offline.upper() in constants.ENV_VARS_TRUE_VALUES  # as constants.py reads it
 
 
+class RankCpu:
+    """CPU seconds (user + sys) that the ranks :func:`run_ranks` started in this process spent, as
+    each reported when it finished (a rank that died reports nothing)."""
+
+    def __init__(self) -> None:
+        self.total_s = 0.0
+
+
+#: the ranks of this process (a pytest-xdist worker has its own)
+RANK_CPU = RankCpu()
+
+
+def _cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 class RankError(RuntimeError):
     """A rank raised, died or timed out; the message carries its rank and traceback text."""
 
@@ -108,7 +131,7 @@ def _child(
             raise
         finally:
             dist.destroy_process_group()
-        payload = pickle.dumps(("ok", result))
+        payload = pickle.dumps(("ok", _cpu_s(), result))
     except BaseException as exc:  # noqa: BLE001 - everything goes back to the parent
         failed_at = failed_at or time.time()
         tb = traceback.format_exc()
@@ -117,7 +140,7 @@ def _child(
             pickle.loads(err)
         except Exception:  # noqa: BLE001 - the exception itself may not pickle
             err = None
-        payload = pickle.dumps(("err", tb, err, failed_at))
+        payload = pickle.dumps(("err", _cpu_s(), tb, err, failed_at))
     conn.send_bytes(payload)
     conn.close()
 
@@ -127,7 +150,7 @@ def _loads(data: bytes) -> Any:
     try:
         return pickle.loads(data)
     except Exception:  # noqa: BLE001 - e.g. a class the parent cannot import
-        return ("err", f"the parent could not unpickle a rank's message:\n{traceback.format_exc()}",
+        return ("err", 0.0, f"the parent could not unpickle a rank's message:\n{traceback.format_exc()}",
                 None, time.time())
 
 
@@ -176,7 +199,8 @@ def run_ranks(
                 conn, proc = conns[r], procs[r]
                 if conn in ready or proc.sentinel in ready:
                     try:
-                        status, *rest = _loads(conn.recv_bytes())
+                        status, cpu_s, *rest = _loads(conn.recv_bytes())
+                        RANK_CPU.total_s += cpu_s
                     except (EOFError, OSError):
                         proc.join(1)
                         msg = f"rank {r} died without a result (exit code {proc.exitcode})"

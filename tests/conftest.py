@@ -7,20 +7,34 @@ previous session left. Spawned ranks inherit the variable, and so do pytest-xdis
 controller makes the folder before it starts them, and removes it after they are done): identical
 graphs compiled by tests on different workers are solved once. Tests that exercise the cache set
 their own folder.
+
+``--cpu-per-file`` prints, after the run, the CPU seconds (user + sys) each test file cost
+(:class:`CpuPerFile`). On a machine shared with other work this is what a file costs, where its
+wall time is what the machine had left to give it.
 """
 
 from __future__ import annotations
 
 import os
+import resource
 import shutil
 import tempfile
+from collections import defaultdict
 
 import pytest
 
 _CACHE_DIR = pytest.StashKey[str]()
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--cpu-per-file", action="store_true",
+                     help="print the CPU seconds (user + sys) of each test file: the test process's own, its "
+                          "waited-for children's and its ranks'")
+
+
 def pytest_configure(config: pytest.Config) -> None:
+    if config.getoption("cpu_per_file"):
+        config.pluginmanager.register(CpuPerFile(), "cpu-per-file")
     if hasattr(config, "workerinput"):  # a pytest-xdist worker: the controller's folder is in its environment
         return
     folder = tempfile.mkdtemp(prefix="autotp-test-plans-")
@@ -32,3 +46,46 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     folder = config.stash.get(_CACHE_DIR, None)
     if folder is not None:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+class CpuPerFile:
+    """CPU seconds per test file, measured around each test from its setup to its teardown (module
+    fixtures count in the first test that uses them): the test process's own, its waited-for
+    children's (CLI subprocesses, torchrun and its workers) and its ranks' (forked from the
+    forkserver, not its children: ``tests/_dist.py: RANK_CPU``). Under pytest-xdist each worker
+    measures its tests and sends the figure with the teardown report; the controller adds them up.
+    Not in any file: what a process spends before its first test (imports, collection) and the
+    forkserver's one-off preload."""
+
+    def __init__(self) -> None:
+        self.at_setup: dict[str, float] = {}
+        self.per_file: dict[str, float] = defaultdict(float)
+
+    @staticmethod
+    def cpu_s() -> float:
+        from tests._dist import RANK_CPU
+
+        own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime + RANK_CPU.total_s
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_setup(self, item: pytest.Item) -> None:
+        self.at_setup[item.nodeid] = self.cpu_s()
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo) -> pytest.TestReport:
+        report = yield
+        if call.when == "teardown" and item.nodeid in self.at_setup:
+            report.user_properties.append(("cpu_s", self.cpu_s() - self.at_setup.pop(item.nodeid)))
+        return report
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        for name, value in report.user_properties:
+            if name == "cpu_s" and report.when == "teardown":
+                self.per_file[report.nodeid.split("::")[0]] += value
+
+    def pytest_terminal_summary(self, terminalreporter: pytest.TerminalReporter) -> None:
+        terminalreporter.section("CPU seconds per test file (user + sys, with children and ranks)")
+        for path, seconds in sorted(self.per_file.items(), key=lambda item: -item[1]):
+            terminalreporter.write_line(f"{seconds:9.1f}  {path}")
+        terminalreporter.write_line(f"{sum(self.per_file.values()):9.1f}  in all")

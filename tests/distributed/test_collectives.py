@@ -33,7 +33,7 @@ from autotp.collectives import Comm, cost_bytes, kind_of, redistribute
 from autotp.errors import AutoTPError, ShardingError
 from autotp.layers import Redistribute, VocabParallelEmbedding, vocab_range
 from autotp.placement import P, Partial, Placement, R, Shard
-from tests._dist import RankError, run_ranks
+from tests._dist import RANK_CPU, RankError, run_ranks
 
 pytestmark = pytest.mark.dist
 
@@ -212,6 +212,15 @@ def _fail_on_rank_1(rank: int, n: int) -> int:
     return rank
 
 
+def _spin(rank: int, n: int, cpu_s: float) -> float:
+    """Busy for ``cpu_s`` CPU seconds of this rank; returns the rank's CPU seconds so far."""
+    import time
+
+    while time.process_time() < cpu_s:
+        pass
+    return time.process_time()
+
+
 # --------------------------------------------------------------------------------------------------
 # Parent-side checks
 # --------------------------------------------------------------------------------------------------
@@ -331,6 +340,15 @@ def test_harness_reports_child_error_and_does_not_hang() -> None:
     assert isinstance(info.value.__cause__, ValueError)
     with pytest.raises(RankError, match=r"rank 1 of 2 failed first(.|\n)*died without a result \(exit code 3\)"):
         run_ranks(_die_on_rank_1, 2, timeout=30)
+
+
+def test_harness_adds_the_cpu_seconds_its_ranks_spent() -> None:
+    """Forked from the forkserver, ranks are not the test's children: each reports its own CPU
+    seconds (at least what it returns as spent in ``fn``) and the harness adds them up."""
+    before = RANK_CPU.total_s
+    spent = run_ranks(_spin, 2, 0.3)
+    assert min(spent) >= 0.3
+    assert RANK_CPU.total_s - before >= sum(spent)
 
 
 def test_comm_is_shared_not_copied() -> None:

@@ -3,7 +3,9 @@
 Each architecture of the coverage table is planned (``autotp.planner.plan_model``: meta device, no
 weights, one process) with a public model's real widths - hidden, heads, kv heads, head dim,
 intermediate and vocabulary sizes - and 2 layers (deeper models repeat the same block), at every
-tp in 2, 4 and 8 its sizes divide, at batch 1, and at batch 2 at the largest of them. A block's forward must then communicate exactly as Megatron's
+tp in 2, 4 and 8 its sizes divide, at batch 1, and at batch 2 at the largest of them (planned once
+for both batches: a batch-2 plan's warm-up graph is the batch-1 plan). A block's forward must then
+communicate exactly as Megatron's
 hand-written plan does: no all-gather inside any block, 2 all-reduces per block (1 for a parallel
 residual, where the attention and MLP partial sums are added before one reduction; plus one value
 per token for each norm over a sharded dim: OLMo-2's q/k norms), and at most one
@@ -119,22 +121,59 @@ def _valid_tps(arch: str) -> list[int]:
 CASES = [pytest.param(arch, tp, 1, id=f"{arch}-tp{tp}") for arch in REAL_WIDTHS for tp in _valid_tps(arch)] + \
     [pytest.param(arch, max(_valid_tps(arch)), 2, id=f"{arch}-tp{max(_valid_tps(arch))}-batch2") for arch in REAL_WIDTHS]
 
+#: arch -> its batch-2 plan at the largest valid tp, made by that tp's batch-1 case and read by its
+#: batch-2 case (then dropped)
+_BATCH2_PLANS: dict[str, Any] = {}
+
+
+def _planned(arch: str, tp: int, batch: int) -> tuple[Any, Any]:
+    """The plan of ``arch`` at ``tp`` and ``batch`` (decode not planned) and its forward graph at that
+    batch. A batch-2 plan compiles the warm-up (batch 1, ``2*tp+1`` tokens: the free solve that fixes
+    the plan) before the batch-2 forward, and keeps it (``PlanReport.warmup``): at the largest tp
+    that graph is the batch-1 case, so the model is planned once for both (the warm-up is the
+    batch-1 plan: :func:`test_a_batch_2_plan_keeps_its_warm_up_which_is_the_batch_1_plan`)."""
+    largest = tp == max(_valid_tps(arch))
+    if largest and batch == 2 and arch in _BATCH2_PLANS:
+        report = _BATCH2_PLANS.pop(arch)
+    else:
+        report = plan_model(_config(arch), tp, decode=False, batch=2 if largest else batch)
+    if largest and batch == 1:
+        _BATCH2_PLANS[arch] = report
+        return report, report.warmup
+    return report, report.forward
+
 
 @pytest.mark.parametrize(("arch", "tp", "batch"), CASES)
 def test_a_real_width_forward_communicates_like_megatron(arch: str, tp: int, batch: int) -> None:
-    report = plan_model(_config(arch), tp, decode=False, batch=batch)
+    report, forward = _planned(arch, tp, batch)
+    assert forward.input_shape == (batch, 2 * tp + 1)
     per_block = {"all_reduce": REAL_WIDTHS[arch][3]}
     if arch in STATISTICS_PER_BLOCK:  # norms over a sharded dim: one value per token each
         per_block["all_reduce" + STATISTIC] = STATISTICS_PER_BLOCK[arch]
 
-    assert collectives_per_block(report.forward.sites) == {layer: per_block for layer in range(2)}
-    gathers = [s["origin"] for s in report.forward.sites if s["kind"] == "all_gather"]
+    assert collectives_per_block(forward.sites) == {layer: per_block for layer in range(2)}
+    gathers = [s["origin"] for s in forward.sites if s["kind"] == "all_gather"]
     assert len(gathers) <= 1 + (arch in HEAD_MATRIX), gathers
 
     replicated_matrices = [name for name, p in report.parameters.items()
                            if p["placement"] == "R" and len(p["global_shape"]) >= 2 and _BLOCK_MATRIX.search(name)
                            and not name.endswith(".gate.weight")]  # an MoE router is a few KB: replicated
     assert replicated_matrices == []
+
+
+def test_a_batch_2_plan_keeps_its_warm_up_which_is_the_batch_1_plan() -> None:
+    """``plan_model`` at batch 2 first compiles the warm-up (batch 1, ``2*tp+1`` tokens), whose free
+    solve fixes the plan: the report keeps that graph, and it is what a plan at batch 1 reports as
+    its forward (the same collectives, at the same sites, of the same bytes), with the same
+    parameter placements. A plan at the warm-up shape has no separate warm-up."""
+    config = _config("gpt2")
+    one, two = plan_model(config, 2, decode=False), plan_model(config, 2, decode=False, batch=2)
+
+    assert one.warmup is None and two.warmup is not None
+    assert (two.warmup.input_shape, two.forward.input_shape) == ((1, 5), (2, 5))
+    for field in ("input_shape", "collectives", "collective_bytes", "sites", "cost"):
+        assert getattr(two.warmup, field) == getattr(one.forward, field), field
+    assert two.parameters == one.parameters
 
 
 def _vocabulary_rows(report: Any) -> dict[str, list[int]]:
