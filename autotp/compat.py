@@ -51,6 +51,7 @@ which the 2-D mesh reaches into (``tests/distributed/test_mesh.py`` notices a ch
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import sys
 import types
@@ -490,23 +491,30 @@ class DynamoPackage:
 
     def entry(self) -> tuple[Any, dict[str, tuple[str, str]]]:
         """What a later process installs: the package's cache entry (picklable) and the module
-        aliases Dynamo's code reads that the package does not record."""
+        aliases Dynamo's code reads that the package does not record. Each alias is renamed in the
+        stored code to one named after its module (``___autotp_module_collections``): Dynamo's
+        own name carries the module's address and a compile id, which a later process's own
+        compile may make again (it then refuses the name as already taken)."""
+        package_module = require_module("torch._dynamo.package")
         entry = self.package.cache_entry()
-        code_of = require("torch._dynamo.package", "SerializedCode").to_code_object
-        names: set[str] = set()
+        renamed: dict[str, str] = {}
+        aliases: dict[str, tuple[str, str]] = {}
 
-        def walk(code: Any) -> None:
-            names.update(code.co_names)
-            for const in code.co_consts:
-                if hasattr(const, "co_names"):
-                    walk(const)
+        def rename(code: Any) -> Any:
+            names = []
+            for name in code.co_names:
+                value = self._globals.get(name)
+                if name.startswith("___module_") and isinstance(value, types.ModuleType):
+                    stable = "___autotp_module_" + value.__name__.replace(".", "_dot_")
+                    renamed[name], aliases[stable] = stable, ("module", value.__name__)
+                names.append(renamed.get(name, name))
+            consts = tuple(rename(c) if isinstance(c, package_module.SerializedCode) else c for c in code.co_consts)
+            return dataclasses.replace(code, co_names=tuple(names), co_consts=consts)
 
-        for code in entry.codes:
-            for guarded in code.guarded_codes:
-                walk(code_of(guarded.dynamo_code))
-        aliases = {name: ("module", self._globals[name].__name__) for name in sorted(names)
-                   if name.startswith("___module_") and isinstance(self._globals.get(name), types.ModuleType)}
-        return entry, aliases
+        codes = [dataclasses.replace(code, guarded_codes=[
+            dataclasses.replace(guarded, dynamo_code=rename(guarded.dynamo_code)) for guarded in code.guarded_codes])
+            for code in entry.codes]
+        return dataclasses.replace(entry, codes=codes), aliases
 
     def uninstall(self) -> None:
         """Take the installed entries off the function's code and the copied globals out."""
