@@ -44,6 +44,14 @@ checks. The registration is process-wide (``torch.library`` has no scope), made 
 stand-in (``context.standin`` calls it); a user's own stride-0 operand then fails in the real kernel
 at run time instead of at trace time.
 
+**Dynamo's precompile package (stored graphs).** :class:`DynamoPackage` wraps
+``torch._dynamo.package.CompilePackage`` (a compiled function's bytecode, guards and graph names,
+saved by one process and installed by another) and closes three gaps of torch 2.13's package (see
+its docstring); :func:`pickle_graph` / :func:`unpickle_graph` use ``torch.fx._graph_pickler``;
+the guard filter reads ``CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES``; the
+uninstaller calls ``torch._C._dynamo.eval_frame._reset_precompile_entries``. Probed when first used
+(``autotp/stored_graphs.py``).
+
 **Data-parallel composition (2-D mesh).** DDP's graph splitting and FSDP2's parameter objects,
 which the 2-D mesh reaches into (``tests/distributed/test_mesh.py`` notices a change).
 """
@@ -66,14 +74,18 @@ import torch
 from autotp.errors import AutoTPError
 
 __all__ = [
+    "DIM_MARKINGS",
     "BackendCompilerFailed",
+    "DynamoPackage",
     "FakeTensor",
     "FakeTensorMode",
     "LazyGraphModule",
     "OpOverload",
     "OpOverloadPacket",
+    "PackageError",
     "TorchDynamoException",
     "causal_lm_class_name",
+    "dim_markings",
     "core_aten_decompositions",
     "fake_tensor_tls",
     "fsdp_params",
@@ -85,9 +97,12 @@ __all__ = [
     "no_ddp_graph_split",
     "pytree",
     "no_guard_latency_profile",
+    "pickle_graph",
     "require",
     "require_module",
     "rope_init_functions",
+    "source_of",
+    "unpickle_graph",
     "use_as_unsharded_param",
     "weight_conversions",
 ]
@@ -483,7 +498,8 @@ class DynamoPackage:
             self._copied.append(name)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.compiled(*args, **kwargs)
+        with _storable_guards():
+            return self.compiled(*args, **kwargs)
 
     def graphs(self) -> dict[str, Any]:
         """Compiled function name -> what the backend returned, for the graphs this process compiled."""
@@ -497,6 +513,10 @@ class DynamoPackage:
         compile may make again (it then refuses the name as already taken)."""
         package_module = require_module("torch._dynamo.package")
         entry = self.package.cache_entry()
+        for code in entry.codes:
+            for guarded in code.guarded_codes:
+                if guarded.guards_state.startswith(_UNSTORABLE):
+                    raise PackageError(guarded.guards_state[len(_UNSTORABLE):].decode(errors="replace"))
         renamed: dict[str, str] = {}
         aliases: dict[str, tuple[str, str]] = {}
 
@@ -544,6 +564,37 @@ class DynamoPackage:
             reset(code)
 
         return uninstall
+
+
+#: what :func:`_storable_guards` stores for a guard state Dynamo could not pickle
+_UNSTORABLE = b"autotp: unstorable guards: "
+
+
+@contextlib.contextmanager
+def _storable_guards() -> Iterator[None]:
+    """Within the block, a guard state Dynamo cannot pickle (a module attribute no pickle holds)
+    is stored as a marker naming the error instead of failing the compile: torch 2.13 turns only an
+    ``AttributeError`` into its package bypass, and that bypass then fails an assertion. The frame
+    compiles and runs as without a package; :meth:`DynamoPackage.entry` refuses to store it, and
+    an install of it fails (the marker is no pickle)."""
+    guards = require_module("torch._dynamo.guards")
+    original = guards.pickle_guards_state
+    if getattr(original, "_autotp_storable", False):  # nested: already swapped
+        yield
+        return
+
+    def pickle_or_mark(state: Any, builder: Any) -> bytes:
+        try:
+            return original(state, builder)
+        except Exception as e:  # noqa: BLE001 - any pickling failure
+            return _UNSTORABLE + f"{type(e).__name__}: {e}".encode()
+
+    pickle_or_mark._autotp_storable = True  # type: ignore[attr-defined]
+    guards.pickle_guards_state = pickle_or_mark
+    try:
+        yield
+    finally:
+        guards.pickle_guards_state = original
 
 
 @contextlib.contextmanager

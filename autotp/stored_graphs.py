@@ -278,7 +278,12 @@ class StoredForward:
         if len(graphs) == self._written:
             return
         self._written = len(graphs)
-        entry, aliases = self.package.entry()
+        try:
+            entry, aliases = self.package.entry()
+        except PackageError as e:
+            self.store.outcome.notes.append(f"not stored: Dynamo cannot store this model's guards ({e})")
+            self.write = False
+            return
         payload = {"entry": entry, "aliases": aliases,
                    "graphs": {name: (g.data, g.markings) for name, g in graphs.items()}}
         if self.store.write(payload):

@@ -8,9 +8,10 @@ import pickle
 import threading
 from pathlib import Path
 
+import pytest
 import torch
 
-from autotp.compat import pickle_graph, unpickle_graph
+from autotp.compat import DynamoPackage, PackageError, maybe_mark_dynamic, pickle_graph, unpickle_graph
 from autotp.plan_cache import graph_fingerprint
 from autotp.stored_graphs import FORMAT, GraphStore, StoredGraph
 
@@ -105,7 +106,27 @@ def test_a_dynamo_graph_read_back_keys_as_the_traced_one() -> None:
         return (x.transpose(0, 1) @ w).relu().view(-1)  # a view and a symbolic size in the example values
 
     x = torch.randn(3, 5)
-    torch._dynamo.maybe_mark_dynamic(x, 1)
+    maybe_mark_dynamic(x, 1)
     torch.compile(f, backend=backend)(x, torch.randn(3, 4))
     (traced, read_back), = seen
     assert read_back == traced
+
+
+class _NoPickle:
+    """A callable module attribute no pickle holds (as a process group is)."""
+
+    def __call__(self) -> None:
+        return None
+
+    def __reduce__(self) -> tuple:
+        raise TypeError("this attribute does not pickle")
+
+
+def test_a_model_whose_guards_cannot_be_stored_still_compiles_and_runs_and_is_not_stored() -> None:
+    model = torch.nn.Linear(3, 2)
+    model.hook = _NoPickle()
+    package = DynamoPackage(type(model).forward.__get__(model), lambda gm, example_inputs: gm.forward)
+    x = torch.randn(4, 3)
+    torch.testing.assert_close(package(x), model(x), atol=0, rtol=0)
+    with pytest.raises(PackageError, match="this attribute does not pickle"):
+        package.entry()
