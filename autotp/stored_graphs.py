@@ -89,7 +89,9 @@ class StoredOutcome:
 def graph_key(module: torch.nn.Module, options: dict[str, Any], world_size: int, device: torch.device) -> dict[str, Any]:
     """The fields an entry is keyed on (see the module docstring)."""
     config = getattr(module, "config", None)
-    config_json = config.to_json_string(use_diff=False) if hasattr(config, "to_json_string") else repr(config)
+    fields = config.to_dict() if hasattr(config, "to_dict") else {"repr": repr(config)}
+    fields.pop("_name_or_path", None)  # where the checkpoint lies changes no graph
+    config_json = _canonical(fields)
     return {"format": FORMAT, "versions": cache_env.versions(),
             "model": f"{type(module).__module__}.{type(module).__qualname__}",
             "config": hashlib.sha256(config_json.encode()).hexdigest(), "options": options,
@@ -113,6 +115,8 @@ class StoredGraph:
                  run: Callable[..., Any] | None = None) -> None:
         self.data = data
         self.markings = markings
+        #: the session whose package installed this graph: it lowers a graph that reads no parameter
+        self.owner = session
         self._runs: dict[int, tuple[Any, Callable[..., Any]]] = {}
         if run is not None:
             self._runs[id(session)] = (session, run)
@@ -130,11 +134,13 @@ class StoredGraph:
         return cls(pickle_graph(gm), markings)
 
     def bind(self, session: Any, run: Callable[..., Any]) -> StoredGraph:
+        """``run`` is this graph's code for ``session`` (compiled as Dynamo traced it)."""
+        self.owner = self.owner if self.owner is not None else session
         self._runs[id(session)] = (session, run)
         return self
 
     def __call__(self, *args: Any) -> Any:
-        session = _session_of(args)
+        session = _session_of(args, self.owner)
         found = self._runs.get(id(session))
         if found is None:
             from autotp.backend import compile_graph
@@ -144,17 +150,19 @@ class StoredGraph:
         return found[1](*args)
 
 
-def _session_of(args: tuple[Any, ...]) -> Any:
-    """The session that placed the parameters among a graph's arguments."""
+def _session_of(args: tuple[Any, ...], owner: Any) -> Any:
+    """The session that placed the parameters among a graph's arguments; for a graph that reads
+    none, ``owner``."""
     from autotp.context import meta_of
 
     for a in args:
         meta = meta_of(a) if isinstance(a, torch.Tensor) else None
         if meta is not None and meta.session is not None:
             return meta.session
-    raise AutoTPError("a stored autotp graph was called with no parameter placed by parallelize_model (another "
-                      "model of the same class compiled in this process?). Set AUTOTP_CACHE=0 to compile "
-                      "without stored graphs.")
+    if owner is None:
+        raise AutoTPError("a stored autotp graph was called with no parameter placed by parallelize_model. Set "
+                          "AUTOTP_CACHE=0 to compile without stored graphs.")
+    return owner
 
 
 class GraphStore:
@@ -181,28 +189,29 @@ class GraphStore:
         try:
             data = self.path.read_bytes()
         except FileNotFoundError:
-            return self._miss("no entry")
+            return self.refuse("no entry")
         except OSError as e:
-            return self._miss(f"unreadable entry ({type(e).__name__}: {e})")
+            return self.refuse(f"unreadable entry ({type(e).__name__}: {e})")
         try:
             entry = pickle.loads(data)
         except Exception as e:  # noqa: BLE001 - truncated or not a pickle
-            return self._miss(f"corrupt entry (not a pickle, truncated? {type(e).__name__}: {e})")
+            return self.refuse(f"corrupt entry (not a pickle, truncated? {type(e).__name__}: {e})")
         if not isinstance(entry, dict) or not {"format", "key", "payload", "checksum"} <= set(entry):
-            return self._miss("corrupt entry (not a stored-graph entry)")
+            return self.refuse("corrupt entry (not a stored-graph entry)")
         if entry["format"] != FORMAT:
-            return self._miss(f"stale entry (format {entry['format']!r}, this autotp writes {FORMAT})")
+            return self.refuse(f"stale entry (format {entry['format']!r}, this autotp writes {FORMAT})")
         if not isinstance(entry["payload"], bytes) or entry["checksum"] != _checksum(entry["key"], entry["payload"]):
-            return self._miss("corrupt entry (checksum mismatch)")
+            return self.refuse("corrupt entry (checksum mismatch)")
         if entry["key"] != self.key:
             differ = sorted(k for k in set(entry["key"]) | set(self.key) if entry["key"].get(k) != self.key.get(k))
-            return self._miss(f"entry of another {', '.join(differ)}")
+            return self.refuse(f"entry of another {', '.join(differ)}")
         try:
             return pickle.loads(entry["payload"])
         except Exception as e:  # noqa: BLE001
-            return self._miss(f"corrupt entry (payload: {type(e).__name__}: {e})")
+            return self.refuse(f"corrupt entry (payload: {type(e).__name__}: {e})")
 
-    def _miss(self, reason: str) -> None:
+    def refuse(self, reason: str) -> None:
+        """Record that the entry is not used, and why."""
         self.outcome.status, self.outcome.reason = "miss", reason
         return None
 
@@ -239,7 +248,8 @@ class StoredForward:
     (:class:`GraphStore`), else a fresh Dynamo package; after a call that compiled new graphs, the
     entry is written again with them (rank 0 only: ``write``)."""
 
-    def __init__(self, fn: Callable[..., Any], backend: Callable[..., Any], store: GraphStore, write: bool) -> None:
+    def __init__(self, fn: Callable[..., Any], backend: Callable[..., Any], store: GraphStore, write: bool,
+                 session: Any = None) -> None:
         self.store = store
         self.write = write and store.root is not None
         self.loaded: dict[str, StoredGraph] = {}
@@ -248,7 +258,7 @@ class StoredForward:
         package = None
         if payload is not None:
             try:
-                graphs = {name: StoredGraph(data, marks) for name, (data, marks) in payload["graphs"].items()}
+                graphs = {name: StoredGraph(data, marks, session) for name, (data, marks) in payload["graphs"].items()}
                 markings: dict[str, dict[str, Any]] = {}
                 for g in graphs.values():
                     for source, marks in g.markings.items():
@@ -257,7 +267,7 @@ class StoredForward:
                 self.loaded = graphs
                 store.outcome.status, store.outcome.reason, store.outcome.graphs = "hit", None, len(graphs)
             except (PackageError, KeyError, TypeError, ValueError) as e:
-                store._miss(f"entry does not install ({e})")
+                store.refuse(f"entry does not install ({e})")
         self.package = package if package is not None else DynamoPackage(fn, backend)
         store.outcome.load_s = time.perf_counter() - start
         self._written = len(self.loaded)
