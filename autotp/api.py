@@ -515,7 +515,9 @@ def _compiled_forward(module: torch.nn.Module, ctx: TPContext, device: torch.dev
         if meta is not None and meta.session is None:
             meta.session = ctx
     store = GraphStore(ctx.plan_cache.root, graph_key(module, plan_options(ctx), ctx.world_size, device))
-    compiled = StoredForward(fn, storing_backend(make_backend(ctx), ctx), store, write=ctx.rank == 0, session=ctx)
+    writes = ctx.rank == 0  # rank 0 alone writes the entry, so it alone pickles the graphs it compiles
+    backend = storing_backend(make_backend(ctx), ctx) if writes else make_backend(ctx)
+    compiled = StoredForward(fn, backend, store, write=writes, session=ctx)
     ctx.stored_graphs = store.outcome
     ctx.installed.append(compiled.uninstaller())
     return compiled
