@@ -517,7 +517,8 @@ def _compiled_forward(module: torch.nn.Module, ctx: TPContext, device: torch.dev
     store = GraphStore(ctx.plan_cache.root, graph_key(module, plan_options(ctx), ctx.world_size, device))
     writes = ctx.rank == 0  # rank 0 alone writes the entry, so it alone pickles the graphs it compiles
     backend = storing_backend(make_backend(ctx), ctx) if writes else make_backend(ctx)
-    compiled = StoredForward(fn, backend, store, write=writes, session=ctx)
+    trace = Path(ctx.config.trace_dir) / f"rank{ctx.rank}" if ctx.config.trace_dir else None
+    compiled = StoredForward(fn, backend, store, write=writes, session=ctx, trace=trace)
     ctx.stored_graphs = store.outcome
     ctx.installed.append(compiled.uninstaller())
     return compiled

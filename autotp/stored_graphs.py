@@ -61,6 +61,7 @@ import torch
 from autotp import cache_env
 from autotp.compat import DynamoPackage, PackageError, dim_markings, pickle_graph, source_of, unpickle_graph
 from autotp.errors import AutoTPError
+from autotp.trace import write_json
 
 __all__ = ["FORMAT", "GraphStore", "StoredForward", "StoredGraph", "graph_key", "storing_backend"]
 
@@ -249,8 +250,9 @@ class StoredForward:
     entry is written again with them (rank 0 only: ``write``)."""
 
     def __init__(self, fn: Callable[..., Any], backend: Callable[..., Any], store: GraphStore, write: bool,
-                 session: Any = None) -> None:
+                 session: Any = None, trace: Path | None = None) -> None:
         self.store = store
+        self.trace = trace
         self.write = write and store.root is not None
         self.loaded: dict[str, StoredGraph] = {}
         start = time.perf_counter()
@@ -271,6 +273,13 @@ class StoredForward:
         self.package = package if package is not None else DynamoPackage(fn, backend)
         store.outcome.load_s = time.perf_counter() - start
         self._written = len(self.loaded)
+        self._write_trace()
+
+    def _write_trace(self) -> None:
+        """The outcome as ``stored_graphs.json`` in this rank's trace folder (where one is kept)."""
+        if self.trace is not None:
+            self.trace.mkdir(parents=True, exist_ok=True)
+            write_json(self.trace, "stored_graphs.json", self.store.outcome.as_dict())
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         out = self.package(*args, **kwargs)
@@ -293,11 +302,13 @@ class StoredForward:
         except PackageError as e:
             self.store.outcome.notes.append(f"not stored: Dynamo cannot store this model's guards ({e})")
             self.write = False
+            self._write_trace()
             return
         payload = {"entry": entry, "aliases": aliases,
                    "graphs": {name: (g.data, g.markings) for name, g in graphs.items()}}
         if self.store.write(payload):
             self.store.outcome.stored = len(graphs)
+        self._write_trace()
 
     def uninstaller(self) -> Callable[[], None]:
         """What takes the installed frames off the model's code when the session closes (holding

@@ -9,6 +9,7 @@ that traced them bit for bit, since it runs the same program.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -24,7 +25,8 @@ pytestmark = pytest.mark.dist
 BATCH_OF_TWO = [[5, 17, 99, 3, 64, 12, 7], [8, 1, 42, 77, 30, 2, 9]]
 
 
-def _job(rank: int, world: int, folder: str, cache_dir: str, new_tokens: int, batch_of_two: bool) -> dict:
+def _job(rank: int, world: int, folder: str, cache_dir: str, new_tokens: int, batch_of_two: bool,
+         trace_dir: str | None = None) -> dict:
     import os
 
     os.environ["AUTOTP_CACHE_DIR"] = cache_dir
@@ -32,7 +34,7 @@ def _job(rank: int, world: int, folder: str, cache_dir: str, new_tokens: int, ba
 
     from autotp import parallelize_model
 
-    model = parallelize_model(folder, tp_size=world)
+    model = parallelize_model(folder, tp_size=world, trace_dir=trace_dir)
     ids = torch.tensor(PROMPT)
     with torch.no_grad():
         logits = model(input_ids=ids).logits
@@ -82,12 +84,14 @@ def test_a_truncated_entry_is_ignored_with_its_reason_and_rewritten(tmp_path: Pa
     run_ranks(_job, 2, str(folder), str(cache), 4, False)
     (entry,) = (cache / "graphs").glob("*.pkl")
     entry.write_bytes(entry.read_bytes()[: entry.stat().st_size // 2])
-    second = run_ranks(_job, 2, str(folder), str(cache), 4, False)
+    second = run_ranks(_job, 2, str(folder), str(cache), 4, False, str(tmp_path / "trace"))
     third = run_ranks(_job, 2, str(folder), str(cache), 4, False)
 
     for rank in range(2):
         assert second[rank]["stored"]["status"] == "miss"
         assert second[rank]["stored"]["reason"].startswith("corrupt entry (not a pickle, truncated?")
+        note = json.loads((tmp_path / "trace" / f"rank{rank}" / "stored_graphs.json").read_text())
+        assert note["status"] == "miss" and note["reason"] == second[rank]["stored"]["reason"]
         assert second[rank]["traced"] >= 2
         assert third[rank]["stored"]["status"] == "hit" and third[rank]["traced"] == 0
         assert second[rank]["tokens"] == third[rank]["tokens"] == ref_tokens
