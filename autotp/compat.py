@@ -382,7 +382,8 @@ def pickle_graph(gm: torch.fx.GraphModule) -> bytes:
     from torch.fx._graph_pickler import GraphPickler, Options
 
     saved = {}
-    for n in gm.graph.nodes:
+    nodes = [n for m in gm.modules() if isinstance(m, torch.fx.GraphModule) for n in m.graph.nodes]  # sub-graphs too
+    for n in nodes:
         saved[n] = n.meta
         meta = {k: _plain_fake(v) if k == "example_value" else v for k, v in n.meta.items() if k in _GRAPH_META}
         grapharg = n.meta.get("grapharg")

@@ -297,6 +297,12 @@ class StoredForward:
         if len(graphs) == self._written:
             return
         self._written = len(graphs)
+        unstored = [name for name, g in self.package.graphs().items() if not isinstance(g, StoredGraph)]
+        if unstored:  # the entry would name a graph it does not hold
+            self.store.outcome.notes.append(f"not stored: {len(unstored)} graph(s) do not pickle")
+            self.write = False
+            self._write_trace()
+            return
         try:
             entry, aliases = self.package.entry()
         except PackageError as e:
@@ -320,8 +326,11 @@ def storing_backend(backend: Callable[..., Any], session: Any) -> Callable[..., 
     """``backend`` whose result is a :class:`StoredGraph`: the graph is pickled before the backend's
     passes edit it, and the session's compiled code is its lowering for this session."""
 
-    def store_and_compile(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> StoredGraph:
-        stored = StoredGraph.of(gm, example_inputs)
+    def store_and_compile(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        try:
+            stored = StoredGraph.of(gm, example_inputs)
+        except Exception:  # noqa: BLE001 - a graph that does not pickle is compiled, not stored
+            return backend(gm, example_inputs)
         return stored.bind(session, backend(gm, example_inputs))
 
     return store_and_compile
