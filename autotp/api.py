@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from autotp.backend import check_override_styles, check_overrides, make_backend
+from autotp.backend import check_override_styles, check_overrides, make_backend, plan_options
 from autotp.checkpoint_match import match_parameters
 from autotp.collectives import Comm, attach_health, ensure_process_group, peer_failures, redistribute
 from autotp.compat import BackendCompilerFailed, maybe_mark_dynamic, no_guard_latency_profile
@@ -42,6 +42,7 @@ from autotp.mesh import MeshLayout, check_data_parallel, check_layout, check_tp_
 from autotp.placement import R, head_split
 from autotp.prefill_call import PrefillCall
 from autotp.progress import load_progress
+from autotp.stored_graphs import GraphStore, StoredForward, graph_key, storing_backend
 from autotp.weights import (
     Checkpoint,
     ParameterMeta,
@@ -209,6 +210,11 @@ class _SwappingForward:
         #: (:mod:`autotp.prefill_call`)
         self.prefill: PrefillCall | None = None
 
+    def __reduce__(self) -> tuple[Any, tuple[()]]:
+        # Dynamo's stored guard state (autotp/stored_graphs.py) pickles the module's callable
+        # attributes; this one holds the process group, which no guard reads and no pickle holds
+        return _no_forward, ()
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.record_prefill:
             self.record_prefill = False
@@ -250,6 +256,10 @@ class _SwappingForward:
         for module, name, stand in self.slots:
             local = meta_of(stand).local
             module._parameters[name] = local if local is not None else stand
+
+
+def _no_forward() -> None:
+    return None
 
 
 def _signature_or_none(fn: Callable[..., Any]) -> inspect.Signature | None:
@@ -469,7 +479,7 @@ def parallelize_model(
     ctx = TPContext(comm=comm, config=config, sharded_outputs=True, plan_once=timeout is None,
                     threads_before=threads_before if threads is not None else None)
     weakref.finalize(module, ctx.close)  # what the session installed goes when the model does
-    compiled = torch.compile(type(module).forward.__get__(module), backend=make_backend(ctx), dynamic=None)
+    compiled = _compiled_forward(module, ctx, device)
     slots = [(m, n, p) for fqn, p in module.named_parameters(remove_duplicate=False)
              for m, n in [_resolve_module(module, fqn)]]
     forward = _SwappingForward(compiled, slots, comm, InputGuard(TokenIdCheck.for_model(module, module.forward)),
@@ -492,6 +502,26 @@ def parallelize_model(
     if health is not None:
         health.set_phase("loaded")
     return module
+
+
+def _compiled_forward(module: torch.nn.Module, ctx: TPContext, device: torch.device) -> Callable[..., Any]:
+    """The model's compiled forward: with the cache on, one whose graphs are stored for the next
+    launch and installed from the last one (``autotp/stored_graphs.py``), else ``torch.compile``."""
+    fn = type(module).forward.__get__(module)
+    if not ctx.plan_cache.enabled:
+        return torch.compile(fn, backend=make_backend(ctx), dynamic=None)
+    for p in module.parameters():  # a stored graph lowers for the session that placed its parameters
+        meta = meta_of(p)
+        if meta is not None and meta.session is None:
+            meta.session = ctx
+    store = GraphStore(ctx.plan_cache.root, graph_key(module, plan_options(ctx), ctx.world_size, device))
+    writes = ctx.rank == 0  # rank 0 alone writes the entry, so it alone pickles the graphs it compiles
+    backend = storing_backend(make_backend(ctx), ctx) if writes else make_backend(ctx)
+    trace = Path(ctx.config.trace_dir) / f"rank{ctx.rank}" if ctx.config.trace_dir else None
+    compiled = StoredForward(fn, backend, store, write=writes, session=ctx, trace=trace)
+    ctx.stored_graphs = store.outcome
+    ctx.installed.append(compiled.uninstaller())
+    return compiled
 
 
 def _load_config(folder: Path, trust_remote_code: bool) -> Any:

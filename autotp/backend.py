@@ -401,15 +401,23 @@ def _picklable(e: BaseException) -> BaseException:
 PLAN_NEUTRAL_OPTIONS = ("trace_dir", "verify", "compile_inner", "tp_size")
 
 
+def plan_options(ctx: TPContext) -> dict[str, str | bool]:
+    """The session's options that can change a plan, as the plan cache and the stored graphs key
+    them: every ``AutoTPConfig`` field not in :data:`PLAN_NEUTRAL_OPTIONS` (a new option is in the
+    key until listed there) and whether outputs may stay sharded."""
+    config = ctx.config
+    options: dict[str, str | bool] = {f.name: repr(getattr(config, f.name)) for f in dataclasses.fields(config)
+                                      if f.name not in PLAN_NEUTRAL_OPTIONS}
+    options.update(sharded_outputs=ctx.sharded_outputs)
+    return options
+
+
 def _cache_lookup(gm: torch.fx.GraphModule, example_inputs: list[Any], param_inputs: dict[torch.fx.Node, torch.Tensor],
                   placeholders: list[torch.fx.Node], ctx: TPContext) -> Lookup:
     """Key this graph for the plan cache (``autotp/plan_cache.py``) with every option that can
     change its plan, and read its entry. Tools that re-solve from the solver's record (``autotp
     plan``) bypass the cache: a hit has no solver record."""
-    config = ctx.config
-    options = {f.name: repr(getattr(config, f.name)) for f in dataclasses.fields(config)
-               if f.name not in PLAN_NEUTRAL_OPTIONS}  # a new option is in the key until listed there
-    options.update(sharded_outputs=ctx.sharded_outputs)
+    options = plan_options(ctx)
     params = {i: meta_of(param_inputs[ph]) for i, ph in enumerate(placeholders) if ph in param_inputs}
     sharded = {i: shard[1] for i, x in enumerate(example_inputs) if (shard := shard_of(x)) is not None}
     bypass = "solver records kept for tools" if ctx.keep_solve_records else None

@@ -44,6 +44,14 @@ checks. The registration is process-wide (``torch.library`` has no scope), made 
 stand-in (``context.standin`` calls it); a user's own stride-0 operand then fails in the real kernel
 at run time instead of at trace time.
 
+**Dynamo's precompile package (stored graphs).** :class:`DynamoPackage` wraps
+``torch._dynamo.package.CompilePackage`` (a compiled function's bytecode, guards and graph names,
+saved by one process and installed by another) and closes three gaps of torch 2.13's package (see
+its docstring); :func:`pickle_graph` / :func:`unpickle_graph` use ``torch.fx._graph_pickler``;
+the guard filter reads ``CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES``; the
+uninstaller calls ``torch._C._dynamo.eval_frame._reset_precompile_entries``. Probed when first used
+(``autotp/stored_graphs.py``).
+
 **Data-parallel composition (2-D mesh).** DDP's graph splitting and FSDP2's parameter objects,
 which the 2-D mesh reaches into (``tests/distributed/test_mesh.py`` notices a change).
 """
@@ -51,8 +59,10 @@ which the 2-D mesh reaches into (``tests/distributed/test_mesh.py`` notices a ch
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import sys
+import types
 import warnings
 from collections.abc import Callable, Iterator
 from importlib import metadata
@@ -64,14 +74,18 @@ import torch
 from autotp.errors import AutoTPError
 
 __all__ = [
+    "DIM_MARKINGS",
     "BackendCompilerFailed",
+    "DynamoPackage",
     "FakeTensor",
     "FakeTensorMode",
     "LazyGraphModule",
     "OpOverload",
     "OpOverloadPacket",
+    "PackageError",
     "TorchDynamoException",
     "causal_lm_class_name",
+    "dim_markings",
     "core_aten_decompositions",
     "fake_tensor_tls",
     "fsdp_params",
@@ -83,9 +97,12 @@ __all__ = [
     "no_ddp_graph_split",
     "pytree",
     "no_guard_latency_profile",
+    "pickle_graph",
     "require",
     "require_module",
     "rope_init_functions",
+    "source_of",
+    "unpickle_graph",
     "use_as_unsharded_param",
     "weight_conversions",
 ]
@@ -318,3 +335,290 @@ def use_as_unsharded_param(fsdp_param: Any, local: torch.nn.Parameter) -> None:
         local.data = unsharded.data
     local.requires_grad_(unsharded.requires_grad)
     fsdp_param._unsharded_param = local
+
+
+# -- Dynamo's precompile package (stored graphs, autotp/stored_graphs.py) --------------------
+#: the dim markings ``maybe_mark_dynamic`` and friends leave on a tensor, which Dynamo's marking
+#: guard compares (``guards.py``, "Dimension Marking Guards") and its stored guard state loses
+DIM_MARKINGS = ("_dynamo_dynamic_indices", "_dynamo_weak_dynamic_indices", "_dynamo_unbacked_indices",
+                "_dynamo_strict_unbacked_indices", "_dynamo_static_indices", "_has_dynamo_dim_marking")
+#: node metadata a stored graph keeps: what the plan cache keys on and the passes read
+_GRAPH_META = ("example_value", "val", "tensor_dict", "autotp_checkpoint")
+
+
+class _Source:
+    """The part of Dynamo's ``Source`` a stored graph keeps: its name."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+class _GraphArg:
+    """The part of Dynamo's ``GraphArg`` a stored graph keeps (``node.meta["grapharg"].source.name``,
+    what the plan cache and ``backend.grapharg_source`` read)."""
+
+    def __init__(self, name: str) -> None:
+        self.source = _Source(name)
+
+
+def _plain_fake(value: Any) -> Any:
+    """``value`` with each fake view replaced by a plain fake tensor of the same sizes, strides,
+    dtype, device and ``requires_grad`` (``GraphPickler`` cannot pickle a fake view's base)."""
+
+    def plain(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor) or t._base is None:
+            return t
+        with t.fake_mode:
+            return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device,
+                                       requires_grad=t.requires_grad)
+
+    return pytree.tree_map(plain, value)
+
+
+def pickle_graph(gm: torch.fx.GraphModule) -> bytes:
+    """A Dynamo graph as bytes (``torch.fx._graph_pickler.GraphPickler``, fake example values and
+    symbolic sizes included), with only the node metadata the plan cache and the passes read;
+    ``gm`` is left as it was."""
+    from torch.fx._graph_pickler import GraphPickler, Options
+
+    saved = {}
+    nodes = [n for m in gm.modules() if isinstance(m, torch.fx.GraphModule) for n in m.graph.nodes]  # sub-graphs too
+    for n in nodes:
+        saved[n] = n.meta
+        meta = {k: _plain_fake(v) if k == "example_value" else v for k, v in n.meta.items() if k in _GRAPH_META}
+        grapharg = n.meta.get("grapharg")
+        if grapharg is not None and hasattr(grapharg, "source"):
+            meta["grapharg"] = _GraphArg(grapharg.source.name)
+        n.meta = meta
+    try:
+        return GraphPickler.dumps(gm, Options(ops_filter=None, node_metadata_key_filter=None))
+    finally:
+        for n, meta in saved.items():
+            n.meta = meta
+
+
+def unpickle_graph(data: bytes) -> torch.fx.GraphModule:
+    """:func:`pickle_graph`'s graph, its fake values in a fresh fake mode and shape environment."""
+    from torch.fx._graph_pickler import GraphPickler
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    gm = GraphPickler.loads(data, FakeTensorMode(shape_env=ShapeEnv()))
+    gm.recompile()
+    return gm
+
+
+def source_of(node: torch.fx.Node) -> str | None:
+    """The name of the source Dynamo read a placeholder from (``L['kwargs']['input_ids']``)."""
+    grapharg = node.meta.get("grapharg")
+    return grapharg.source.name if grapharg is not None and hasattr(grapharg, "source") else None
+
+
+def dim_markings(value: Any) -> dict[str, Any]:
+    """The dim markings (:data:`DIM_MARKINGS`) ``value`` carries."""
+    return {a: getattr(value, a) for a in DIM_MARKINGS if hasattr(value, a)}
+
+
+def _serializable_guards(entries: Any) -> list[bool]:
+    """Dynamo's guard filter for a package: drop the guards its guard state cannot store (globals,
+    object identities: ``UNSUPPORTED_SERIALIZATION_GUARD_TYPES``, also where a guard derives one)
+    and every guard below a dropped one (``L['func'].__name__`` below ``L['func']``'s identity:
+    the stored state does not keep that value). What stays guards the model's class, its config
+    constants and every input's type, size, stride and dtype."""
+    unsupported = set(require("torch._dynamo.guards", "CheckFunctionManager").UNSUPPORTED_SERIALIZATION_GUARD_TYPES)
+    keep = [not (g.is_global or g.guard_type in unsupported or unsupported & set(g.derived_guard_types or ()))
+            for g in entries]
+    dropped = tuple(n for g, k in zip(entries, keep, strict=True) for n in (g.name + ".", g.name + "[") if not k)
+    return [k and not g.name.startswith(dropped) for g, k in zip(entries, keep, strict=True)]
+
+
+class _Backend:
+    """What ``CompilePackage.install`` expects of a stored backend (a ``BackendCacheArtifact``)."""
+
+    def __init__(self, run: Callable[..., Any]) -> None:
+        self.run = run
+
+    def after_deserialization(self) -> Callable[..., Any]:
+        return self.run
+
+
+class PackageError(Exception):
+    """A stored package that does not load into this process (its message says why)."""
+
+
+class DynamoPackage:
+    """A function compiled by Dynamo into a ``torch._dynamo.package.CompilePackage``: the package
+    records each frame's transformed bytecode and guards and the name of each graph's compiled
+    function, so that a later process can install them and run the function without tracing it.
+    Three gaps of torch 2.13's package are closed here:
+
+    * the package installs its globals (the compiled functions, module aliases) in
+      ``sys.modules[fn.__module__]``, but a ``functools.wraps`` wrapper (transformers' forward
+      decorators) has its wrapped function's ``__module__`` and its own globals: they are copied
+      into the globals the code runs in;
+    * Dynamo's generated code reads module aliases (``___module_collections_<id>``, made by
+      ``codegen.create_load_python_module``) that the package does not record: :meth:`entry`
+      returns them by module name, :meth:`__init__` installs them;
+    * the stored guard state loses the inputs' dim markings, so a marked input failed the marking
+      guard ("absent at compile time"): ``markings`` (source name -> attributes) are put back on
+      the guard state's values while it loads. A union over graphs is sound: a marking only
+      relaxes the marking guard, the sizes stay guarded.
+
+    ``stored``: ``(entry, globals)`` as :meth:`entry` returned them in an earlier process, with
+    ``graphs`` (compiled function name -> callable) and ``markings``; any failure to install
+    raises :class:`PackageError` and leaves nothing installed."""
+
+    def __init__(self, fn: Callable[..., Any], backend: Callable[..., Any], stored: tuple[Any, dict] | None = None,
+                 graphs: dict[str, Callable[..., Any]] | None = None,
+                 markings: dict[str, dict[str, Any]] | None = None) -> None:
+        package_module = require_module("torch._dynamo.package")
+        self.fn = fn
+        self._globals = getattr(fn, "__func__", fn).__globals__
+        self._copied: list[str] = []
+        if stored is None:
+            self.package = package_module.CompilePackage(fn)
+        else:
+            try:
+                self.package = package_module.CompilePackage(fn, stored[0])
+                with _guard_markings(package_module, markings or {}):
+                    self.package.install({name: _Backend(run) for name, run in (graphs or {}).items()})
+                for module, names in self.package._installed_globals.items():
+                    for name in names:
+                        self._install(name, module.__dict__[name])
+                for name, (kind, value) in stored[1].items():
+                    if name not in self._globals:
+                        self._install(name, importlib.import_module(value) if kind == "module" else value)
+            except Exception as e:  # noqa: BLE001 - any failure: the caller compiles as without a package
+                self.uninstall()
+                raise PackageError(f"{type(e).__name__}: {e}") from e
+        self.compiled = torch._dynamo.optimize(backend, package=self.package, dynamic=None,
+                                               guard_filter_fn=_serializable_guards)(fn)
+
+    def _install(self, name: str, value: Any) -> None:
+        if self._globals.get(name) is not value:
+            self._globals[name] = value
+            self._copied.append(name)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with _storable_guards():
+            return self.compiled(*args, **kwargs)
+
+    def graphs(self) -> dict[str, Any]:
+        """Compiled function name -> what the backend returned, for the graphs this process compiled."""
+        return dict(self.package.cached_backends)
+
+    def entry(self) -> tuple[Any, dict[str, tuple[str, str]]]:
+        """What a later process installs: the package's cache entry (picklable) and the module
+        aliases Dynamo's code reads that the package does not record. Each alias is renamed in the
+        stored code to one named after its module (``___autotp_module_collections``): Dynamo's
+        own name carries the module's address and a compile id, which a later process's own
+        compile may make again (it then refuses the name as already taken)."""
+        package_module = require_module("torch._dynamo.package")
+        entry = self.package.cache_entry()
+        for code in entry.codes:
+            for guarded in code.guarded_codes:
+                if guarded.guards_state.startswith(_UNSTORABLE):
+                    raise PackageError(guarded.guards_state[len(_UNSTORABLE):].decode(errors="replace"))
+        renamed: dict[str, str] = {}
+        aliases: dict[str, tuple[str, str]] = {}
+
+        def rename(code: Any) -> Any:
+            names = []
+            for name in code.co_names:
+                value = self._globals.get(name)
+                if name.startswith("___module_") and isinstance(value, types.ModuleType):
+                    stable = "___autotp_module_" + value.__name__.replace(".", "_dot_")
+                    renamed[name], aliases[stable] = stable, ("module", value.__name__)
+                names.append(renamed.get(name, name))
+            consts = tuple(rename(c) if isinstance(c, package_module.SerializedCode) else c for c in code.co_consts)
+            return dataclasses.replace(code, co_names=tuple(names), co_consts=consts)
+
+        codes = [dataclasses.replace(code, guarded_codes=[
+            dataclasses.replace(guarded, dynamo_code=rename(guarded.dynamo_code)) for guarded in code.guarded_codes])
+            for code in entry.codes]
+        return dataclasses.replace(entry, codes=codes), aliases
+
+    def uninstall(self) -> None:
+        """Take the installed entries off the function's code and the copied globals out."""
+        package = getattr(self, "package", None)
+        if package is not None and package.is_initialized():
+            package.uninstall()
+        for name in self._copied:
+            self._globals.pop(name, None)
+        self._copied = []
+
+    def uninstaller(self) -> Callable[[], None]:
+        """:meth:`uninstall` as a function holding no reference to the compiled function (nor so to
+        its module): what a session runs when it closes. The installed entries hold the graphs'
+        lowered code and so the shards; Dynamo's guards do not let go of them, having no object
+        identity to watch."""
+        code = getattr(self.fn, "__func__", self.fn).__code__
+        installed = [(module, list(names)) for module, names in self.package._installed_globals.items()]
+        copied, globals_ = list(self._copied), self._globals
+        reset = require("torch._C._dynamo.eval_frame", "_reset_precompile_entries")
+
+        def uninstall() -> None:
+            for module, names in installed:
+                for name in names:
+                    module.__dict__.pop(name, None)
+            for name in copied:
+                globals_.pop(name, None)
+            reset(code)
+
+        return uninstall
+
+
+#: what :func:`_storable_guards` stores for a guard state Dynamo could not pickle
+_UNSTORABLE = b"autotp: unstorable guards: "
+
+
+@contextlib.contextmanager
+def _storable_guards() -> Iterator[None]:
+    """Within the block, a guard state Dynamo cannot pickle (a module attribute no pickle holds)
+    is stored as a marker naming the error instead of failing the compile: torch 2.13 turns only an
+    ``AttributeError`` into its package bypass, and that bypass then fails an assertion. The frame
+    compiles and runs as without a package; :meth:`DynamoPackage.entry` refuses to store it, and
+    an install of it fails (the marker is no pickle)."""
+    guards = require_module("torch._dynamo.guards")
+    original = guards.pickle_guards_state
+    if getattr(original, "_autotp_storable", False):  # nested: already swapped
+        yield
+        return
+
+    def pickle_or_mark(state: Any, builder: Any) -> bytes:
+        try:
+            return original(state, builder)
+        except Exception as e:  # noqa: BLE001 - any pickling failure
+            return _UNSTORABLE + f"{type(e).__name__}: {e}".encode()
+
+    pickle_or_mark._autotp_storable = True  # type: ignore[attr-defined]
+    guards.pickle_guards_state = pickle_or_mark
+    try:
+        yield
+    finally:
+        guards.pickle_guards_state = original
+
+
+@contextlib.contextmanager
+def _guard_markings(package_module: Any, markings: dict[str, dict[str, Any]]) -> Iterator[None]:
+    """While the block runs, each guard state the package loads gets ``markings`` back on the
+    tensors its sources name (see :class:`DynamoPackage`)."""
+    original = package_module.load_guards_state
+
+    def load(data: bytes) -> Any:
+        state = original(data)
+        scope = {"L": state.output_graph.local_scope}
+        for source, marks in markings.items():
+            try:
+                value = eval(source, {"__builtins__": {}}, scope)  # noqa: S307 - a Dynamo source name
+            except Exception:  # noqa: BLE001, S112 - a source this state lacks: its guard compares as stored
+                continue
+            if isinstance(value, torch.Tensor):
+                for attr, v in marks.items():
+                    setattr(value, attr, v)
+        return state
+
+    package_module.load_guards_state = load
+    try:
+        yield
+    finally:
+        package_module.load_guards_state = original

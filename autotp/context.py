@@ -9,6 +9,7 @@ names the session that placed the parameter."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -69,13 +70,18 @@ class TPContext:
     overrides_matched: set[str] = field(default_factory=set)
     #: torch's intra-op thread count before the entry point set this rank's share (restored on close)
     threads_before: int | None = None
+    #: what became of the model's stored graphs (``autotp/stored_graphs.py``: ``StoredOutcome``);
+    #: None where the session does not store them
+    stored_graphs: Any = None
+    #: what undoes the rest the session installed (the stored graphs' frames on the model's code)
+    installed: list[Callable[[], None]] = field(default_factory=list)
     closed: bool = False
 
     def close(self) -> None:
         """Undo what the session installed in the process: the rank-health heartbeat and excepthook
         (once no other session's communicator uses them), the shared-memory transport's mapping,
-        and the thread count. Idempotent; ``parallelize_model`` also runs it when the model is
-        garbage-collected. The model still runs afterwards, through the process group alone."""
+        the thread count and the stored graphs' frames. Idempotent; ``parallelize_model`` also runs
+        it when the model is garbage-collected. The model still runs afterwards, through the process group alone."""
         if self.closed:
             return
         self.closed = True
@@ -83,6 +89,8 @@ class TPContext:
         self.comm.shared_memory = None  # the mapping goes with the last reference
         if self.threads_before is not None:
             torch.set_num_threads(self.threads_before)
+        while self.installed:
+            self.installed.pop()()
 
     def next_graph_id(self) -> int:
         """A new graph's id: unique among this model's graphs (trace folders ``graphNNN``)."""

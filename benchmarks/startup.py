@@ -106,6 +106,8 @@ def _worker(engine: str, folder: str, result: str, dtype_name: str, plain_call: 
         if engine.startswith("autotp"):
             report["graphs_compiled"] = model.autotp.context.graphs_compiled
             report["plan_cache"] = [o.as_dict() for o in model.autotp.context.plan_cache.outcomes]
+            stored = model.autotp.context.stored_graphs
+            report["stored_graphs"] = stored.as_dict() if stored is not None else None
         Path(result).write_text(json.dumps(report))
     if distributed:
         dist.destroy_process_group()
@@ -148,6 +150,7 @@ def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
         out["graphs_compiled"] = [r["graphs_compiled"] for r in runs]
         out["plan_cache_status"] = [[o["status"] for o in r["plan_cache"]] for r in runs]
         out["plan_cache_lookup_s"] = [sum(o.get("lookup_s", 0.0) for o in r["plan_cache"]) for r in runs]
+        out["stored_graphs"] = [r.get("stored_graphs") for r in runs]
     return out
 
 

@@ -1,0 +1,97 @@
+"""Stored graphs across jobs at tp=2 (gloo, CPU): a second job installs the graphs the first one
+stored and runs without Dynamo tracing the model, with the first job's results; a call the stored
+guards refuse is traced as before; a corrupt entry is ignored and rewritten.
+
+Tolerance: logits are compared with a one-process transformers run at atol=1e-5, rtol=1e-4 (the
+row-parallel reductions reorder fp32 additions); a job running stored graphs must equal the job
+that traced them bit for bit, since it runs the same program.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests._dist import run_ranks
+from tests._tiny import one_process_reference, save_tiny
+from tests.distributed.test_parallelize import PAD_ID, PROMPT
+
+pytestmark = pytest.mark.dist
+
+#: two sequences: the warm-up's graph has batch 1, so the stored guards refuse this call
+BATCH_OF_TWO = [[5, 17, 99, 3, 64, 12, 7], [8, 1, 42, 77, 30, 2, 9]]
+
+
+def _job(rank: int, world: int, folder: str, cache_dir: str, new_tokens: int, batch_of_two: bool,
+         trace_dir: str | None = None) -> dict:
+    import os
+
+    os.environ["AUTOTP_CACHE_DIR"] = cache_dir
+    from torch._dynamo.utils import counters
+
+    from autotp import parallelize_model
+
+    model = parallelize_model(folder, tp_size=world, trace_dir=trace_dir)
+    ids = torch.tensor(PROMPT)
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+        tokens = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=PAD_ID)
+        traced_before = counters["frames"]["ok"]
+        plan_cache = [o.status for o in model.autotp.context.plan_cache.outcomes]
+        plans = list(model.autotp.plans)
+        pair = model(input_ids=torch.tensor(BATCH_OF_TWO)).logits if batch_of_two else None
+    return {"logits": logits, "tokens": tokens[0].tolist(), "pair": pair, "plans": plans,
+            "traced": traced_before, "traced_for_pair": counters["frames"]["ok"] - traced_before,
+            "stored": model.autotp.context.stored_graphs.as_dict(),
+            "plan_cache": plan_cache}
+
+
+def test_a_second_job_runs_the_stored_graphs_untraced_and_matches_the_first_and_one_process(tmp_path: Path) -> None:
+    folder = save_tiny("llama", tmp_path / "llama", pad_token_id=PAD_ID)
+    ref_logits, ref_tokens = one_process_reference(folder, PROMPT, 8, PAD_ID)
+    ref_pair, _ = one_process_reference(folder, BATCH_OF_TWO, 1, PAD_ID)
+    cache = tmp_path / "cache"
+    first = run_ranks(_job, 2, str(folder), str(cache), 8, False)
+    second = run_ranks(_job, 2, str(folder), str(cache), 8, True)
+
+    for rank in range(2):
+        a, b = first[rank], second[rank]
+        assert a["stored"]["status"] == "miss" and a["stored"]["reason"] == "no entry"
+        assert a["traced"] >= 2  # the warm-up's prefill and the decode graph
+        assert b["stored"]["status"] == "hit" and b["stored"]["graphs"] == a["traced"]
+        assert b["traced"] == 0  # Dynamo traced nothing: every call ran a stored frame
+        assert b["plan_cache"] == ["hit"] * len(a["plan_cache"])  # each stored graph lowered with its cached plan
+        assert b["plans"] == a["plans"]
+        assert torch.equal(b["logits"], a["logits"])
+        torch.testing.assert_close(b["logits"], ref_logits, atol=1e-5, rtol=1e-4)
+        assert a["tokens"] == b["tokens"] == ref_tokens
+        # a batch of two fails the stored guards (batch 1): traced and compiled, and right
+        assert b["traced_for_pair"] >= 1
+        torch.testing.assert_close(b["pair"], ref_pair, atol=1e-5, rtol=1e-4)
+    assert first[0]["stored"]["stored"] == first[0]["traced"]  # rank 0 wrote every graph
+    assert second[0]["stored"]["stored"] == first[0]["traced"] + second[0]["traced_for_pair"]  # and the new one
+    assert len(list((cache / "graphs").glob("*.pkl"))) == 1
+    assert not list((cache / "graphs").glob(".*.tmp"))
+
+
+def test_a_truncated_entry_is_ignored_with_its_reason_and_rewritten(tmp_path: Path) -> None:
+    folder = save_tiny("llama", tmp_path / "llama", pad_token_id=PAD_ID)
+    _, ref_tokens = one_process_reference(folder, PROMPT, 4, PAD_ID)
+    cache = tmp_path / "cache"
+    run_ranks(_job, 2, str(folder), str(cache), 4, False)
+    (entry,) = (cache / "graphs").glob("*.pkl")
+    entry.write_bytes(entry.read_bytes()[: entry.stat().st_size // 2])
+    second = run_ranks(_job, 2, str(folder), str(cache), 4, False, str(tmp_path / "trace"))
+    third = run_ranks(_job, 2, str(folder), str(cache), 4, False)
+
+    for rank in range(2):
+        assert second[rank]["stored"]["status"] == "miss"
+        assert second[rank]["stored"]["reason"].startswith("corrupt entry (not a pickle, truncated?")
+        note = json.loads((tmp_path / "trace" / f"rank{rank}" / "stored_graphs.json").read_text())
+        assert note["status"] == "miss" and note["reason"] == second[rank]["stored"]["reason"]
+        assert second[rank]["traced"] >= 2
+        assert third[rank]["stored"]["status"] == "hit" and third[rank]["traced"] == 0
+        assert second[rank]["tokens"] == third[rank]["tokens"] == ref_tokens

@@ -1,0 +1,132 @@
+"""The stored-graph entry on disk (``autotp/stored_graphs.py: GraphStore``): what is read back, and
+why an entry is refused (truncated, corrupt, stale, another key), atomic writes from concurrent
+writers, the cache switched off; and a Dynamo graph pickled and read back keys as the traced one."""
+
+from __future__ import annotations
+
+import pickle
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from autotp.compat import DynamoPackage, PackageError, maybe_mark_dynamic, pickle_graph, unpickle_graph
+from autotp.plan_cache import graph_fingerprint
+from autotp.stored_graphs import FORMAT, GraphStore, StoredGraph
+
+KEY = {"format": FORMAT, "model": "LlamaForCausalLM", "world_size": 2}
+PAYLOAD = {"entry": "dynamo entry", "aliases": {}, "graphs": {"__compiled_fn_1": (b"graph", {})}}
+
+
+def _stored(tmp_path: Path, key: dict = KEY) -> GraphStore:
+    store = GraphStore(tmp_path, dict(key))
+    assert store.write(PAYLOAD)
+    return store
+
+
+def test_an_entry_written_is_read_back_under_the_same_key(tmp_path: Path) -> None:
+    _stored(tmp_path)
+    store = GraphStore(tmp_path, dict(KEY))
+    assert store.read() == PAYLOAD
+    assert store.outcome.status == "miss" and store.outcome.reason is None  # a hit once it installs
+
+
+def test_no_entry_is_a_miss_that_says_so(tmp_path: Path) -> None:
+    store = GraphStore(tmp_path, dict(KEY))
+    assert store.read() is None
+    assert store.outcome.reason == "no entry"
+
+
+def test_a_truncated_entry_is_refused_as_corrupt(tmp_path: Path) -> None:
+    path = _stored(tmp_path).path
+    path.write_bytes(path.read_bytes()[:-40])
+    store = GraphStore(tmp_path, dict(KEY))
+    assert store.read() is None
+    assert store.outcome.reason.startswith("corrupt entry (not a pickle, truncated?")
+
+
+def test_a_changed_payload_fails_its_checksum(tmp_path: Path) -> None:
+    path = _stored(tmp_path).path
+    entry = pickle.loads(path.read_bytes())
+    entry["payload"] = pickle.dumps({**PAYLOAD, "aliases": {"x": ("module", "os")}})
+    path.write_bytes(pickle.dumps(entry))
+    store = GraphStore(tmp_path, dict(KEY))
+    assert store.read() is None
+    assert store.outcome.reason == "corrupt entry (checksum mismatch)"
+
+
+def test_an_entry_of_another_format_is_stale(tmp_path: Path) -> None:
+    path = _stored(tmp_path).path
+    entry = pickle.loads(path.read_bytes())
+    entry["format"] = FORMAT + 1
+    path.write_bytes(pickle.dumps(entry))
+    store = GraphStore(tmp_path, dict(KEY))
+    assert store.read() is None
+    assert store.outcome.reason == f"stale entry (format {FORMAT + 1}, this autotp writes {FORMAT})"
+
+
+def test_an_entry_under_this_name_with_another_key_is_refused_naming_the_field(tmp_path: Path) -> None:
+    path = _stored(tmp_path, {**KEY, "world_size": 4}).path
+    store = GraphStore(tmp_path, dict(KEY))
+    path.rename(store.path)  # as if two keys met under one file name
+    assert store.read() is None
+    assert store.outcome.reason == "entry of another world_size"
+
+
+def test_concurrent_writers_all_succeed_and_leave_one_whole_entry(tmp_path: Path) -> None:
+    results: list[bool] = []
+    writers = [threading.Thread(target=lambda: results.append(GraphStore(tmp_path, dict(KEY)).write(PAYLOAD)))
+               for _ in range(8)]
+    for w in writers:
+        w.start()
+    for w in writers:
+        w.join()
+    assert results == [True] * 8
+    assert GraphStore(tmp_path, dict(KEY)).read() == PAYLOAD
+    assert [p.name for p in (tmp_path / "graphs").iterdir()] == [GraphStore(tmp_path, dict(KEY)).path.name]
+
+
+def test_with_the_cache_off_nothing_is_read_or_written(tmp_path: Path) -> None:
+    store = GraphStore(None, dict(KEY))
+    assert store.read() is None and not store.write(PAYLOAD)
+    assert store.outcome.status == "off"
+
+
+def test_a_dynamo_graph_read_back_keys_as_the_traced_one() -> None:
+    seen: list[tuple[list, list]] = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list) -> object:
+        stored = StoredGraph.of(gm, example_inputs)
+        seen.append((graph_fingerprint(gm), graph_fingerprint(unpickle_graph(pickle_graph(gm)))))
+        assert stored.markings == {"L['x']": {"_dynamo_weak_dynamic_indices": {1}, "_has_dynamo_dim_marking": True}}
+        return gm.forward
+
+    def f(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return (x.transpose(0, 1) @ w).relu().view(-1)  # a view and a symbolic size in the example values
+
+    x = torch.randn(3, 5)
+    maybe_mark_dynamic(x, 1)
+    torch.compile(f, backend=backend)(x, torch.randn(3, 4))
+    (traced, read_back), = seen
+    assert read_back == traced
+
+
+class _NoPickle:
+    """A callable module attribute no pickle holds (as a process group is)."""
+
+    def __call__(self) -> None:
+        return None
+
+    def __reduce__(self) -> tuple:
+        raise TypeError("this attribute does not pickle")
+
+
+def test_a_model_whose_guards_cannot_be_stored_still_compiles_and_runs_and_is_not_stored() -> None:
+    model = torch.nn.Linear(3, 2)
+    model.hook = _NoPickle()
+    package = DynamoPackage(type(model).forward.__get__(model), lambda gm, example_inputs: gm.forward)
+    x = torch.randn(4, 3)
+    torch.testing.assert_close(package(x), model(x), atol=0, rtol=0)
+    with pytest.raises(PackageError, match="this attribute does not pickle"):
+        package.entry()
