@@ -515,7 +515,10 @@ def _compiled_forward(module: torch.nn.Module, ctx: TPContext, device: torch.dev
         if meta is not None and meta.session is None:
             meta.session = ctx
     store = GraphStore(ctx.plan_cache.root, graph_key(module, plan_options(ctx), ctx.world_size, device))
-    writes = ctx.rank == 0  # rank 0 alone writes the entry, so it alone pickles the graphs it compiles
+    # one rank writes the entry, so it alone pickles the graphs it compiles: the last, because rank 0
+    # plans each new graph while the others wait for its broadcast (backend.py), so the writer's
+    # pickling overlaps that solve instead of adding to it
+    writes = ctx.rank == ctx.world_size - 1
     backend = storing_backend(make_backend(ctx), ctx) if writes else make_backend(ctx)
     trace = Path(ctx.config.trace_dir) / f"rank{ctx.rank}" if ctx.config.trace_dir else None
     compiled = StoredForward(fn, backend, store, write=writes, session=ctx, trace=trace)

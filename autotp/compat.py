@@ -61,6 +61,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib
+import inspect
 import sys
 import types
 import warnings
@@ -445,6 +446,14 @@ class PackageError(Exception):
     """A stored package that does not load into this process (its message says why)."""
 
 
+#: a forward's code object -> the token of the :class:`DynamoPackage` created on it last. Two models
+#: of one class share the code object, its precompiled entries and the global names their frames
+#: read, so a package's uninstaller acts only while its package is still the last one: the first
+#: model's close must not take away what the second installed (it did: ``NameError`` on a Dynamo
+#: module alias in the second model's next call)
+_LAST_PACKAGE_ON: dict[types.CodeType, object] = {}
+
+
 class DynamoPackage:
     """A function compiled by Dynamo into a ``torch._dynamo.package.CompilePackage``: the package
     records each frame's transformed bytecode and guards and the name of each graph's compiled
@@ -474,6 +483,8 @@ class DynamoPackage:
         self.fn = fn
         self._globals = getattr(fn, "__func__", fn).__globals__
         self._copied: list[str] = []
+        #: why this package's entry cannot be stored (a frame Dynamo cannot name), or None
+        self.unstorable: str | None = None
         if stored is None:
             self.package = package_module.CompilePackage(fn)
         else:
@@ -490,8 +501,31 @@ class DynamoPackage:
             except Exception as e:  # noqa: BLE001 - any failure: the caller compiles as without a package
                 self.uninstall()
                 raise PackageError(f"{type(e).__name__}: {e}") from e
+        self._note_unnamed_frames()
+        self._token = object()
+        _LAST_PACKAGE_ON[getattr(fn, "__func__", fn).__code__] = self._token
         self.compiled = torch._dynamo.optimize(backend, package=self.package, dynamic=None,
                                                guard_filter_fn=_serializable_guards)(fn)
+
+    def _note_unnamed_frames(self) -> None:
+        """A frame Dynamo compiles after a graph break is recorded by its qualified name, and torch
+        2.13 fails the whole compile where it finds none (GPT-2's ``self.loss_function``, a property
+        returning a function made at runtime: ``PackageError: Cannot resolve a fully qualified
+        name``). Such a frame is recorded under no name instead and the package marked
+        :attr:`unstorable`, so the model compiles and runs as without a package and :meth:`entry`
+        refuses to store what a later process could not install."""
+        package, add_user_function = self.package, self.package._add_user_function
+        torch_package_error = require_module("torch._dynamo.exc").PackageError
+
+        def add_or_note(code: types.CodeType) -> None:
+            try:
+                add_user_function(code)
+            except torch_package_error as e:
+                self.unstorable = str(e)
+                module = inspect.getmodule(code)
+                package._add_function(code, module.__name__ if module is not None else "<unknown>")
+
+        package._add_user_function = add_or_note
 
     def _install(self, name: str, value: Any) -> None:
         if self._globals.get(name) is not value:
@@ -513,6 +547,8 @@ class DynamoPackage:
         own name carries the module's address and a compile id, which a later process's own
         compile may make again (it then refuses the name as already taken)."""
         package_module = require_module("torch._dynamo.package")
+        if self.unstorable is not None:
+            raise PackageError(self.unstorable)
         entry = self.package.cache_entry()
         for code in entry.codes:
             for guarded in code.guarded_codes:
@@ -555,8 +591,12 @@ class DynamoPackage:
         installed = [(module, list(names)) for module, names in self.package._installed_globals.items()]
         copied, globals_ = list(self._copied), self._globals
         reset = require("torch._C._dynamo.eval_frame", "_reset_precompile_entries")
+        token = self._token
 
         def uninstall() -> None:
+            if _LAST_PACKAGE_ON.get(code) is not token:  # a later model's package owns them now
+                return
+            del _LAST_PACKAGE_ON[code]
             for module, names in installed:
                 for name in names:
                     module.__dict__.pop(name, None)

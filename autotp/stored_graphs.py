@@ -247,7 +247,7 @@ class GraphStore:
 class StoredForward:
     """A model's compiled forward with stored graphs: the stored entry installed where one is usable
     (:class:`GraphStore`), else a fresh Dynamo package; after a call that compiled new graphs, the
-    entry is written again with them (rank 0 only: ``write``)."""
+    entry is written again with them (by one rank, the last: ``write``)."""
 
     def __init__(self, fn: Callable[..., Any], backend: Callable[..., Any], store: GraphStore, write: bool,
                  session: Any = None, trace: Path | None = None) -> None:
@@ -306,7 +306,7 @@ class StoredForward:
         try:
             entry, aliases = self.package.entry()
         except PackageError as e:
-            self.store.outcome.notes.append(f"not stored: Dynamo cannot store this model's guards ({e})")
+            self.store.outcome.notes.append(f"not stored: Dynamo cannot store this model's frames or guards ({e})")
             self.write = False
             self._write_trace()
             return
