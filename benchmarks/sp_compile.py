@@ -82,6 +82,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", default="plain,sp,plain,sp", help="rows in order (alternate them: the machine's load drifts)")
     parser.add_argument("--out", default="sp_compile.json")
     args = parser.parse_args(argv)
+    sys.path.insert(0, os.fspath(Path(__file__).resolve().parent))
+    from _record import Provenance, write_result
+
+    provenance = Provenance.start(argv)
     os.environ["AUTOTP_CACHE"] = "0"  # a first compile: no plan cache (the ranks inherit it)
     config = dict(hidden_size=args.hidden, intermediate_size=args.hidden * 2, num_hidden_layers=args.layers,
                   num_attention_heads=8, num_key_value_heads=4, vocab_size=1024, max_position_embeddings=256)
@@ -100,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         steps = sorted(r["ranks"][0]["first_step_s"] for r in out["rows"] if r["row"] == row)
         out.setdefault("median_first_step_s", {})[row] = statistics.median(steps)
     print("median first step", out["median_first_step_s"], flush=True)
-    Path(args.out).write_text(json.dumps(out, indent=1, default=str))
+    write_result(args.out, json.loads(json.dumps(out, default=str)), provenance)  # rank results as plain JSON
     return 0
 
 
