@@ -49,7 +49,6 @@ import hashlib
 import json
 import math
 import os
-import tempfile
 import time
 import types
 import warnings
@@ -498,26 +497,14 @@ class PlanCache:
         payload = {"annotation": annotation, "solve": solve, "plan": plan}
         entry = {"format": FORMAT, "key": key.fields, "payload": payload,
                  "checksum": entry_checksum(key.fields, payload)}
-        tmp = None
         try:
-            self.folder.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=f".{key.digest[:16]}.", suffix=".tmp", dir=self.folder)
-            with os.fdopen(fd, "w") as f:
-                f.write(_canonical(entry))
-            os.replace(tmp, self.path_of(key))
-            tmp = None
+            cache_env.write_atomic(self.path_of(key), _canonical(entry).encode())
         except OSError as e:
             self._writable = False
             warnings.warn(f"autotp: the plan cache at {self.root} cannot be written ({type(e).__name__}: {e}); "
                           "plans are not cached. Set AUTOTP_CACHE_DIR to a writable folder, or AUTOTP_CACHE=0 "
                           "to turn the cache off.", stacklevel=2)
             return False
-        finally:
-            if tmp is not None:
-                try:
-                    os.unlink(tmp)
-                except OSError:
-                    pass
         self._writable = True
         return True
 

@@ -30,12 +30,10 @@ silently.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import json
 import os
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -114,22 +112,12 @@ class ReportCache:
         if key is None or self.root is None:
             return
         path = self._path(key)
-        tmp = None
         try:
             text = json.dumps({"key": key, "report": report, "checksum": _checksum(key, report)},
                               separators=(",", ":"))  # the report's own order: the table prints in it
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=f".{path.stem[:16]}.", suffix=".tmp", dir=path.parent)
-            with os.fdopen(fd, "w") as f:
-                f.write(text)
-            os.replace(tmp, path)
-            tmp = None
+            cache_env.write_atomic(path, text.encode())
         except (OSError, TypeError, ValueError):
             pass  # an unwritable cache (or a report JSON cannot hold) only costs the next plan its time
-        finally:
-            if tmp is not None:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)
 
 
 def _checksum(key: Any, report: Any) -> str:

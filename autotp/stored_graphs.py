@@ -46,9 +46,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import pickle
-import tempfile
 import time
 import warnings
 from collections.abc import Callable
@@ -222,25 +220,13 @@ class GraphStore:
             return False
         data = pickle.dumps(payload)
         entry = {"format": FORMAT, "key": self.key, "payload": data, "checksum": _checksum(self.key, data)}
-        tmp = None
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=f".{self.digest[:16]}.", suffix=".tmp", dir=self.path.parent)
-            with os.fdopen(fd, "wb") as f:
-                pickle.dump(entry, f)
-            os.replace(tmp, self.path)
-            tmp = None
+            cache_env.write_atomic(self.path, pickle.dumps(entry))
         except OSError as e:
             self._writable = False
             warnings.warn(f"autotp: stored graphs cannot be written to {self.path.parent} ({type(e).__name__}: "
                           f"{e}); the next launch traces the model again.", stacklevel=2)
             return False
-        finally:
-            if tmp is not None:
-                try:
-                    os.unlink(tmp)
-                except OSError:
-                    pass
         return True
 
 
