@@ -274,34 +274,31 @@ def _rank_masked(rank: int, world: int, folder: str, ids: torch.Tensor, mask: to
         return model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0)
 
 
-def test_a_left_padded_batch_spreads_each_kv_head_over_its_uneven_query_heads(tmp_path: Path) -> None:
-    """With a padding mask transformers repeats each kv head over its query heads itself
-    (``repeat_kv``): 3 copies per kv head over the group's 2 ranks are 2 + 1, merged into the
-    query heads' split."""
+
+def _assert_a_left_padded_batch_generates_as_one_process(folder: Path, world: int) -> None:
+    """A left-padded batch of 2 generates on ``world`` ranks exactly the greedy tokens of one process."""
     from transformers import AutoModelForCausalLM
 
-    folder = save_tiny("qwen2", tmp_path / "qwen2", pad_token_id=PAD_ID, hidden_size=48, num_attention_heads=6,
-                       num_key_value_heads=2)
     ids = torch.tensor([[0, 0, 5, 17, 99, 3], [4, 8, 15, 16, 23, 42]])
     mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
     ref = AutoModelForCausalLM.from_pretrained(folder).eval()
     with torch.no_grad():
         expected = ref.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0)
-    for tokens in run_ranks(_rank_masked, 4, str(folder), ids, mask):
+    for tokens in run_ranks(_rank_masked, world, str(folder), ids, mask):
         assert torch.equal(tokens, expected)
+
+def test_a_left_padded_batch_spreads_each_kv_head_over_its_uneven_query_heads(tmp_path: Path) -> None:
+    """With a padding mask transformers repeats each kv head over its query heads itself
+    (``repeat_kv``): 3 copies per kv head over the group's 2 ranks are 2 + 1, merged into the
+    query heads' split."""
+    folder = save_tiny("qwen2", tmp_path / "qwen2", pad_token_id=PAD_ID, hidden_size=48, num_attention_heads=6,
+                       num_key_value_heads=2)
+    _assert_a_left_padded_batch_generates_as_one_process(folder, 4)
 
 
 def test_a_batch_through_fused_qkv_heads_no_tp_divides_generates_as_one_process(tmp_path: Path) -> None:
     """GPT-2's eager attention merges (batch, heads) into one dim: with 3 heads split 2 + 1 over 2
     ranks that dim holds each batch's heads of this rank (``S(0|3:3h+3:3h)``), also at the symbolic
     batch after the warm-up. A left-padded batch of 2 generates the tokens one process does."""
-    from transformers import AutoModelForCausalLM
-
     folder = save_tiny("gpt2", tmp_path / "gpt2", pad_token_id=PAD_ID, n_embd=48, n_head=3)
-    ids = torch.tensor([[0, 0, 5, 17, 99, 3], [4, 8, 15, 16, 23, 42]])
-    mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
-    ref = AutoModelForCausalLM.from_pretrained(folder).eval()
-    with torch.no_grad():
-        expected = ref.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0)
-    for tokens in run_ranks(_rank_masked, 2, str(folder), ids, mask):
-        assert torch.equal(tokens, expected)
+    _assert_a_left_padded_batch_generates_as_one_process(folder, 2)
