@@ -393,11 +393,17 @@ def _trace(config: Any, module: torch.nn.Module, options: AutoTPConfig, shape: t
     # whole plan and changes no collective: the plan is for the given B and S
     forward = torch.compile(type(module).forward.__get__(module), backend=backend, dynamic=False)
     ids = torch.zeros(shape, dtype=torch.long, device="meta")  # (B, S)
-    keyword = cache_keyword(type(module).forward) if decode else None
+    # an encoder-decoder's forward runs both stacks on one call, the decoder reading its own ids
+    # (as parallelize_model's warm-up passes them, ``api.TOKEN_INPUTS``); its decode step reads the
+    # encoder's outputs that ``generate`` keeps, which a forward call does not give: not planned
+    seq2seq = bool(getattr(config, "is_encoder_decoder", False))
+    keyword = cache_keyword(type(module).forward) if decode and not seq2seq else None
     dtype = next(module.parameters()).dtype
     # the forward is the prefill when a decode step follows: it leaves the (sharded) KV cache
     kwargs = {"input_ids": ids, keyword: _empty_cache(config, dtype), "use_cache": True} if keyword \
         else {"input_ids": ids, "use_cache": False}
+    if seq2seq:
+        kwargs["decoder_input_ids"] = ids  # (B, S): as many decoder tokens as encoder tokens
     warmup = None
     if shape != _warmup_shape(tp):
         # parallelize_model fixes every parameter's placement in its warm-up call and solves later
@@ -406,7 +412,7 @@ def _trace(config: Any, module: torch.nn.Module, options: AutoTPConfig, shape: t
         # in a costlier plan: 3 all-gathers + 3 all-reduces + 2 reduce-scatters for a 16-token
         # prefill of a 2-layer Llama, where the pinned solve finds Megatron's 5 + 1.)
         warm = torch.zeros(_warmup_shape(tp), dtype=torch.long, device="meta")  # (1, 2*tp+1)
-        warm_kwargs = {**kwargs, "input_ids": warm}
+        warm_kwargs = {**kwargs, "input_ids": warm} | ({"decoder_input_ids": warm} if seq2seq else {})
         if keyword:  # a fresh cache: the prefill fills the one it gets
             warm_kwargs[keyword] = _empty_cache(config, dtype)
         warmup, _ = _run_graph("warm-up", forward, warm_kwargs, comm, seen)
@@ -416,7 +422,9 @@ def _trace(config: Any, module: torch.nn.Module, options: AutoTPConfig, shape: t
     record = seen[0].graph.solve if seen else None  # the free solve
 
     dec, note, kv = None, None, None
-    if decode:
+    if decode and seq2seq:
+        note = "decode step not planned (an encoder-decoder's decode step reads the encoder outputs generate keeps)"
+    elif decode:
         try:
             cache = returned_cache(prefill)
             if cache is None or keyword is None:

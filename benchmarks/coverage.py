@@ -11,14 +11,15 @@ README table (architecture, tp sizes, status, plan of one block, collectives per
 For every case and tp size: save the tiny checkpoint, run ``parallelize_model`` on N gloo ranks and
 compare with one process (:func:`tests.distributed.test_architectures.run_case`, same tolerance as
 the test). *Collectives per block* comes from the planner (``autotp.planner.plan_model``: the same
-solve of the same warm-up forward, one process, simulated collectives), per decoder block, read as
-the architecture test reads it (:func:`tests.distributed.test_architectures.collectives_per_block`);
-T5 (encoder and decoder blocks share layer numbers) and architectures the meta planner cannot
-trace say "not measured". *Plan* lists the matmul weights of layer 0 by style (``fused``: stored
+solve of the same warm-up forward, one process, simulated collectives), per block, read as
+the architecture test reads it (:func:`tests.distributed.test_architectures.collectives_per_stack`:
+per stack of blocks where there are several, T5's encoder and decoder); architectures the meta
+planner cannot trace say "not measured". *Plan* lists the matmul weights of layer 0 by style (``fused``: stored
 strided, each rank holds its chunk of every segment). One JSON line per run goes to ``--out``, with the run's provenance (commit, date, command,
 versions, machine: ``benchmarks/_record.py``);
 ``--update FILE`` replaces the rows of the cases run in FILE and keeps the others;
-``--blocks-only`` recomputes only the per-block column of FILE's rows; ``--widths-only`` the
+``--blocks-only`` recomputes only the per-block column of FILE's rows (of the ``--case`` ids, default
+all), recording its provenance as ``columns_provenance``; ``--widths-only`` the
 batch-2 column (the tiny model planned at batch 2, after the batch-1 warm-up, as a batch-2 call
 after ``parallelize_model`` is) and the real-width column (the plan matrix of
 ``tests/unit/test_plans_at_real_widths.py``). The README section between
@@ -50,7 +51,7 @@ from tests.distributed.test_architectures import (  # noqa: E402
     CASES,
     KNOWN_FAILURES,
     Case,
-    collectives_per_block,
+    collectives_per_stack,
     run_case,
     save_case,
 )
@@ -77,24 +78,31 @@ def plan_summary(plan: dict[str, Any]) -> str:
 
 
 def per_block(case: Case, world: int, folder: Path | Any, batch: int = 1) -> str:
-    """Collectives of each decoder block of a forward at ``batch`` (1: the warm-up), from the
-    planner; ``folder``: the checkpoint folder or a config."""
-    if case.kind == "seq2seq":
-        return "not measured (encoder and decoder blocks share layer numbers)"
+    """Collectives of each block of a forward at ``batch`` (1: the warm-up), from the planner, per
+    stack of blocks where a model has several (T5's encoder and decoder); ``folder``: the
+    checkpoint folder or a config."""
     from autotp.planner import plan_model
 
     try:
         model = str(folder) if isinstance(folder, Path) else folder
-        blocks = collectives_per_block(plan_model(model, world, batch=batch, decode=False).forward.sites)
+        stacks = collectives_per_stack(plan_model(model, world, batch=batch, decode=False).forward.sites)
     except Exception as e:  # noqa: BLE001 - a planner failure is a table cell
         return f"not measured (meta planner: {type(e).__name__})"
+    cells = {stack: _blocks_text(blocks) for stack, blocks in stacks.items()}
+    if len(cells) == 1:
+        return next(iter(cells.values()))
+    return "; ".join(f"{stack}: {text}" for stack, text in cells.items()) or "none"
+
+
+def _blocks_text(blocks: dict[int, dict[str, int]]) -> str:
+    """``2 all-reduce`` where every block issues the same, else each block's."""
     texts = {
         layer: ", ".join(f"{n} {k.replace('_', '-')}" for k, n in sorted(kinds.items()))
         for layer, kinds in blocks.items()
     }
     if len(set(texts.values())) == 1:
         return next(iter(texts.values()))
-    return "; ".join(f"block {layer}: {text}" for layer, text in texts.items()) or "none"
+    return ", ".join(f"block {layer}: {text}" for layer, text in texts.items()) or "none"
 
 
 def real_widths(case: Case) -> str:
@@ -108,8 +116,9 @@ def real_widths(case: Case) -> str:
     return f"{REAL_WIDTHS[case.arch][0]}: " + ("; ".join(cells) or "no tp in 2, 4, 8 divides its sizes")
 
 
-def add_widths(rows: list[dict[str, Any]], folder_of: Any) -> None:
-    """Fill the batch-2 and real-width columns of each case's first passing row."""
+def add_widths(rows: list[dict[str, Any]], folder_of: Any, provenance: Provenance) -> None:
+    """Fill the batch-2 and real-width columns of each case's first passing row, with their
+    provenance (``columns_provenance``)."""
     done: set[str] = set()
     for row in rows:
         case = BY_ID[row["case"]]
@@ -118,6 +127,7 @@ def add_widths(rows: list[dict[str, Any]], folder_of: Any) -> None:
         done.add(row["case"])
         row["batch2"] = per_block(case, row["tp"], folder_of(case), batch=2)
         row["real_widths"] = real_widths(case)
+        row["columns_provenance"] = provenance.finish()
         print(row["case"], row["batch2"], "|", row["real_widths"], flush=True)
 
 
@@ -215,6 +225,7 @@ def main() -> None:
         help="with --update: only recompute the batch-2 and real-width columns",
     )
     args = ap.parse_args()
+    provenance = Provenance.start()
     if args.rows:
         rows = read_rows(args.rows)
     elif args.update and args.blocks_only:
@@ -222,14 +233,16 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             for row in rows:
                 case = BY_ID[row["case"]]
-                if row["tp"] == case.worlds[0] and row.get("status") == "pass":
+                if row["tp"] == case.worlds[0] and row.get("status") == "pass" and (not args.case or case.id in args.case):
                     row["per_block"] = per_block(case, row["tp"], save_case(case, Path(tmp) / case.id))
+                    row["columns_provenance"] = provenance.finish()
                     print(row["case"], row["per_block"], flush=True)
         write_rows(args.update, rows)
     elif args.update and args.widths_only:
         rows = read_rows(args.update)
         with tempfile.TemporaryDirectory() as tmp:
-            add_widths(rows, lambda case: save_case(case, Path(tmp) / case.id))
+            add_widths([r for r in rows if not args.case or r["case"] in args.case],
+                       lambda case: save_case(case, Path(tmp) / case.id), provenance)
         write_rows(args.update, rows)
     else:
         cases = [c for c in CASES if not args.case or c.id in args.case]

@@ -209,25 +209,33 @@ def assert_moe_is_tensor_parallel(parameters: dict[str, dict[str, Any]], num_lay
         assert parameters[f"{mlp}.experts.down_proj"]["placement"] == "S(2)"
 
 
-def collectives_per_block(sites: list[dict[str, Any]]) -> dict[int, dict[str, int]]:
-    """Collectives of one forward by decoder block: a collective belongs to the block whose op made
-    the value it moves (``origin``), or, for a value made outside every block (OPT's embedding
-    partial sum, carried in the residual stream and reduced with block 0's attention output), to
-    the block it sits in (``after``)."""
-    out: dict[int, dict[str, int]] = {}
+def collectives_per_stack(sites: list[dict[str, Any]]) -> dict[str, dict[int, dict[str, int]]]:
+    """Collectives of one forward by stack of blocks and block: a collective belongs to the block
+    whose op made the value it moves (``origin``), or, for a value made outside every block (OPT's
+    embedding partial sum, carried in the residual stream and reduced with block 0's attention
+    output), to the block it sits in (``after``). The stack is the module path before the block's
+    index (``model.layers``; T5's ``encoder.block`` and ``decoder.block``, whose blocks share
+    indices)."""
+    out: dict[str, dict[int, dict[str, int]]] = {}
     for site in sites:
         kind = site["kind"] + (STATISTIC if tuple(site.get("global_shape") or ())[-1:] == (1,) else "")
-        layer = site["layer"]
-        if layer is None:
-            found = _LAYER_INDEX.search("." + site["after"] + ".")
-            layer = int(found.group(1)) if found else None
-        if layer is not None:
-            kinds = out.setdefault(layer, {})
+        found = _BLOCK_PATH.search(site["origin"]) if site["layer"] is not None else _BLOCK_PATH.search(site["after"])
+        if found is not None:
+            kinds = out.setdefault(found.group(1), {}).setdefault(int(found.group(2)), {})
             kinds[kind] = kinds.get(kind, 0) + 1
-    return dict(sorted(out.items()))
+    return {stack: dict(sorted(blocks.items())) for stack, blocks in sorted(out.items())}
 
 
-_LAYER_INDEX = re.compile(r"\.(\d+)(?=\.)")
+def collectives_per_block(sites: list[dict[str, Any]]) -> dict[int, dict[str, int]]:
+    """:func:`collectives_per_stack` of a model with one stack of blocks: block index -> kind -> count."""
+    stacks = collectives_per_stack(sites)
+    if len(stacks) > 1:
+        raise ValueError(f"blocks of several stacks ({', '.join(stacks)}) share indices: use collectives_per_stack")
+    return next(iter(stacks.values()), {})
+
+
+#: a module path inside a block: (the stack's path, the block's index), e.g. ``model.layers.3.mlp``
+_BLOCK_PATH = re.compile(r"^(.*?)\.(\d+)(?:\.|$)")
 #: suffix of a collective's kind in :func:`collectives_per_block` when it moves one value per token
 STATISTIC = " of a statistic"
 
@@ -247,6 +255,28 @@ def test_decoder_forward_has_the_minimum_all_reduces_per_block(arch: str) -> Non
     if arch in STATISTICS_PER_BLOCK:
         expected["all_reduce" + STATISTIC] = STATISTICS_PER_BLOCK[arch]
     assert collectives_per_block(report.forward.sites) == {layer: expected for layer in range(2)}
+
+
+#: T5's blocks: the encoder's self-attention and MLP, the decoder's self-attention, cross-attention
+#: and MLP, each ending in a row-parallel matmul whose partial sums one all-reduce joins
+T5_ALL_REDUCES = {"encoder.block": 2, "decoder.block": 3}
+
+
+def test_t5_encoder_blocks_reduce_twice_and_decoder_blocks_three_times() -> None:
+    """An encoder-decoder is planned on both stacks in one forward (the decoder reads its own ids),
+    and each block issues Megatron's all-reduces: one per row-parallel matmul, nothing gathered.
+
+    Block 0 of each stack also looks up the relative-position bias, a (32 buckets, heads) table. At
+    hidden 64 its 8 rows make it a large parameter (``passes/solve.py``: objective), split by rows
+    like a vocabulary (the embedding rule offers no column split), so its lookup is a partial sum
+    reduce-scattered onto the heads: 800 bytes per rank. At T5-base's widths the table is small and
+    replicated, and the block issues its all-reduces alone (``test_plans_at_real_widths.py``)."""
+    report = _plan("t5")
+
+    bias = {"reduce_scatter": 1}  # block 0's relative-position bias, see above
+    assert collectives_per_stack(report.forward.sites) == {
+        stack: {block: {"all_reduce": n} | (bias if block == 0 else {}) for block in range(2)}
+        for stack, n in sorted(T5_ALL_REDUCES.items())}
 
 
 def test_mixtral_moe_is_tensor_parallel_with_one_all_reduce_after_the_experts() -> None:

@@ -26,10 +26,17 @@ import pytest
 import transformers
 
 from autotp.planner import plan_model
-from tests.distributed.test_architectures import STATISTIC, STATISTICS_PER_BLOCK, collectives_per_block
+from tests.distributed.test_architectures import (
+    STATISTIC,
+    STATISTICS_PER_BLOCK,
+    T5_ALL_REDUCES,
+    collectives_per_block,
+    collectives_per_stack,
+)
 
-#: arch -> (the public model whose widths these are, config class, fields, all-reduces per block)
-REAL_WIDTHS: dict[str, tuple[str, str, dict[str, Any], int]] = {
+#: arch -> (the public model whose widths these are, config class, fields, all-reduces per block, or
+#: per stack of blocks for an encoder-decoder)
+REAL_WIDTHS: dict[str, tuple[str, str, dict[str, Any], int | dict[str, int]]] = {
     "llama": ("Llama-3-8B", "LlamaConfig", dict(
         hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336,
         vocab_size=128256), 2),
@@ -71,6 +78,10 @@ REAL_WIDTHS: dict[str, tuple[str, str, dict[str, Any], int]] = {
         hidden_size=4544, num_attention_heads=71, vocab_size=65024, multi_query=True,
         new_decoder_architecture=False, parallel_attn=True, bias=False, alibi=False), 1),
     "gpt2-xl": ("GPT-2 XL", "GPT2Config", dict(n_embd=1600, n_head=25, n_inner=6400, vocab_size=50257), 2),
+    # an encoder-decoder: both stacks in one forward, per-stack all-reduces (T5_ALL_REDUCES)
+    "t5": ("T5-base", "T5Config", dict(
+        d_model=768, d_kv=64, d_ff=3072, num_heads=12, vocab_size=32128, num_decoder_layers=2,
+        architectures=["T5ForConditionalGeneration"]), T5_ALL_REDUCES),
     "olmo2": ("OLMo-2-7B", "Olmo2Config", dict(
         hidden_size=4096, num_attention_heads=32, num_key_value_heads=32, intermediate_size=11008,
         vocab_size=100352), 2),
@@ -83,9 +94,9 @@ HEAD_MATRIX = {"bert", "roberta"}
 
 #: sizes that must divide by tp (heads, kv heads, intermediate) - KV-head replication is planned
 #: separately; a vocabulary need not divide (it is split unevenly, see the tests at the end)
-_SPLIT_FIELDS = ("num_attention_heads", "num_key_value_heads", "n_head", "intermediate_size", "n_inner",
-                 "ffn_dim")
-_BLOCK_MATRIX = re.compile(r"\.(?:layers|h|layer)\.\d+\..*weight$|\.experts\.")
+_SPLIT_FIELDS = ("num_attention_heads", "num_key_value_heads", "n_head", "num_heads", "intermediate_size", "n_inner",
+                 "ffn_dim", "d_ff")
+_BLOCK_MATRIX = re.compile(r"\.(?:layers|h|layer|block)\.\d+\..*weight$|\.experts\.")
 
 
 #: widths planned only past the kv heads (not in the matrix): Phi-3-mini's fused qkv_proj with 4 kv heads
@@ -147,17 +158,24 @@ def _planned(arch: str, tp: int, batch: int) -> tuple[Any, Any]:
 def test_a_real_width_forward_communicates_like_megatron(arch: str, tp: int, batch: int) -> None:
     report, forward = _planned(arch, tp, batch)
     assert forward.input_shape == (batch, 2 * tp + 1)
-    per_block = {"all_reduce": REAL_WIDTHS[arch][3]}
-    if arch in STATISTICS_PER_BLOCK:  # norms over a sharded dim: one value per token each
-        per_block["all_reduce" + STATISTIC] = STATISTICS_PER_BLOCK[arch]
+    all_reduces = REAL_WIDTHS[arch][3]
+    # norms over a sharded dim add one value per token each (statistics)
+    statistics = {"all_reduce" + STATISTIC: STATISTICS_PER_BLOCK[arch]} if arch in STATISTICS_PER_BLOCK else {}
 
-    assert collectives_per_block(forward.sites) == {layer: per_block for layer in range(2)}
+    def blocks(n: int) -> dict[int, dict[str, int]]:
+        return {layer: {"all_reduce": n, **statistics} for layer in range(2)}
+
+    if isinstance(all_reduces, dict):  # an encoder-decoder, whose stacks' blocks share indices
+        assert collectives_per_stack(forward.sites) == {stack: blocks(n) for stack, n in sorted(all_reduces.items())}
+    else:
+        assert collectives_per_block(forward.sites) == blocks(all_reduces)
     gathers = [s["origin"] for s in forward.sites if s["kind"] == "all_gather"]
     assert len(gathers) <= 1 + (arch in HEAD_MATRIX), gathers
 
     replicated_matrices = [name for name, p in report.parameters.items()
                            if p["placement"] == "R" and len(p["global_shape"]) >= 2 and _BLOCK_MATRIX.search(name)
-                           and not name.endswith(".gate.weight")]  # an MoE router is a few KB: replicated
+                           # an MoE router and T5's (32 buckets, heads) position-bias table are a few KB: replicated
+                           and not name.endswith((".gate.weight", ".relative_attention_bias.weight"))]
     assert replicated_matrices == []
 
 
