@@ -91,7 +91,7 @@ def per_block(case: Case, world: int, folder: Path | Any, batch: int = 1) -> str
     cells = {stack: _blocks_text(blocks) for stack, blocks in stacks.items()}
     if len(cells) == 1:
         return next(iter(cells.values()))
-    return "; ".join(f"{stack}: {text}" for stack, text in cells.items()) or "none"
+    return "; ".join(f"{stack} ({text})" for stack, text in cells.items()) or "none"
 
 
 def _blocks_text(blocks: dict[int, dict[str, int]]) -> str:
@@ -102,7 +102,7 @@ def _blocks_text(blocks: dict[int, dict[str, int]]) -> str:
     }
     if len(set(texts.values())) == 1:
         return next(iter(texts.values()))
-    return ", ".join(f"block {layer}: {text}" for layer, text in texts.items()) or "none"
+    return "; ".join(f"block {layer}: {text}" for layer, text in texts.items()) or "none"
 
 
 def real_widths(case: Case) -> str:
