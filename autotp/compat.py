@@ -47,7 +47,8 @@ at run time instead of at trace time.
 **Dynamo's precompile package (stored graphs).** :class:`DynamoPackage` wraps
 ``torch._dynamo.package.CompilePackage`` (a compiled function's bytecode, guards and graph names,
 saved by one process and installed by another) and closes three gaps of torch 2.13's package (see
-its docstring); :func:`pickle_graph` / :func:`unpickle_graph` use ``torch.fx._graph_pickler``;
+its docstring); :func:`pickle_graph` / :func:`unpickle_graph` use ``torch.fx._graph_pickler`` (its
+``GraphPickler``, with a cheap form of its own for plain fake tensors, and its unpickle state's fake mode);
 the guard filter reads ``CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES``; the
 uninstaller calls ``torch._C._dynamo.eval_frame._reset_precompile_entries``. Probed when first used
 (``autotp/stored_graphs.py``).
@@ -60,6 +61,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import importlib
 import inspect
 import sys
@@ -376,11 +378,52 @@ def _plain_fake(value: Any) -> Any:
     return pytree.tree_map(plain, value)
 
 
+def _fake_from_layout(shape: tuple[Any, ...], stride: tuple[Any, ...], dtype: torch.dtype, device: torch.device,
+                      requires_grad: bool, state: Any) -> torch.Tensor:
+    """A fake tensor of this layout in the unpickling graph's fake mode (``state``: GraphPickler's
+    unpickle state), built as ``GraphPickler``'s own path builds one (a meta tensor wrapped as a
+    ``FakeTensor``, outside the mode's dispatch) without its general describe-and-rebuild machinery."""
+    from torch.utils._mode_utils import no_dispatch
+
+    with no_dispatch():
+        t = FakeTensor(state.fake_mode, torch.empty_strided(shape, stride, dtype=dtype, device="meta"), device)
+    if requires_grad:
+        t.requires_grad_(True)
+    return t
+
+
+def _plain_layout(t: Any) -> bool:
+    """Whether ``t`` is a fake tensor :func:`_fake_from_layout` rebuilds exactly: a plain strided
+    ``FakeTensor`` (no subclass such as a fake ``Parameter``, no view, offset 0, no conjugate or
+    negative bit) that is a leaf or needs no gradient (a non-leaf keeps its autograd history)."""
+    return (type(t) is FakeTensor and t._base is None and t.layout == torch.strided and t.storage_offset() == 0
+            and not t.is_conj() and not t.is_neg() and (t.is_leaf or not t.requires_grad))
+
+
+@functools.cache
+def _graph_pickler() -> type:
+    """``GraphPickler`` with a cheap form for the plain fake tensors of a graph's example values
+    (nearly all of them): their sizes, strides (SymInts pickled by ``GraphPickler`` itself), dtype,
+    device and ``requires_grad``, instead of its general ``MetaTensorDesc`` whose rebuild
+    (``MetaConverter.meta_tensor``) was most of a stored graph's unpickling. Any other tensor
+    takes ``GraphPickler``'s own path."""
+    from torch.fx._graph_pickler import GraphPickler
+
+    class LayoutPickler(GraphPickler):
+        def reducer_override(self, obj: object) -> Any:
+            if _plain_layout(obj):
+                return _fake_from_layout, (tuple(obj.shape), tuple(obj.stride()), obj.dtype, obj.device,
+                                           obj.requires_grad, self._unpickle_state)
+            return super().reducer_override(obj)
+
+    return LayoutPickler
+
+
 def pickle_graph(gm: torch.fx.GraphModule) -> bytes:
     """A Dynamo graph as bytes (``torch.fx._graph_pickler.GraphPickler``, fake example values and
-    symbolic sizes included), with only the node metadata the plan cache and the passes read;
-    ``gm`` is left as it was."""
-    from torch.fx._graph_pickler import GraphPickler, Options
+    symbolic sizes included; plain fakes in a cheap form, :func:`_graph_pickler`), with only the node
+    metadata the plan cache and the passes read; ``gm`` is left as it was."""
+    from torch.fx._graph_pickler import Options
 
     saved = {}
     nodes = [n for m in gm.modules() if isinstance(m, torch.fx.GraphModule) for n in m.graph.nodes]  # sub-graphs too
@@ -392,7 +435,7 @@ def pickle_graph(gm: torch.fx.GraphModule) -> bytes:
             meta["grapharg"] = _GraphArg(grapharg.source.name)
         n.meta = meta
     try:
-        return GraphPickler.dumps(gm, Options(ops_filter=None, node_metadata_key_filter=None))
+        return _graph_pickler().dumps(gm, Options(ops_filter=None, node_metadata_key_filter=None))
     finally:
         for n, meta in saved.items():
             n.meta = meta

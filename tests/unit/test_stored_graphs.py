@@ -93,7 +93,11 @@ def test_with_the_cache_off_nothing_is_read_or_written(tmp_path: Path) -> None:
     assert store.outcome.status == "off"
 
 
-def test_a_dynamo_graph_read_back_keys_as_the_traced_one() -> None:
+@pytest.mark.parametrize("grad", [False, True], ids=["inference", "with-gradients"])
+def test_a_dynamo_graph_read_back_keys_as_the_traced_one(grad: bool) -> None:
+    """Plain fake values take pickle_graph's cheap form, views and non-leaf values needing a gradient
+    GraphPickler's own: either way the graph read back keys as the traced one (sizes, strides, dtype,
+    requires_grad, type)."""
     seen: list[tuple[list, list]] = []
 
     def backend(gm: torch.fx.GraphModule, example_inputs: list) -> object:
@@ -107,9 +111,10 @@ def test_a_dynamo_graph_read_back_keys_as_the_traced_one() -> None:
 
     x = torch.randn(3, 5)
     maybe_mark_dynamic(x, 1)
-    torch.compile(f, backend=backend)(x, torch.randn(3, 4))
+    torch.compile(f, backend=backend)(x, torch.randn(3, 4, requires_grad=grad))
     (traced, read_back), = seen
     assert read_back == traced
+    assert any(value[5] for *_, value, _source in traced if value and value[0] == "T") == grad  # requires_grad
 
 
 class _NoPickle:
