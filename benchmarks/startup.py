@@ -25,7 +25,9 @@ Launches alternate ``autotp_cold autotp_warm transformers_tp one_process`` for `
 (the warm launch must follow the cold one that fills its cache), so drift on a shared machine hits
 all engines alike. Reported per engine: every wall time, the median, min, max and spread (max -
 min), and rank 0's own phases (``import_s``: torch + transformers + autotp; ``load_s``;
-``generate_s``), plus ratios of medians against ``transformers_tp`` and ``one_process``, whether
+``generate_s``; ``cpu_s``: its CPU seconds, steadier than the wall on a loaded machine; for autotp
+``phases``: per compiled graph Dynamo's trace, the backend and the guards, and what rank 0's
+planning cost, see ``_compile_phases``), plus ratios of medians against ``transformers_tp`` and ``one_process``, whether
 all engines produced the same tokens, each engine's peak RSS and anonymous memory, and the run's
 provenance (``benchmarks/_record.py``: commit, date, command, versions, machine, load averages). Each rank uses ``cores // ranks`` threads unless ``OMP_NUM_THREADS`` is set.
 """
@@ -108,9 +110,45 @@ def _worker(engine: str, folder: str, result: str, dtype_name: str, plain_call: 
             report["plan_cache"] = [o.as_dict() for o in model.autotp.context.plan_cache.outcomes]
             stored = model.autotp.context.stored_graphs
             report["stored_graphs"] = stored.as_dict() if stored is not None else None
+            report["phases"] = _compile_phases(report["plan_cache"])
+        report["cpu_s"] = time.process_time()  # rank 0's CPU from its start (the parent times the wall)
         Path(result).write_text(json.dumps(report))
     if distributed:
         dist.destroy_process_group()
+
+
+#: Dynamo's compile-time metrics (``torch._dynamo.utils.compilation_time_metrics``, seconds per
+#: compiled frame) that split a graph's compile into Dynamo's own trace, autotp's backend and guards
+DYNAMO_PHASES = {"compile_s": "_compile.compile_inner", "bytecode_tracing_s": "bytecode_tracing",
+                 "backend_s": "OutputGraph.call_user_compiler", "build_guards_s": "build_guards"}
+
+
+def _compile_phases(outcomes: list[dict[str, Any]]) -> dict[str, Any]:
+    """Rank 0's compile cost per graph, in compile order: Dynamo's metrics (:data:`DYNAMO_PHASES`;
+    Dynamo's own trace is ``compile_s - backend_s``) and, for a graph this launch planned (a plan
+    cache miss), the planning phases its plan-cache entry stores (``decompose_s``, ``solve_s`` and
+    their CPU seconds; the other ranks wait for rank 0's plan meanwhile). What a cold launch
+    spends where, without a profiler."""
+    out: dict[str, Any] = {}
+    try:
+        from torch._dynamo.utils import compilation_time_metrics
+    except ImportError:  # another torch: no Dynamo phases
+        compilation_time_metrics = {}
+    for name, metric in DYNAMO_PHASES.items():
+        out[name] = [round(v, 3) for v in compilation_time_metrics.get(metric, [])]
+    cache = os.environ.get("AUTOTP_CACHE_DIR")
+    planning = []
+    for o in outcomes:
+        summary = None
+        if o.get("status") == "miss" and o.get("entry") and cache:
+            try:
+                summary = json.loads((Path(cache) / "plans" / o["entry"]).read_text())["payload"]["solve"]
+            except (OSError, ValueError, KeyError, TypeError):
+                summary = None
+        planning.append({k: round(v, 3) for k, v in (summary or {}).items()
+                         if k in ("decompose_s", "decompose_cpu_s", "solve_s", "solve_cpu_s", "annotate_s")})
+    out["planning"] = planning
+    return out
 
 
 def _launch(
@@ -139,7 +177,7 @@ def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "threads_per_rank": runs[0]["threads"],
         "tokens": runs[0]["tokens"],
     }
-    for phase in ("import_s", "load_s", "plain_s", "generate_s"):
+    for phase in ("import_s", "load_s", "plain_s", "generate_s", "cpu_s"):
         if all(r.get(phase) is not None for r in runs):
             out[phase] = stats([r[phase] for r in runs])
     memories = [r["memory"] for r in runs if r.get("memory", {}).get("peak_rss")]
@@ -151,6 +189,7 @@ def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
         out["plan_cache_status"] = [[o["status"] for o in r["plan_cache"]] for r in runs]
         out["plan_cache_lookup_s"] = [sum(o.get("lookup_s", 0.0) for o in r["plan_cache"]) for r in runs]
         out["stored_graphs"] = [r.get("stored_graphs") for r in runs]
+        out["phases"] = [r.get("phases") for r in runs]
     return out
 
 
