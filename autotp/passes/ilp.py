@@ -85,7 +85,8 @@ class Certificate:
 
 
 class _Program:
-    """Columns (0/1 variables with a cost) and sparse equality / inequality rows."""
+    """Columns (0/1 variables with a cost) and sparse rows ``lower <= sum(val * column) <= upper``,
+    collected as flat lists and handed to HiGHS as one sparse matrix."""
 
     def __init__(self) -> None:
         self.cost: list[float] = []
@@ -101,12 +102,24 @@ class _Program:
 
     def row(self, terms: list[tuple[int, float]], lower: float, upper: float) -> None:
         r = len(self.lower)
+        self.rows.extend([r] * len(terms))
         for col, val in terms:
-            self.rows.append(r)
             self.cols.append(col)
             self.vals.append(val)
         self.lower.append(lower)
         self.upper.append(upper)
+
+    def sum_row(self, total: int | None, cols: list[int], rhs: float = 0.0) -> None:
+        """``sum(cols) - total == rhs`` (no ``total``: ``sum(cols) == rhs``)."""
+        r = len(self.lower)
+        if total is not None:
+            self.cols.append(total)
+            self.vals.append(-1.0)
+        self.cols.extend(cols)
+        self.vals.extend([1.0] * len(cols))
+        self.rows.extend([r] * (len(cols) + (total is not None)))
+        self.lower.append(rhs)
+        self.upper.append(rhs)
 
 
 class _Unsupported(Exception):  # noqa: N818 (control flow: the program cannot be built)
@@ -116,6 +129,7 @@ class _Unsupported(Exception):  # noqa: N818 (control flow: the program cannot b
 def _build(search: _Search) -> tuple[_Program, dict[str, int]]:
     prog = _Program()
     opts = search.opts
+    cost = prog.cost
     x: dict[int, dict[Any, int]] = {}  # value -> placement -> column
 
     def values(j: int, reading_edge: bool = False) -> dict[Any, int]:
@@ -128,19 +142,19 @@ def _build(search: _Search) -> tuple[_Program, dict[str, int]]:
                 x[j] = {search.fixed[j]: prog.var()}
             else:
                 raise _Unsupported(f"value {j} is read before it is placed")
-            prog.row([(c, 1.0) for c in x[j].values()], 1.0, 1.0)
+            prog.sum_row(None, list(x[j].values()), 1.0)
         return x[j]
 
     def define(j: int, groups: dict[Any, list[int]]) -> None:
         """``x[j, p] = sum(groups[p])``: the placement of ``j`` is what those columns give (the
         column itself where there is one)."""
-        x[j] = {}
+        x[j] = out = {}
         for p, cols in groups.items():
             if len(cols) == 1:
-                x[j][p] = cols[0]
-                continue
-            x[j][p] = col = prog.var()
-            prog.row([(col, -1.0)] + [(c, 1.0) for c in cols], 0.0, 0.0)
+                out[p] = cols[0]
+            else:
+                out[p] = col = prog.var()
+                prog.sum_row(col, cols)
 
     # values redistributed by more than one edge: their collectives are columns of their own, shared
     moved: dict[int, int] = {}
@@ -154,7 +168,7 @@ def _build(search: _Search) -> tuple[_Program, dict[str, int]]:
     for step in search.steps:
         j = step.index
         if step.kind == "mark":
-            define(j, {p: [c] for p, c in values(step.inputs[0]).items()})
+            x[j] = values(step.inputs[0])
         elif step.kind == "getitem":
             groups: dict[Any, list[int]] = {}
             for p, c in values(step.inputs[0]).items():
@@ -170,48 +184,79 @@ def _build(search: _Search) -> tuple[_Program, dict[str, int]]:
                 if step.is_output_edge and m in search.free and m not in first_edge:
                     prog.row([(c, 1.0) for p, c in src.items() if p != R], 0.0, 0.0)
                 first_edge.add(m)
-                define(j, {p: [c] for p, c in src.items()})
+                x[j] = src
                 continue
             if j in search.pinned_edges or step.spec is None or (
                     not step.is_output_edge and search.last_use.get(j, -1) <= here):
-                define(j, {p: [c] for p, c in src.items()})
+                x[j] = src
                 continue
-            moves: dict[tuple[Any, Any], float] = {}
-            for p in src:
+            shared = moved[m] > 1
+            groups = {}
+            for p, c in src.items():
                 if not isinstance(p, Placement):
                     raise _Unsupported(f"edge {step.node.name} moves a {p!r}")
                 if step.is_output_edge:
                     if isinstance(p, StridedShard):
-                        continue
-                    moves[p, R] = edge_cost(p, R, step.spec, opts)
-                    if opts.sharded_outputs and isinstance(p, (Shard, GroupedShard, HeadShard)):
-                        moves[p, p] = 0.0
+                        moves = {}
+                    else:
+                        moves = {R: edge_cost(p, R, step.spec, opts)}
+                        if opts.sharded_outputs and isinstance(p, (Shard, GroupedShard, HeadShard)):
+                            moves[p] = 0.0
                 else:
-                    for q in edge_targets(p, step.spec, opts.world_size, opts.kv_groups):
-                        moves[p, q] = edge_cost(p, q, step.spec, opts)
-            shared = moved[m] > 1
-            t = {move: prog.var(0.0 if shared else cost) for move, cost in moves.items()}
-            for p, c in src.items():
-                prog.row([(c, -1.0)] + [(col, 1.0) for (a, _), col in t.items() if a == p], 0.0, 0.0)
-            groups = {}
-            for (p, q), col in t.items():
-                groups.setdefault(q, []).append(col)
-                if shared and p != q and moves[p, q] > 0.0:
-                    key = (m, p, q, moves[p, q])
-                    if key not in copies:
-                        copies[key] = prog.var(moves[p, q])
-                    prog.row([(col, 1.0), (copies[key], -1.0)], -np.inf, 0.0)
+                    moves = {q: edge_cost(p, q, step.spec, opts)
+                             for q in edge_targets(p, step.spec, opts.world_size, opts.kv_groups)}
+                if not moves:  # p cannot leave the graph: x[m, p] = 0
+                    prog.sum_row(None, [c])
+                    continue
+                if len(moves) == 1:  # the move is taken exactly where m has p: its column is x[m, p]
+                    (q, price), = moves.items()
+                    t = {q: c}
+                    if not shared:
+                        cost[c] += price
+                else:
+                    t = {q: prog.var(0.0 if shared else price) for q, price in moves.items()}
+                    prog.sum_row(c, list(t.values()))
+                for q, col in t.items():
+                    groups.setdefault(q, []).append(col)
+                    if shared and p != q and moves[q] > 0.0:
+                        key = (m, p, q, moves[q])
+                        if key not in copies:
+                            copies[key] = prog.var(moves[q])
+                        prog.row([(col, 1.0), (copies[key], -1.0)], -np.inf, 0.0)
             define(j, groups)
         else:  # an op: one strategy per combination of its inputs' placements and candidate
             distinct = list(dict.fromkeys(step.inputs))
-            domains = [list(values(i).items()) for i in distinct]
+            domains = [values(i) for i in distinct]
+            varying = [k for k, d in enumerate(domains) if len(d) > 1]
+            groups = {}
+            if step.inputs and len(varying) <= 1:
+                # one input decides the combination (the others have one placement each, x = 1):
+                # a strategy's column is x[lead, p] itself where p has one candidate
+                lead = varying[0] if varying else 0
+                placed = [next(iter(d)) for d in domains]
+                combinations += len(domains[lead])
+                for p, c in domains[lead].items():
+                    placed[lead] = p
+                    by_input = dict(zip(distinct, placed, strict=True))
+                    cands = search.rule(step, tuple(by_input[i] for i in step.inputs))
+                    if len(cands) == 1:
+                        cost[c] += search.internal_cost(cands[0]) + search.activation_cost(step, cands[0].output)
+                        groups.setdefault(cands[0].output, []).append(c)
+                        continue
+                    cols = []
+                    for cand in cands:
+                        cols.append(col := prog.var(search.internal_cost(cand) + search.activation_cost(step, cand.output)))
+                        groups.setdefault(cand.output, []).append(col)
+                    prog.sum_row(c, cols)
+                define(j, groups)
+                continue
             size = int(np.prod([len(d) for d in domains])) if domains else 1
             if size > MAX_COMBINATIONS:
                 raise _Unsupported(f"op {step.node.name} has {size} input combinations")
             combinations += size
             reads: dict[tuple[int, Any], list[int]] = {}
-            groups = {}
-            for combo in itertools.product(*domains):
+            items = [list(d.items()) for d in domains]
+            for combo in itertools.product(*items):
                 placed = {i: p for i, (p, _) in zip(distinct, combo, strict=True)}
                 for cand in search.rule(step, tuple(placed[i] for i in step.inputs)):
                     col = prog.var(search.internal_cost(cand) + search.activation_cost(step, cand.output))
@@ -219,10 +264,10 @@ def _build(search: _Search) -> tuple[_Program, dict[str, int]]:
                     for i, (p, _) in zip(distinct, combo, strict=True):
                         reads.setdefault((i, p), []).append(col)
             for i, domain in zip(distinct, domains, strict=True):
-                for p, c in domain:
-                    prog.row([(c, -1.0)] + [(col, 1.0) for col in reads.get((i, p), [])], 0.0, 0.0)
+                for p, c in domain.items():
+                    prog.sum_row(c, reads.get((i, p), []))
             if not step.inputs:
-                prog.row([(col, 1.0) for cols in groups.values() for col in cols], 1.0, 1.0)
+                prog.sum_row(None, [col for cols in groups.values() for col in cols], 1.0)
             define(j, groups)
     return prog, {"values": len(x), "copies": len(copies), "combinations": combinations}
 
