@@ -57,7 +57,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from scipy.optimize import LinearConstraint, milp
+from scipy.optimize import LinearConstraint, linprog, milp
 from scipy.sparse import coo_array
 
 from autotp.passes.solve import _Search, edge_cost, edge_targets
@@ -156,6 +156,30 @@ def _build(search: _Search) -> tuple[_Program, dict[str, int]]:
                 out[p] = col = prog.var()
                 prog.sum_row(col, cols)
 
+    priced: dict[tuple, dict[Any, float]] = {}
+
+    def moves_from(p: Placement, spec: Any, output: bool) -> dict[Any, float]:
+        """Where an edge of ``spec`` may move ``p`` and at what cost (computed once per distinct
+        edge: repeated blocks repeat their edges)."""
+        key = (p, spec, output)
+        try:
+            return priced[key]
+        except KeyError:
+            pass
+        except TypeError:  # an unhashable spec (a constant's values): not kept
+            key = None
+        if output:
+            moves = {}
+            if not isinstance(p, StridedShard):
+                moves[R] = edge_cost(p, R, spec, opts)
+                if opts.sharded_outputs and isinstance(p, (Shard, GroupedShard, HeadShard)):
+                    moves[p] = 0.0
+        else:
+            moves = {q: edge_cost(p, q, spec, opts) for q in edge_targets(p, spec, opts.world_size, opts.kv_groups)}
+        if key is not None:
+            priced[key] = moves
+        return moves
+
     # values redistributed by more than one edge: their collectives are columns of their own, shared
     moved: dict[int, int] = {}
     for step in search.steps:
@@ -195,16 +219,7 @@ def _build(search: _Search) -> tuple[_Program, dict[str, int]]:
             for p, c in src.items():
                 if not isinstance(p, Placement):
                     raise _Unsupported(f"edge {step.node.name} moves a {p!r}")
-                if step.is_output_edge:
-                    if isinstance(p, StridedShard):
-                        moves = {}
-                    else:
-                        moves = {R: edge_cost(p, R, step.spec, opts)}
-                        if opts.sharded_outputs and isinstance(p, (Shard, GroupedShard, HeadShard)):
-                            moves[p] = 0.0
-                else:
-                    moves = {q: edge_cost(p, q, step.spec, opts)
-                             for q in edge_targets(p, step.spec, opts.world_size, opts.kv_groups)}
+                moves = moves_from(p, step.spec, step.is_output_edge)
                 if not moves:  # p cannot leave the graph: x[m, p] = 0
                     prog.sum_row(None, [c])
                     continue
@@ -285,14 +300,21 @@ def certify(search: _Search, relax: bool = False, time_limit: float | None = Non
         return out
     n = len(prog.cost)
     matrix = coo_array((prog.vals, (prog.rows, prog.cols)), shape=(len(prog.lower), n)).tocsr()
+    cost, lower, upper = np.asarray(prog.cost), np.asarray(prog.lower), np.asarray(prog.upper)
     out.variables, out.constraints = n, len(prog.lower)
     out.build_s = time.process_time() - start
     start = time.process_time()
-    options: dict[str, Any] = {"mip_rel_gap": 0.0, "presolve": True}
-    if time_limit is not None:
-        options["time_limit"] = time_limit
-    result = milp(np.asarray(prog.cost), constraints=LinearConstraint(matrix, prog.lower, prog.upper),
-                  integrality=np.zeros(n) if relax else np.ones(n), bounds=(0.0, 1.0), options=options)
+    if relax:  # linprog: the same HiGHS, with less of scipy's per-column work around it than milp
+        equal = lower == upper  # every other row is ``-inf <= row <= upper``
+        bounded = None if equal.all() else (matrix[~equal], upper[~equal])
+        result = linprog(cost, *(bounded or (None, None)), A_eq=matrix[equal], b_eq=lower[equal],
+                         bounds=(0.0, 1.0), method="highs")
+    else:
+        options: dict[str, Any] = {"mip_rel_gap": 0.0}
+        if time_limit is not None:
+            options["time_limit"] = time_limit
+        result = milp(cost, constraints=LinearConstraint(matrix, lower, upper), integrality=np.ones(n),
+                      bounds=(0.0, 1.0), options=options)
     out.solve_s = time.process_time() - start
     dual = getattr(result, "mip_dual_bound", None)  # what HiGHS proved (the same as fun when optimal)
     dual = float(dual) if dual is not None and np.isfinite(dual) and not relax else None
