@@ -2,10 +2,10 @@
 
 The beam (:func:`autotp.passes.solve.solve`) minimizes one scalar over every plan the rules allow.
 :func:`certify` writes the same choices and the same costs as a 0/1 program and hands it to HiGHS
-(``scipy.optimize.milp``). Every cost and every candidate comes from the solver's own functions
-(``_Search.rule``, ``edge_targets``, ``edge_cost``, ``_Search.internal_cost``,
-``_Search.activation_cost``, the priced ``ParamChoice`` options): the program holds no cost formula
-of its own.
+(``scipy.optimize.linprog`` for its LP relaxation, ``milp`` for the integer program). Every cost
+and every candidate comes from the solver's own functions (``_Search.rule``, ``edge_targets``,
+``edge_cost``, ``_Search.internal_cost``, ``_Search.activation_cost``, the priced ``ParamChoice``
+options): the program holds no cost formula of its own.
 
 Formulation, over the solver's steps (its inputs, ``_Search``):
 
@@ -19,6 +19,12 @@ Formulation, over the solver's steps (its inputs, ``_Search``):
   placement, the strategies that read the input in that placement sum to its ``x`` (so exactly one
   strategy runs), and those that give output ``o`` sum to ``x[n, o]``. A combination with no
   candidate has no strategy: the program forbids exactly the partial plans the beam abandons.
+  Where one input decides the combination (every other input has one placement, so its ``x`` is 1)
+  and its placement ``p`` has exactly one candidate, that strategy runs exactly when ``x[input, p]``
+  is 1: it is no column of its own, its cost is added to ``x[input, p]``'s (HiGHS's presolve
+  removes such columns too; folded here, they are neither built nor handed over); likewise an
+  edge's move that is the only one from ``p``. The rows of the inputs with one placement are left out:
+  the other rows imply them.
 * an edge (a tensor crossing a Dynamo-node boundary) ``e`` from value ``m``: ``t[e, p, q]`` moves it
   from ``p`` to ``q`` (``edge_targets``; ``q = p`` free), with marginals ``x[m, p]`` and
   ``x[e, q]``. The collective is paid once per value and redistribution however many edges ask for
@@ -41,12 +47,18 @@ What it cannot express it refuses (``Certificate.reason``): an op with more than
 ``MAX_COMBINATIONS`` combinations of input placements, a free parameter an op reads without an
 edge, an edge without a producer.
 
-Size and cost: one column per reachable (value, placement), per (op, input combination, candidate)
-and per (edge, move); the rule calls are those the beam already cached, mostly. At 2 layers of
-Gemma-2-9B's widths, tp=2 (1,052 steps): 3,634 columns and 2,854 rows, built in 0.02 s of CPU, its
-LP relaxation solved by HiGHS in 0.03 s (the integer program in 0.05 s; the beam takes ~0.45 s).
-It grows with the graph, not with the number of distinct blocks (40 tiny Llama layers: 45,444
-columns, 1.2 s of CPU).
+Size and cost: one column per reachable (value, placement) and per (op, input combination,
+candidate) and (edge, move) that is not one of those single choices; the rule calls are those the
+beam already cached, mostly, and each distinct edge move is priced once. The relaxation goes
+through ``scipy.optimize.linprog`` (HiGHS's simplex, as ``milp`` with no integers, with less of
+scipy's per-column work around it). Measured in process CPU, best of 5, on a loaded 2-core machine
+(benchmarks/certificate_gap.py has the matrix): at 2 layers of Gemma-2-9B's widths, tp=2: 2,742
+columns and 1,913 rows, 0.014 s to build and 0.027 s in HiGHS (it was 3,634 and 2,854, 0.027 s and
+0.039 s, before the single choices were folded in and the moves priced once; the beam takes
+~0.45 s); the integer program, where the LP leaves a gap, ~0.08 s. It grows with the graph, not
+with the number of distinct blocks: 40 Llama layers of hidden 64 at tp=2, whole graph: 41,274
+columns, 0.22 s to build and 0.75 s in HiGHS, against the beam's 1.3 s (the beam replays repeated
+blocks; this program does not).
 """
 
 from __future__ import annotations
