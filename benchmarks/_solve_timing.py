@@ -9,11 +9,13 @@ from collections.abc import Callable
 from typing import Any
 
 
-def time_last_solve(plan: Callable[[], Any], repeat: int) -> tuple[Any, list[float]]:
+def time_last_solve(plan: Callable[[], Any], repeat: int, solutions: list[Any] | None = None
+                    ) -> tuple[Any, list[float]]:
     """Run ``plan()`` (a ``plan_model`` call) with the backend's solver watched, then solve its last
     graph again ``repeat`` times from the same inputs: the last solution and each solve's CPU
-    seconds. Every revision's backend calls the solver through the ``autotp.backend.solve`` module
-    global, so the watch works on older trees too."""
+    seconds (``solutions``, where given, receives every timed solve's solution). Every revision's
+    backend calls the solver through the ``autotp.backend.solve`` module global, so the watch works
+    on older trees too."""
     import autotp.backend as backend
 
     solve = backend.solve
@@ -34,4 +36,6 @@ def time_last_solve(plan: Callable[[], Any], repeat: int) -> tuple[Any, list[flo
         start = time.process_time()
         solution = solve(*args, **kwargs)
         cpu.append(time.process_time() - start)
+        if solutions is not None:
+            solutions.append(solution)
     return solution, cpu

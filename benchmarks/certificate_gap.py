@@ -16,7 +16,13 @@ trees alternate round by round, so drift on the machine hits both alike. Per cas
 CPU time of each tree, their ratio, and each tree's cost, lower bound and gap (identical in every
 repetition: the solver is deterministic), with the certificate that gave the bound
 (``SolveTrace.certificate``: "lp" or "milp", the program's size and its CPU seconds, included in the
-solve time; None where the beam dropped nothing, or on trees without it).
+solve time; None where the beam dropped nothing, or on trees without it). With two trees, also the
+ratio of this tree's solves less their own certificate's CPU (``ratio_without_certificate``: what
+the rest of the solve costs against REV, i.e. the part of the ratio that is not the certificate) and
+the certificate's share of this tree's solve; ``overall``: the median and range of each across the
+cases and how many ratios exceed the target's x1.20. All of it is process CPU time, so other jobs
+on a loaded machine are not counted, but they still slow these (shared caches, frequency): read
+each ratio with the load averages in the provenance.
 
 Output: one JSON line per (tree, round) on stdout, a table on stderr, and
 ``certificate_gap.json`` (``--name`` renames it) in ``--out`` (default ``benchmarks/results``).
@@ -55,10 +61,15 @@ def child(cases: list[str], repeat: int) -> dict[str, Any]:
         name = case.id
         if cases and name not in cases:
             continue
+        solutions: list[Any] = []
         solution, cpu = time_last_solve(
-            functools.partial(plan_model, _config(arch), tp, decode=False, batch=batch[0] if batch else 1), repeat)
+            functools.partial(plan_model, _config(arch), tp, decode=False, batch=batch[0] if batch else 1), repeat,
+            solutions)
+        # each timed solve's certificate CPU (included in its time; none where the tree has no certificate)
+        certificates = [s.trace.certificate["cpu_s"] for s in solutions if getattr(s.trace, "certificate", None)]
+        certificates = certificates if len(certificates) == len(cpu) else []
         certificate = getattr(solution.trace, "certificate", None)  # (None on trees without it)
-        out[name] = {"solve_cpu_s": cpu, "cost": solution.cost, "lower_bound": solution.lower_bound,
+        out[name] = {"solve_cpu_s": cpu, "certificate_cpu_s": certificates, "cost": solution.cost, "lower_bound": solution.lower_bound,
                      "gap": solution.gap, "pruned_states": solution.trace.pruned_states, "certificate": certificate}
     return out
 
@@ -86,8 +97,28 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
             entry[name] = {"solve_cpu_s": stats([t for r in runs[name] for t in r[case]["solve_cpu_s"]]),
                            **{k: last.get(k) for k in ("cost", "lower_bound", "gap", "pruned_states", "certificate")}}
         if len(entry) == 2 == len(names):
-            entry["ratio"] = entry[names[0]]["solve_cpu_s"]["median"] / entry[names[1]]["solve_cpu_s"]["median"]
+            this, base = (entry[name]["solve_cpu_s"]["median"] for name in names)
+            entry["ratio"] = this / base
+            certified = [t for r in runs[names[0]] for t in r[case].get("certificate_cpu_s", [])]
+            if certified:  # the same solves less their certificate's CPU: what the rest of the solve costs
+                entry["ratio_without_certificate"] = statistics.median(
+                    t - c for r in runs[names[0]] for t, c in zip(r[case]["solve_cpu_s"], r[case]["certificate_cpu_s"],
+                                                                  strict=True)) / base
+                entry["certificate_share"] = statistics.median(certified) / this
         out[case] = entry
+    return out
+
+
+def overall(results: dict[str, Any]) -> dict[str, Any]:
+    """Across the cases compared: the median and range of the solve-time ratio, how many exceed the
+    target's x1.20, and the same for the ratio less the certificate's CPU; the median certificate share."""
+    out: dict[str, Any] = {}
+    for key in ("ratio", "ratio_without_certificate", "certificate_share"):
+        values = [entry[key] for entry in results.values() if key in entry]
+        if values:
+            out[key] = {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+            if key != "certificate_share":
+                out[key]["above_1.20"] = sum(v > 1.20 for v in values)
     return out
 
 
@@ -130,8 +161,12 @@ def main(argv: list[str] | None = None) -> int:
                  for name in trees if name in entry]
         ratio = f" (x{entry['ratio']:.2f})" if "ratio" in entry else ""
         print(f"{case:14s} " + "; ".join(cells) + ratio, file=sys.stderr)
+    summary = overall(results)
+    for key, value in summary.items():
+        print(f"{key}: median {value['median']:.3f} ({value['min']:.2f}-{value['max']:.2f}, {value['n']} cases"
+              + (f", {value['above_1.20']} above 1.20)" if "above_1.20" in value else ")"), file=sys.stderr)
     write_result(out / f"{args.name}.json", {"compare": args.compare, "rounds": args.rounds, "repeat": args.repeat,
-                                             "cases": results}, provenance)
+                                             "overall": summary, "cases": results}, provenance)
     return 0
 
 

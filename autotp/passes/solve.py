@@ -113,8 +113,10 @@ program is exact but NP-hard in general, hence its time limit), nor that the pro
 all: an op with more than ``ilp.MAX_COMBINATIONS`` combinations of input placements, or a graph
 shape it does not express, leaves the beam's bound (``SolveTrace.certificate``'s note says why).
 The program covers the whole graph (repeated blocks are not reused as the beam reuses them), so it
-grows with depth: 8 layers of Gemma-2-9B's widths at tp=2, gap 0, 13,156 columns and 0.25 s against the
-beam's 1.5-1.8 s; 40 tiny Llama layers, 45,444 columns and 1.2 s. ``plan_model`` solves a shortened
+grows with depth: 8 layers of Gemma-2-9B's widths at tp=2, gap 0, 13,156 columns and 0.25 s (measured
+before the single choices were folded in, see ``ilp``'s docstring) against the beam's 1.5-1.8 s; 40 Llama
+layers of hidden 64, 41,274 columns and 0.97 s against the beam's 1.3 s (``autotp/passes/ilp.py`` has
+the breakdown). ``plan_model`` solves a shortened
 stand-in of a deep model (``autotp/depth.py``), the backend the whole graph.
 
 With ``SolverOptions.exact``, where a gap remains, a branch and bound (``autotp/passes/bound.py``)
