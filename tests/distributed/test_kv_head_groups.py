@@ -44,7 +44,8 @@ BATCH_MASK = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
 
 def _rank(rank: int, world: int, folder: str, batched: bool) -> dict[str, Any]:
     """Logits, greedy tokens, the plan and the cache's kv heads; with ``batched`` also the tokens of
-    a left-padded batch (one load serves two tests)."""
+    a left-padded batch; then one training step (:func:`_trained`; last: it changes the weights).
+    One load serves the matrix, the batch and the training test."""
     from autotp import parallelize_model
     from autotp.context import shard_of
 
@@ -69,13 +70,15 @@ def _rank(rank: int, world: int, folder: str, batched: bool) -> dict[str, Any]:
         with torch.no_grad():
             result["batched"] = model.generate(BATCH_IDS, attention_mask=BATCH_MASK, max_new_tokens=6,
                                                do_sample=False, pad_token_id=0)
-    return result
+    return {**result, "train": _trained(model)}
 
 
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int, int], tuple[Path, list[dict[str, Any]]]]:
     """``launched(kv_heads, world)`` -> (the checkpoint, the ranks' :func:`_rank` results), each
-    launched once per module: the grouped case's results serve the matrix and the left-padded batch."""
+    launched once per module: its results serve the matrix and the training test, the grouped case's
+    the left-padded batch too. (Loading it again for the training step traced and compiled the same
+    warm-up graph again on every rank.)"""
     runs: dict[tuple[int, int], tuple[Path, list[dict[str, Any]]]] = {}
 
     def run(kv_heads: int, world: int) -> tuple[Path, list[dict[str, Any]]]:
@@ -172,7 +175,11 @@ def _full_grads(model: torch.nn.Module, comm: Any) -> dict[str, torch.Tensor]:
 
 
 def _train_step(model: torch.nn.Module, comm: Any = None) -> dict[str, Any]:
-    """One training step (loss, backward, SGD), then a second forward's logits."""
+    """One training step (loss, backward, SGD), then a second forward's logits: of the batch's two
+    rows as one sequence of 16 tokens, which reads every weight the step moved (each embedding row
+    of the batch's tokens, every matrix) at batch 1, the shape the warm-up compiled. (At the batch's
+    own shape, batch 2 in eval mode, that forward compiled one more graph on every rank, ~2 CPU-s
+    each, and checked the same weights.)"""
     model.train()
     loss = model(input_ids=TRAIN_IDS, labels=TRAIN_IDS).loss
     loss.backward()
@@ -187,7 +194,7 @@ def _train_step(model: torch.nn.Module, comm: Any = None) -> dict[str, Any]:
     torch.optim.SGD(model.parameters(), lr=0.5).step()
     model.eval()
     with torch.no_grad():
-        after = model(input_ids=TRAIN_IDS).logits
+        after = model(input_ids=TRAIN_IDS.reshape(1, -1)).logits  # (1, 16)
     return {"loss": float(loss.detach()), "grads": grads, "norm": norm, "logits_after": after.detach().clone()}
 
 
@@ -202,13 +209,17 @@ def assert_trains_like(step: dict[str, Any], ref: dict[str, Any]) -> None:
     torch.testing.assert_close(step["logits_after"], ref["logits_after"], atol=ATOL, rtol=RTOL)
 
 
-def _rank_train(rank: int, world: int, folder: str) -> dict[str, Any]:
-    from autotp import parallelize_model
-
-    model = parallelize_model(folder, tp_size=world)  # the warm-up places k/v grouped (or replicated)
+def _trained(model: torch.nn.Module) -> dict[str, Any]:
+    """:func:`_train_step` on this rank's model, with the k/v weights' placements the warm-up chose."""
     placements = {n: str(model.autotp.plans[0]["parameters"][n]["placement"])
                   for n in model.autotp.plans[0]["parameters"] if any(k in n for k in KV_WEIGHTS)}
     return {**_train_step(model, model.autotp.context.comm), "kv_placements": placements}
+
+
+def _rank_train(rank: int, world: int, folder: str) -> dict[str, Any]:
+    from autotp import parallelize_model
+
+    return _trained(parallelize_model(folder, tp_size=world))  # the warm-up places k/v grouped (or replicated)
 
 
 #: the weights holding k and v heads: separate projections, or Falcon's fused one
@@ -218,8 +229,8 @@ KV_WEIGHTS = ("k_proj", "v_proj", "query_key_value")
 @pytest.mark.parametrize(("arch", "kv_heads", "world", "kv_placement"),
                          [("llama", 2, 4, "S(0/2)"), ("llama", 1, 2, "R"), ("falcon", 1, 2, "S(0|64+8r+8r)")],
                          ids=["8-over-2-kv-heads-tp4", "8-over-1-kv-head-tp2", "falcon-fused-whole-kv-head-tp2"])
-def test_training_through_grouped_kv_heads_equals_one_process(tmp_path: Path, arch: str, kv_heads: int, world: int,
-                                                               kv_placement: str) -> None:
+def test_training_through_grouped_kv_heads_equals_one_process(launched, tmp_path: Path, arch: str, kv_heads: int,
+                                                               world: int, kv_placement: str) -> None:
     """Each rank of a group uses its own query heads' share of the kv head, so the k/v projection's
     gradient is partial over the group and summed within it. Falcon's fused query_key_value holds
     its one k and v head whole on every rank beside the split q heads: their gradient counts once
@@ -228,10 +239,14 @@ def test_training_through_grouped_kv_heads_equals_one_process(tmp_path: Path, ar
     (gradients and logits atol 1e-5 / rtol 1e-4, the loss and the norm 1e-5 relative)."""
     from transformers import AutoModelForCausalLM
 
-    overrides = {"num_key_value_heads": kv_heads} if arch == "llama" else {}  # Falcon: multi-query
-    folder = save_tiny(arch, tmp_path / arch, pad_token_id=PAD_ID, **overrides)
+    if arch == "llama":  # the matrix's launch trained after its checks
+        folder, results = launched(kv_heads, world)
+        results = [r["train"] for r in results]
+    else:  # Falcon: multi-query
+        folder = save_tiny(arch, tmp_path / arch, pad_token_id=PAD_ID)
+        results = run_ranks(_rank_train, world, str(folder))
     ref = _train_step(AutoModelForCausalLM.from_pretrained(folder))
-    for r in run_ranks(_rank_train, world, str(folder)):
+    for r in results:
         assert r["kv_placements"] and set(r["kv_placements"].values()) == {kv_placement}, r["kv_placements"]
         assert_trains_like(r, ref)
 

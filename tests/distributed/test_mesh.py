@@ -27,6 +27,10 @@ pytestmark = pytest.mark.dist
 IDS = torch.tensor([[5, 17, 99, 3, 64, 12, 7, 9], [8, 1, 2, 3, 4, 77, 31, 40],
                     [11, 42, 6, 90, 23, 2, 14, 71], [3, 3, 120, 56, 8, 19, 100, 1]])
 STEPS, LR, MAX_NORM = 3, 1e-2, 0.5
+#: the trained model's forward reads the whole batch as one sequence of 32 tokens: every weight the
+#: steps moved (each embedding row of the batch's tokens, every matrix) at batch 1, the shape the
+#: warm-up compiled (at batch 4 that forward compiled one more graph on each of the 4 ranks)
+WHOLE_BATCH_AS_ONE = IDS.reshape(1, -1)
 
 
 def _param_bytes(model: torch.nn.Module) -> int:
@@ -71,7 +75,7 @@ def _rank_train(rank: int, world: int, folder: str, kind: str) -> dict:
     held = _param_bytes(model)
     model.eval()  # the trained model serves: a forward on the whole batch, and greedy generation
     with torch.no_grad():
-        logits = model(input_ids=IDS).logits
+        logits = model(input_ids=WHOLE_BATCH_AS_ONE).logits
         tokens = model.generate(IDS[:1], max_new_tokens=3, do_sample=False)
     return {"curve": curve, "norms": norms, "bytes": held, "logits": logits, "tokens": tokens,
             "tp_rank": mesh.get_local_rank("tp"), "dp_rank": dp_rank, "plan": model.autotp.plan}
@@ -93,7 +97,7 @@ def _reference(folder: Path) -> dict:
         curve.append(float(loss.detach()))
     model.eval()
     with torch.no_grad():
-        logits = model(input_ids=IDS).logits
+        logits = model(input_ids=WHOLE_BATCH_AS_ONE).logits
         tokens = model.generate(IDS[:1], max_new_tokens=3, do_sample=False)
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     small = sum(p.numel() * p.element_size() for p in model.parameters() if p.dim() == 1)

@@ -10,6 +10,7 @@ that traced them bit for bit, since it runs the same program.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -49,12 +50,27 @@ def _job(rank: int, world: int, folder: str, cache_dir: str, new_tokens: int, ba
             "plan_cache": plan_cache}
 
 
-def test_a_second_job_runs_the_stored_graphs_untraced_and_matches_the_first_and_one_process(tmp_path: Path) -> None:
-    folder = save_tiny("llama", tmp_path / "llama", pad_token_id=PAD_ID)
+@pytest.fixture(scope="module")
+def first_job(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, list[dict]]:
+    """(the checkpoint, the cache folder, the ranks' :func:`_job` results) of a first job, 8 tokens,
+    in an empty cache. Each test runs its later jobs in its own copy of that folder
+    (:func:`cache_after`): the first job is the same for both, and traced and solved everything."""
+    root = tmp_path_factory.mktemp("first-job")
+    folder = save_tiny("llama", root / "llama", pad_token_id=PAD_ID)
+    return folder, root / "cache", run_ranks(_job, 2, str(folder), str(root / "cache"), 8, False)
+
+
+def cache_after(first_job: tuple[Path, Path, list[dict]], tmp_path: Path) -> Path:
+    """A copy, for this test, of the cache folder the first job left."""
+    return Path(shutil.copytree(first_job[1], tmp_path / "cache"))
+
+
+def test_a_second_job_runs_the_stored_graphs_untraced_and_matches_the_first_and_one_process(
+        first_job: tuple[Path, Path, list[dict]], tmp_path: Path) -> None:
+    folder, _, first = first_job
     ref_logits, ref_tokens = one_process_reference(folder, PROMPT, 8, PAD_ID)
     ref_pair, _ = one_process_reference(folder, BATCH_OF_TWO, 1, PAD_ID)
-    cache = tmp_path / "cache"
-    first = run_ranks(_job, 2, str(folder), str(cache), 8, False)
+    cache = cache_after(first_job, tmp_path)
     second = run_ranks(_job, 2, str(folder), str(cache), 8, True)
 
     for rank in range(2):
@@ -79,11 +95,11 @@ def test_a_second_job_runs_the_stored_graphs_untraced_and_matches_the_first_and_
     assert not list((cache / "graphs").glob(".*.tmp"))
 
 
-def test_a_truncated_entry_is_ignored_with_its_reason_and_rewritten(tmp_path: Path) -> None:
-    folder = save_tiny("llama", tmp_path / "llama", pad_token_id=PAD_ID)
+def test_a_truncated_entry_is_ignored_with_its_reason_and_rewritten(first_job: tuple[Path, Path, list[dict]],
+                                                                     tmp_path: Path) -> None:
+    folder = first_job[0]
     _, ref_tokens = one_process_reference(folder, PROMPT, 4, PAD_ID)
-    cache = tmp_path / "cache"
-    run_ranks(_job, 2, str(folder), str(cache), 4, False)
+    cache = cache_after(first_job, tmp_path)  # the entry a job wrote
     (entry,) = (cache / "graphs").glob("*.pkl")
     entry.write_bytes(entry.read_bytes()[: entry.stat().st_size // 2])
     second = run_ranks(_job, 2, str(folder), str(cache), 4, False, str(tmp_path / "trace"))
@@ -105,8 +121,10 @@ def test_a_second_job_loading_two_models_of_one_class_runs_both_from_the_stored_
     when the second is assigned), in a second job whose stored entries they install: both install
     frames on the class's one forward code, and the first model's release must not take away what
     the second installed (it did: the second job's second model failed with a NameError on a
-    Dynamo module alias). Checked as the inner-compiler test checks one job: same logits and tokens."""
-    folder = save_tiny("llama", tmp_path / "llama", pad_token_id=0)
+    Dynamo module alias). Checked as the inner-compiler test checks one job: same logits and tokens.
+    One layer: what is installed is per forward code object and per model, not per block (with 2,
+    inductor compiled twice the C++ in each of the 4 rank processes for the same check)."""
+    folder = save_tiny("llama", tmp_path / "llama", pad_token_id=0, num_hidden_layers=1)
     cache = tmp_path / "cache"
     jobs = []
     for job in range(2):

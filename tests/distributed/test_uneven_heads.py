@@ -14,6 +14,11 @@ logits leave it sharded), each rank's weights and KV cache hold only its own hea
 says where ranks carry unequal work. One training step through each split (loss, gradients, global
 norm, logits after SGD) equals one process's.
 
+Each model is launched once per module (:func:`launched`): one rank run checks, in order, the
+inference claims (a forward, greedy tokens, the plan, the local heads), a left-padded batch's
+greedy tokens, then one training step, and every test asserts its own claims on that run. A rank
+that raises names the claim it was checking (``_rank``), so a failure says which claim broke.
+
 Tolerance: atol 1e-5, rtol 1e-4 (fp32), as in tests/distributed/test_parallelize.py (row-parallel
 partial sums reorder fp32 additions).
 """
@@ -21,13 +26,14 @@ partial sums reorder fp32 additions).
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from tests._dist import run_ranks
+from tests._dist import RankError, run_ranks
 from tests._tiny import one_process_reference, save_tiny
 from tests.distributed.test_kv_head_groups import TRAIN_IDS, _train_step, assert_trains_like
 
@@ -40,28 +46,122 @@ ATOL, RTOL = 1e-5, 1e-4
 LAYERS = 2
 
 
-def _rank(rank: int, world: int, folder: str) -> dict[str, Any]:
-    from autotp import parallelize_model
+#: a left-padded batch of 2 and its mask
+BATCH_IDS = torch.tensor([[0, 0, 5, 17, 99, 3], [4, 8, 15, 16, 23, 42]])
+BATCH_MASK = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+
+#: GPT-2's dropouts (0.1 by default) off
+NO_DROPOUT = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+
+#: arch -> (config sizes, the fused q|k|v module of block 0, its weight's fused dim, its placement
+#: with 3 heads at tp=2, with 6 heads at tp=4)
+_FUSED = {
+    # GPT-2's c_attn (a Conv1D: (in, 3 * hidden)), split(hidden) into q | k | v of 3 heads of 16 each
+    # (dropout 0, so that a training step can equal one process's: see the dropout test below)
+    "gpt2": (dict(n_embd=48, **NO_DROPOUT), "transformer.h.0.attn.c_attn", 1, "n_head",
+             {2: "S(1|48:3h+48:3h+48:3h)", 4: "S(1|48:6h+48:6h+48:6h)"}),
+    # Phi-3's qkv_proj with 8 query heads over 2 kv heads of 8 at tp=4: q split evenly, each kv head
+    # held by its group of 2 ranks (the cases below give it 8 heads)
+    "phi3": (dict(hidden_size=64, num_key_value_heads=2), "model.layers.0.self_attn.qkv_proj", 0,
+             "num_attention_heads", {4: "S(0|64+16/2+16/2)"}),
+    # Falcon's multi-query query_key_value: q heads | its one k head | its one v head, k and v whole
+    "falcon": (dict(hidden_size=48), "transformer.h.0.self_attention.query_key_value", 0, "num_attention_heads",
+               {2: "S(0|48:3h+16r+16r)", 4: "S(0|48:6h+8r+8r)"}),
+}
+
+#: fused q|k|v cases: id -> (arch, heads, world, query heads per rank)
+FUSED_CASES: dict[str, tuple[str, int, int, list[int]]] = {
+    "gpt2-3-heads-tp2": ("gpt2", 3, 2, [2, 1]), "falcon-3-heads-one-kv-tp2": ("falcon", 3, 2, [2, 1]),
+    "gpt2-6-heads-tp4": ("gpt2", 6, 4, [2, 2, 1, 1]), "falcon-6-heads-one-kv-tp4": ("falcon", 6, 4, [2, 2, 1, 1]),
+    "phi3-8-heads-over-2-kv-tp4": ("phi3", 8, 4, [2, 2, 2, 2]),
+}
+
+#: model -> (arch, its config fields, world size, the fused q|k|v module of block 0 or None, the claims
+#: its one rank run checks, in this order: "infer" (forward, greedy tokens, plan, local heads),
+#: "batch" (a left-padded batch's greedy tokens), "train" (one training step; last, as it changes
+#: the weights))
+MODELS: dict[str, tuple[str, dict[str, Any], int, str | None, tuple[str, ...]]] = {
+    "qwen2-6-heads-2-kv-tp4": ("qwen2", dict(hidden_size=48, num_attention_heads=6, num_key_value_heads=2), 4,
+                               None, ("infer", "batch", "train")),
+    "llama-mha-3-heads-tp2": ("llama", dict(hidden_size=48, num_attention_heads=3, num_key_value_heads=3), 2,
+                              None, ("infer", "train")),
+    **{name: (arch, {**_FUSED[arch][0], _FUSED[arch][3]: heads}, world, _FUSED[arch][1],
+              ("infer", "batch", "train") if name == "gpt2-3-heads-tp2" else ("infer", "train"))
+       for name, (arch, heads, world, _) in FUSED_CASES.items()},
+}
+
+
+def _infer(model: Any, qkv: str | None) -> dict[str, Any]:
+    """One forward (logits, the KV cache's heads on this rank) and greedy tokens of PROMPT."""
     from autotp.context import shard_of
 
-    model = parallelize_model(folder, tp_size=world)
     ids = torch.tensor(PROMPT)
     with torch.no_grad():
         out = model(input_ids=ids, use_cache=True)
         tokens = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=PAD_ID)
+    result = {"logits": out.logits, "tokens": tokens[0].tolist(), "plan": model.autotp.plan}
+    if qkv is not None:  # this rank's rows of the fused projection
+        return {**result, "qkv_shape": tuple(model.get_submodule(qkv).weight.shape)}
     local_kv_heads = []
     for layer in out.past_key_values.layers:
         for entry in (layer.keys, layer.values):
             shard = shard_of(entry)
             local_kv_heads.append(shard[0].shape[1] if shard is not None else entry.shape[1])
-    q_proj = model.model.layers[0].self_attn.q_proj
-    return {
-        "logits": out.logits,
-        "tokens": tokens[0].tolist(),
-        "plan": model.autotp.plan,
-        "local_kv_heads": local_kv_heads,
-        "q_rows": q_proj.weight.shape[0],
-    }
+    return {**result, "local_kv_heads": local_kv_heads, "q_rows": model.model.layers[0].self_attn.q_proj.weight.shape[0]}
+
+
+def _batch(model: Any, qkv: str | None) -> torch.Tensor:
+    """Greedy tokens of the left-padded batch."""
+    with torch.no_grad():
+        return model.generate(BATCH_IDS, attention_mask=BATCH_MASK, max_new_tokens=5, do_sample=False, pad_token_id=0)
+
+
+def _train(model: Any, qkv: str | None) -> dict[str, Any]:
+    """One training step through the layout the warm-up placed (and the attention weights' placements)."""
+    placements = {n: str(e["placement"]) for n, e in model.autotp.plans[0]["parameters"].items() if "self_attn" in n}
+    return {**_train_step(model, model.autotp.context.comm), "placements": placements}
+
+
+_CLAIMS: dict[str, Callable[[Any, str | None], Any]] = {"infer": _infer, "batch": _batch, "train": _train}
+
+
+def _rank(rank: int, world: int, folder: str, claims: tuple[str, ...], qkv: str | None) -> dict[str, Any]:
+    """Parallelize the checkpoint, then check ``claims`` on it in order; an exception carries the
+    name of the claim it broke."""
+    from autotp import parallelize_model
+
+    model = parallelize_model(folder, tp_size=world)
+    out: dict[str, Any] = {}
+    for claim in claims:
+        try:
+            out[claim] = _CLAIMS[claim](model, qkv)
+        except BaseException as e:
+            e.add_note(f"(while checking the claim {claim!r}: every test reading this rank run fails with this)")
+            raise
+    return out
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], tuple[Path, list[dict[str, Any]]]]:
+    """``launched(model)`` -> (its checkpoint, the ranks' results of its claims): each model of
+    :data:`MODELS` is saved and run on its ranks once per module, whichever test asks first; the
+    others read the same run. (Parallelizing it again for each claim traced and compiled the same
+    warm-up and decode graphs again on every rank.)"""
+    runs: dict[str, tuple[Path, list[dict[str, Any]]] | RankError] = {}
+
+    def run(name: str) -> tuple[Path, list[dict[str, Any]]]:
+        if name not in runs:
+            arch, sizes, world, qkv, claims = MODELS[name]
+            folder = save_tiny(arch, tmp_path_factory.mktemp(name) / arch, pad_token_id=PAD_ID, **sizes)
+            try:
+                runs[name] = folder, run_ranks(_rank, world, str(folder), claims, qkv)
+            except RankError as e:  # every test of this run fails with it, without launching it again
+                runs[name] = e
+        if isinstance(runs[name], RankError):
+            raise runs[name]
+        return runs[name]
+
+    return run
 
 
 @pytest.mark.parametrize(
@@ -75,15 +175,13 @@ def _rank(rank: int, world: int, folder: str) -> dict[str, Any]:
     ids=["qwen2-6-heads-2-kv-tp4", "llama-mha-3-heads-tp2"],
 )
 def test_heads_no_tp_divides_match_one_process_with_megatrons_plan(
-    tmp_path: Path, arch: str, heads: int, kv_heads: int, world: int, q_placement: str, kv_placement: str,
+    launched, arch: str, heads: int, kv_heads: int, world: int, q_placement: str, kv_placement: str,
     q_heads: list[int], kv_local: list[int]
 ) -> None:
-    folder = save_tiny(arch, tmp_path / arch, pad_token_id=PAD_ID, hidden_size=48, num_attention_heads=heads,
-                       num_key_value_heads=kv_heads)
+    folder, results = launched(f"{arch}-6-heads-2-kv-tp4" if arch == "qwen2" else f"{arch}-mha-3-heads-tp2")
     head_dim = 48 // heads
     ref_logits, ref_tokens = one_process_reference(folder, PROMPT, NEW_TOKENS, PAD_ID)
-    results = run_ranks(_rank, world, str(folder))
-    for rank, r in enumerate(results):
+    for rank, r in enumerate(r["infer"] for r in results):
         torch.testing.assert_close(r["logits"], ref_logits, atol=ATOL, rtol=RTOL)
         assert r["tokens"] == ref_tokens
         assert r["q_rows"] == q_heads[rank] * head_dim  # this rank's query heads only
@@ -134,73 +232,25 @@ def test_head_shards_narrow_locally_and_gather_in_rank_order_and_back() -> None:
         assert checks == {name: True for name in checks}
 
 
-def _rank_train(rank: int, world: int, folder: str) -> dict[str, Any]:
-    from autotp import parallelize_model
-
-    model = parallelize_model(folder, tp_size=world)
-    placements = {n: str(e["placement"]) for n, e in model.autotp.plans[0]["parameters"].items() if "self_attn" in n}
-    return {**_train_step(model, model.autotp.context.comm), "placements": placements}
-
-
-@pytest.mark.parametrize(("arch", "heads", "kv_heads", "world", "q_placement"),
-                         [("llama", 3, 3, 2, "S(0:3h)"), ("qwen2", 6, 2, 4, "S(0:6h/2)")],
+@pytest.mark.parametrize(("model", "q_placement"),
+                         [("llama-mha-3-heads-tp2", "S(0:3h)"), ("qwen2-6-heads-2-kv-tp4", "S(0:6h/2)")],
                          ids=["3-heads-tp2", "6-over-2-kv-heads-tp4"])
-def test_training_through_heads_no_tp_divides_equals_one_process(tmp_path: Path, arch: str, heads: int,
-                                                                 kv_heads: int, world: int, q_placement: str) -> None:
+def test_training_through_heads_no_tp_divides_equals_one_process(launched, model: str, q_placement: str) -> None:
     """The ranks' gradients of their own heads, the input gradients summed over unequal head blocks
     and the global norm over uneven shards: loss, every gradient (gathered), the norm and the logits
     after an SGD step equal one process (gradients and logits atol 1e-5 / rtol 1e-4, the loss and
     the norm 1e-5 relative)."""
     from transformers import AutoModelForCausalLM
 
-    folder = save_tiny(arch, tmp_path / arch, pad_token_id=PAD_ID, hidden_size=48, num_attention_heads=heads,
-                       num_key_value_heads=kv_heads)
+    folder, results = launched(model)
     ref = _train_step(AutoModelForCausalLM.from_pretrained(folder))
-    for r in run_ranks(_rank_train, world, str(folder)):
+    for r in (r["train"] for r in results):
         assert {p for n, p in r["placements"].items() if "q_proj.weight" in n} == {q_placement}, r["placements"]
         assert_trains_like(r, ref)
 
 
-def _rank_fused(rank: int, world: int, folder: str, qkv: str) -> dict[str, Any]:
-    from autotp import parallelize_model
-
-    model = parallelize_model(folder, tp_size=world)
-    ids = torch.tensor(PROMPT)
-    with torch.no_grad():
-        logits = model(input_ids=ids).logits
-        tokens = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=PAD_ID)
-    out = {"logits": logits, "tokens": tokens[0].tolist(), "plan": model.autotp.plan,
-           "qkv_shape": tuple(model.get_submodule(qkv).weight.shape)}
-    return {**out, "train": _train_step(model, model.autotp.context.comm)}  # then a step through the layout
-
-
-#: GPT-2's dropouts (0.1 by default) off
-NO_DROPOUT = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-
-#: arch -> (config sizes, the fused q|k|v module of block 0, its weight's fused dim, its placement
-#: with 3 heads at tp=2, with 6 heads at tp=4)
-_FUSED = {
-    # GPT-2's c_attn (a Conv1D: (in, 3 * hidden)), split(hidden) into q | k | v of 3 heads of 16 each
-    # (dropout 0, so that a training step can equal one process's: see the dropout test below)
-    "gpt2": (dict(n_embd=48, **NO_DROPOUT), "transformer.h.0.attn.c_attn", 1, "n_head",
-             {2: "S(1|48:3h+48:3h+48:3h)", 4: "S(1|48:6h+48:6h+48:6h)"}),
-    # Phi-3's qkv_proj with 8 query heads over 2 kv heads of 8 at tp=4: q split evenly, each kv head
-    # held by its group of 2 ranks (the cases below give it 8 heads)
-    "phi3": (dict(hidden_size=64, num_key_value_heads=2), "model.layers.0.self_attn.qkv_proj", 0,
-             "num_attention_heads", {4: "S(0|64+16/2+16/2)"}),
-    # Falcon's multi-query query_key_value: q heads | its one k head | its one v head, k and v whole
-    "falcon": (dict(hidden_size=48), "transformer.h.0.self_attention.query_key_value", 0, "num_attention_heads",
-               {2: "S(0|48:3h+16r+16r)", 4: "S(0|48:6h+8r+8r)"}),
-}
-
-
-@pytest.mark.parametrize(("arch", "heads", "world", "q_heads"), [
-    ("gpt2", 3, 2, [2, 1]), ("falcon", 3, 2, [2, 1]), ("gpt2", 6, 4, [2, 2, 1, 1]), ("falcon", 6, 4, [2, 2, 1, 1]),
-    ("phi3", 8, 4, [2, 2, 2, 2]),
-], ids=["gpt2-3-heads-tp2", "falcon-3-heads-one-kv-tp2", "gpt2-6-heads-tp4", "falcon-6-heads-one-kv-tp4",
-        "phi3-8-heads-over-2-kv-tp4"])
-def test_a_fused_qkv_projection_with_heads_no_tp_divides_is_split_in_whole_heads(
-        tmp_path: Path, arch: str, heads: int, world: int, q_heads: list[int]) -> None:
+@pytest.mark.parametrize("model", list(FUSED_CASES))
+def test_a_fused_qkv_projection_with_heads_no_tp_divides_is_split_in_whole_heads(launched, model: str) -> None:
     """A fused q|k|v output is stored with each segment split in whole heads (``StridedShard.heads``):
     rank r holds the same heads of q, k and v (of q only, beside the whole k and v head, for
     Falcon's multi-query layout), so attention stays on each rank and the block communicates as
@@ -213,12 +263,13 @@ def test_a_fused_qkv_projection_with_heads_no_tp_divides_is_split_in_whole_heads
     group (``layers.ChunkGroupGradient``) and counted once by ``clip_grad_norm_``."""
     from transformers import AutoModelForCausalLM
 
-    sizes, qkv, dim, field, placement = _FUSED[arch]
-    folder = save_tiny(arch, tmp_path / arch, pad_token_id=PAD_ID, **sizes, **{field: heads})
+    arch, heads, world, q_heads = FUSED_CASES[model]
+    sizes, qkv, dim, _, placement = _FUSED[arch]
+    folder, results = launched(model)
     head_dim = sizes.get("hidden_size", 48) // heads
     ref_logits, ref_tokens = one_process_reference(folder, PROMPT, NEW_TOKENS, PAD_ID)
     ref_train = _train_step(AutoModelForCausalLM.from_pretrained(folder))
-    for rank, r in enumerate(run_ranks(_rank_fused, world, str(folder), qkv)):
+    for rank, r in enumerate({**r["infer"], "train": r["train"]} for r in results):
         torch.testing.assert_close(r["logits"], ref_logits, atol=ATOL, rtol=RTOL)
         assert r["tokens"] == ref_tokens
         params = r["plan"]["parameters"]
@@ -266,39 +317,28 @@ def test_training_gpt2_with_attention_dropout_keeps_megatrons_plan(tmp_path: Pat
     assert results[1]["loss"] == results[0]["loss"]
 
 
-def _rank_masked(rank: int, world: int, folder: str, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    from autotp import parallelize_model
-
-    model = parallelize_model(folder, tp_size=world)
-    with torch.no_grad():
-        return model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0)
-
-
-
-def _assert_a_left_padded_batch_generates_as_one_process(folder: Path, world: int) -> None:
-    """A left-padded batch of 2 generates on ``world`` ranks exactly the greedy tokens of one process."""
+def _assert_a_left_padded_batch_generates_as_one_process(folder: Path, results: list[dict[str, Any]]) -> None:
+    """The left-padded batch of 2 generated on the ranks exactly the greedy tokens of one process."""
     from transformers import AutoModelForCausalLM
 
-    ids = torch.tensor([[0, 0, 5, 17, 99, 3], [4, 8, 15, 16, 23, 42]])
-    mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
     ref = AutoModelForCausalLM.from_pretrained(folder).eval()
     with torch.no_grad():
-        expected = ref.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0)
-    for tokens in run_ranks(_rank_masked, world, str(folder), ids, mask):
-        assert torch.equal(tokens, expected)
+        expected = ref.generate(BATCH_IDS, attention_mask=BATCH_MASK, max_new_tokens=5, do_sample=False,
+                                pad_token_id=0)
+    for r in results:
+        assert torch.equal(r["batch"], expected)
 
-def test_a_left_padded_batch_spreads_each_kv_head_over_its_uneven_query_heads(tmp_path: Path) -> None:
+
+def test_a_left_padded_batch_spreads_each_kv_head_over_its_uneven_query_heads(launched) -> None:
     """With a padding mask transformers repeats each kv head over its query heads itself
     (``repeat_kv``): 3 copies per kv head over the group's 2 ranks are 2 + 1, merged into the
-    query heads' split."""
-    folder = save_tiny("qwen2", tmp_path / "qwen2", pad_token_id=PAD_ID, hidden_size=48, num_attention_heads=6,
-                       num_key_value_heads=2)
-    _assert_a_left_padded_batch_generates_as_one_process(folder, 4)
+    query heads' split. (Qwen2 with 6 heads over 2 kv heads at tp=4.)"""
+    _assert_a_left_padded_batch_generates_as_one_process(*launched("qwen2-6-heads-2-kv-tp4"))
 
 
-def test_a_batch_through_fused_qkv_heads_no_tp_divides_generates_as_one_process(tmp_path: Path) -> None:
+def test_a_batch_through_fused_qkv_heads_no_tp_divides_generates_as_one_process(launched) -> None:
     """GPT-2's eager attention merges (batch, heads) into one dim: with 3 heads split 2 + 1 over 2
     ranks that dim holds each batch's heads of this rank (``S(0|3:3h+3:3h)``), also at the symbolic
-    batch after the warm-up. A left-padded batch of 2 generates the tokens one process does."""
-    folder = save_tiny("gpt2", tmp_path / "gpt2", pad_token_id=PAD_ID, n_embd=48, n_head=3)
-    _assert_a_left_padded_batch_generates_as_one_process(folder, 2)
+    batch after the warm-up (and after the batch-1 generate of the same run). A left-padded batch of
+    2 generates the tokens one process does."""
+    _assert_a_left_padded_batch_generates_as_one_process(*launched("gpt2-3-heads-tp2"))
