@@ -57,7 +57,15 @@ from typing import Any
 import torch
 
 from autotp import cache_env
-from autotp.compat import DynamoPackage, PackageError, dim_markings, pickle_graph, source_of, unpickle_graph
+from autotp.compat import (
+    DynamoCompiled,
+    DynamoPackage,
+    PackageError,
+    dim_markings,
+    pickle_graph,
+    source_of,
+    unpickle_graph,
+)
 from autotp.errors import AutoTPError
 from autotp.trace import write_json
 
@@ -256,7 +264,9 @@ class StoredForward:
                 store.outcome.status, store.outcome.reason, store.outcome.graphs = "hit", None, len(graphs)
             except (PackageError, KeyError, TypeError, ValueError) as e:
                 store.refuse(f"entry does not install ({e})")
-        self.package = package if package is not None else DynamoPackage(fn, backend)
+        # a rank that writes no entry records no package it would not store (``DynamoCompiled``)
+        self.package = package if package is not None else \
+            DynamoPackage(fn, backend) if self.write else DynamoCompiled(fn, backend)
         store.outcome.load_s = time.perf_counter() - start
         self._written = len(self.loaded)
         self._write_trace()
