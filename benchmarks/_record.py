@@ -5,8 +5,8 @@ A result a skeptic can check says which code, which command, which libraries and
 it, and how busy that machine was. :class:`Provenance` collects that once per run and every script
 puts it under ``"provenance"`` in its JSON (:func:`write_result`):
 
-* ``commit`` (``git rev-parse HEAD``) and ``dirty`` (uncommitted changes under ``autotp/`` or
-  ``benchmarks/``), ``date`` (UTC, ISO 8601, at the start) and ``duration_s``;
+* ``commit`` (``git rev-parse HEAD``) and ``dirty`` (uncommitted changes to the code under ``autotp/`` or
+  ``benchmarks/``, not their results), ``date`` (UTC, ISO 8601, at the start) and ``duration_s``;
 * ``command``: the command line as typed, ``python benchmarks/<script>.py ...``, so the result can
   be made again (a path inside the repository relative to it, another absolute path as
   ``.../<name>``);
@@ -44,6 +44,9 @@ from typing import Any
 __all__ = ["Provenance", "checkpoint_name", "launch", "memory", "pyplot", "stats", "write_result"]
 
 ROOT = Path(__file__).resolve().parent.parent
+#: what the benchmarks write, not the code that makes a result: a fresh result file of an earlier
+#: command of the same session does not make the next result's code dirty
+_OUTPUTS = (":(exclude)benchmarks/results", ":(exclude)benchmarks/coverage.jsonl")
 #: distributions whose versions every result records (absent ones are recorded as None)
 PACKAGES = ("torch", "transformers", "safetensors", "huggingface_hub", "numpy", "autotp")
 
@@ -126,7 +129,7 @@ class Provenance:
     def finish(self) -> dict[str, Any]:
         return {
             "commit": _git("rev-parse", "HEAD") or None,
-            "dirty": bool(_git("status", "--porcelain", "--", "autotp", "benchmarks")),
+            "dirty": bool(_git("status", "--porcelain", "--", "autotp", "benchmarks", *_OUTPUTS)),
             "date": datetime.datetime.fromtimestamp(self.started, datetime.timezone.utc).isoformat(
                 timespec="seconds"
             ),
