@@ -103,8 +103,10 @@ is proved optimal (gap 0). ``Solution.lower_bound`` is the larger of the beam's 
 program's, and ``SolveTrace.certificate`` says how it was reached, the program's size and its CPU
 time. Measured: on every case of the real-width plan matrix (``benchmarks/certificate_gap.py``),
 and with decode graphs and sequence parallelism on the cases tried, the LP relaxation alone reaches
-the plan's cost (gap 0), at 11-31% of the beam's CPU time (median 15%: 0.02-0.08 s, 835-3,839
-columns; the larger shares on the smallest solves, encoders at 0.06-0.13 s). On small random
+the plan's cost (gap 0, 63 of 63 cases), at 8-19% of the whole solve's CPU time (median 10%; the
+larger shares on the smallest solves: a fixed cost of HiGHS); the whole solve is a median x1.12 of
+the solver before the certificate (x1.04-x1.35, 6 of 60 cases above x1.20; x1.01 less the
+certificate; quiet machine, commit 655322e, ``benchmarks/results/certificate_gap.json``). On small random
 graphs the bound equals the optimum of an exhaustive search at beams 1 and 4, also where a beam of
 1 misses that optimum (then the integer program finds it, below the plan: the plan is not
 replaced, ``exact`` does that). Guaranteed: the bound never exceeds the optimum of this objective
