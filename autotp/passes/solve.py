@@ -625,11 +625,15 @@ def _search_widening(steps: list[_Step], position: dict[int, int], last_use: dic
     certificate's 60,496, and a beam of 128 finds that plan (Megatron's all-reduce). Where the
     certificate proves the plan optimal, which is every case of the real-width matrix, nothing is
     searched again."""
+    def search_at(width: int) -> _Search:
+        """A fresh search at beam ``width``, recording into ``trace`` (its counts reset)."""
+        trace.pruned_states, trace.pruned_min = 0, float("inf")
+        return _Search(steps, position, last_use, fixed_idx, free_idx, param_idx,
+                       dataclasses.replace(opts, beam_width=width), trace, pinned_edges)
+
     width = opts.beam_width
     while True:  # a beam can lose every feasible plan: widen it
-        trace.pruned_states, trace.pruned_min = 0, float("inf")
-        search = _Search(steps, position, last_use, fixed_idx, free_idx, param_idx,
-                         dataclasses.replace(opts, beam_width=width), trace, pinned_edges)
+        search = search_at(width)
         try:
             states = search.run()
         except SolverError:
@@ -651,9 +655,7 @@ def _search_widening(steps: list[_Step], position: dict[int, int], last_use: dic
         built = bool(trace.certificate and trace.certificate["variables"])
         while built and bound < best - TIE * max(1.0, abs(best)) and width < opts.beam_width * GAP_WIDENING:
             width *= 4
-            trace.pruned_states, trace.pruned_min = 0, float("inf")
-            wider = _Search(steps, position, last_use, fixed_idx, free_idx, param_idx,
-                            dataclasses.replace(opts, beam_width=width), trace, pinned_edges)
+            wider = search_at(width)
             try:
                 found = wider.run()
             except SolverError:
