@@ -273,10 +273,28 @@ def test_t5_encoder_blocks_reduce_twice_and_decoder_blocks_three_times() -> None
     replicated, and the block issues its all-reduces alone (``test_plans_at_real_widths.py``)."""
     report = _plan("t5")
 
-    bias = {"reduce_scatter": 1}  # block 0's relative-position bias, see above
-    assert collectives_per_stack(report.forward.sites) == {
-        stack: {block: {"all_reduce": n} | (bias if block == 0 else {}) for block in range(2)}
-        for stack, n in sorted(T5_ALL_REDUCES.items())}
+    assert collectives_per_stack(report.forward.sites) == _t5_blocks()
+
+
+def _t5_blocks() -> dict[str, dict[int, dict[str, int]]]:
+    """Tiny T5's collectives per stack and block (see the test above)."""
+    bias = {"reduce_scatter": 1}  # block 0's relative-position bias
+    return {stack: {block: {"all_reduce": n} | (bias if block == 0 else {}) for block in range(2)}
+            for stack, n in sorted(T5_ALL_REDUCES.items())}
+
+
+def test_t5_at_batch_2_keeps_its_blocks_plan_where_the_certificate_widens_the_beam() -> None:
+    """The batch-2 forward, solved with the batch-1 warm-up's parameters pinned, ended at a beam of
+    32 in a costlier plan (64,592 against the certificate's 60,496: a reduce-scatter, a batch-sharded
+    norm and two all-gathers at the encoder's end); the certificate's gap makes the solver search
+    again with a wider beam (``passes/solve.py: GAP_WIDENING``), which finds the batch-1 blocks and
+    proves them optimal."""
+    from autotp.planner import plan_model
+
+    report = plan_model(tiny_config("t5"), 2, decode=False, batch=2)
+
+    assert collectives_per_stack(report.forward.sites) == _t5_blocks()
+    assert report.forward.gap == 0
 
 
 def test_mixtral_moe_is_tensor_parallel_with_one_all_reduce_after_the_experts() -> None:
