@@ -131,10 +131,9 @@ def add_widths(rows: list[dict[str, Any]], folder_of: Any, provenance: Provenanc
         print(row["case"], row["batch2"], "|", row["real_widths"], flush=True)
 
 
-def run(cases: list[Case], out: Path, measure_blocks: bool = True) -> list[dict[str, Any]]:
+def run(cases: list[Case], out: Path, provenance: Provenance, measure_blocks: bool = True) -> list[dict[str, Any]]:
     """Run ``cases``; one row per (case, tp), each with the run's provenance (``_record``: commit,
     date, command, versions, machine)."""
-    provenance = Provenance.start()
     rows = []
     with tempfile.TemporaryDirectory() as tmp_name, out.open("w") as sink:
         tmp = Path(tmp_name)
@@ -246,7 +245,7 @@ def main() -> None:
         write_rows(args.update, rows)
     else:
         cases = [c for c in CASES if not args.case or c.id in args.case]
-        rows = run(cases, args.out, measure_blocks=not args.no_per_block)
+        rows = run(cases, args.out, provenance, measure_blocks=not args.no_per_block)
         if args.update:
             fresh = {r["case"] for r in rows}
             kept = (
