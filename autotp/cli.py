@@ -526,6 +526,13 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
         if not torch.cuda.is_available():
             raise AutoTPError("--device cuda but this torch build sees no CUDA device; use --device cpu")
+        per_node = args.tp // args.nnodes if args.tp % args.nnodes == 0 else args.tp
+        if per_node > torch.cuda.device_count():
+            raise AutoTPError(
+                f"--tp {args.tp} --device cuda runs {per_node} ranks on this machine, one GPU each (NCCL), but "
+                f"it has {torch.cuda.device_count()} GPU(s); use --tp {torch.cuda.device_count()} (or fewer), more "
+                "machines (--nnodes), or --device cpu"
+            )
     sampling = {
         "do_sample": args.do_sample,
         "temperature": args.temperature,

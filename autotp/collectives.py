@@ -660,6 +660,12 @@ def _all_reduce(x: Tensor, comm: Comm, backward: bool, op: str = "sum") -> Tenso
     return out
 
 
+#: the tensor forms of all-gather and reduce-scatter: torch 2.13 names them ``all_gather_single`` /
+#: ``reduce_scatter_single`` and deprecates the older ``all_gather_into_tensor`` /
+#: ``reduce_scatter_tensor``, the only names torch 2.11 (the CUDA image the GPU tests ran on) has
+_ALL_GATHER_SINGLE = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER_SINGLE = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 def _gather_raw(x: Tensor, comm: Comm) -> Tensor:
     """All-gather ``x`` (contiguous) into a new ``(N, *x.shape)`` tensor."""
     n = comm.world_size
@@ -674,7 +680,7 @@ def _gather_raw(x: Tensor, comm: Comm) -> Tensor:
         try:
             # gloo accepts only the concatenated output form (N*d0, ...), a view of ``out``
             with _guard(comm, "all_gather"):
-                dist.all_gather_single(out.flatten(0, 1) if x.dim() else out, x, group=comm.group)
+                _ALL_GATHER_SINGLE(out.flatten(0, 1) if x.dim() else out, x, group=comm.group)
             return out
         except RuntimeError as err:
             if not _is_unsupported(err):
@@ -746,7 +752,7 @@ def _reduce_scatter(x: Tensor, dim: int, comm: Comm, backward: bool) -> Tensor:
         try:
             # concatenated input form (N*d0, ...), which every backend accepts
             with _guard(comm, "reduce_scatter"):
-                dist.reduce_scatter_single(out, inp.flatten(0, 1), group=comm.group)
+                _REDUCE_SCATTER_SINGLE(out, inp.flatten(0, 1), group=comm.group)
             return out
         except RuntimeError as err:
             if not _is_unsupported(err):

@@ -255,9 +255,12 @@ class _GroupedMmMeta:
         self.original = op.py_kernels.pop(DispatchKey.Meta, meta_grouped_mm)
         op.py_impl(DispatchKey.Meta)(self.meta)
         self.library = torch.library.Library("aten", "IMPL")
+        # torch's own Meta kernel is a Python registration too: torch 2.13 overrides it by default,
+        # torch 2.11 (the CUDA image the GPU tests ran on) refuses unless asked (allow_override)
+        allow = {"allow_override": True} if "allow_override" in inspect.signature(self.library.impl).parameters else {}
         with warnings.catch_warnings():  # "Overriding a previously registered kernel": intended
             warnings.simplefilter("ignore", UserWarning)
-            self.library.impl("_grouped_mm", self.meta, "Meta")
+            self.library.impl("_grouped_mm", self.meta, "Meta", **allow)
 
     def meta(
         self,

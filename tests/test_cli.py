@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from autotp.cli import main
 
@@ -191,3 +192,13 @@ def test_a_multi_line_rank_error_is_printed_whole_on_one_line() -> None:
     from autotp.cli import one_line
 
     assert one_line("rank 0: bad thing\n  because of x\n") == "rank 0: bad thing because of x"
+
+
+def test_more_cuda_ranks_than_gpus_exit_2_before_launching(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    # on a one-GPU machine NCCL's second rank failed with "CUDA error: invalid device ordinal"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert main(["generate", str(tmp_path), "--tp", "2", "--device", "cuda", "--prompt-ids", "1,2"]) == 2
+    err = capsys.readouterr().err
+    assert "--tp 2 --device cuda runs 2 ranks on this machine" in err and "has 1 GPU" in err
