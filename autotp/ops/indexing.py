@@ -211,12 +211,16 @@ def index_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate
 
     A fused shard indexed along its dim alone, by constant indices that all fall in one segment
     every rank holds whole (Falcon's ``qkv[..., [-2], :]``, its one k head), is ``R``: each rank
-    reads that segment where it lies in its shard (local rewrite ``slice_bounds``).
+    reads that segment where it lies in its shard (local rewrite ``slice_bounds``). A fused shard
+    indexed on other dims moves like a plain one and stays fused: transformers' ``batched_mm``
+    experts (the decode path ``generate`` switches to off the CPU) read ``gate_up_proj[expert_ids]``,
+    the experts' fused gate | up weights sharded on their feature dim.
     """
     px, pis = inputs[0], inputs[1:]
     if any(not isinstance(q, Replicate) for q in pis):
         return reject("index tensors must be Replicate")
-    if isinstance(px, StridedShard):
+    if isinstance(px, StridedShard) and px.dim < len(op.arg(1, "indices")) \
+            and op.arg(1, "indices")[px.dim] is not None:
         indices = list(op.arg(1, "indices"))
         at = indices[px.dim] if px.dim < len(indices) else None
         if isinstance(at, TensorSpec) and at.value is not None \
@@ -241,7 +245,7 @@ def index_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate
     spec = out_spec(op)
     if spec is not None and (d >= spec.ndim or spec.shape[d] != x.shape[px.dim]):
         return reject("could not locate the sharded dim in the indexing result")
-    return same(Shard(d))
+    return same(dataclasses.replace(px, dim=d))
 
 
 def _same_placement(inputs: Sequence[Placement | None]) -> Placement | None:
