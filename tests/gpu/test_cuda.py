@@ -102,3 +102,12 @@ def test_two_ranks_sharing_one_gpu_hold_about_half_and_match_one_process(tmp_pat
         # the small norm weights stay replicated: a rank holds a bit over half
         assert got["param_elements"] <= 0.55 * whole
     assert ranks[0]["collectives"] == ranks[1]["collectives"]
+
+
+def test_two_ranks_sharing_one_gpu_run_bf16_experts_through_cuda_grouped_mm(tmp_path: Path) -> None:
+    # bf16 on a GPU is where transformers' grouped_mm experts run torch's CUDA _grouped_mm kernel
+    folder = save_tiny("mixtral", tmp_path / "mixtral")
+    logits, tokens, _ = _one_process_on_gpu(folder, torch.bfloat16)
+    for got in run_ranks(_shared_gpu_rank, 2, str(folder), torch.bfloat16, timeout=600):
+        torch.testing.assert_close(got["logits"], logits, atol=2e-2, rtol=2e-2)
+        assert got["tokens"][:len(PROMPT[0]) + 1] == tokens[:len(PROMPT[0]) + 1]
