@@ -75,16 +75,18 @@ AUTOTP_VARIANTS: dict[str, dict[str, Any]] = {
 
 
 def _worker(
-    engine: str, folder: str, prefill: int, decode: int, reps: int, result: str, dtype_name: str
+    engine: str, folder: str, prefill: int, decode: int, reps: int, result: str, dtype_name: str, device_name: str
 ) -> None:
-    """One launch: load with ``engine``, warm up, time prefill and decode; rank 0 writes JSON."""
+    """One launch: load with ``engine``, warm up, time prefill and decode; rank 0 writes JSON.
+    On ``cuda`` every rank uses GPU 0 (the tp=1 check on a one-GPU machine) and each timed call
+    ends with ``torch.cuda.synchronize``."""
     import torch
     import torch.distributed as dist
     import transformers
     from transformers import DynamicCache
 
     transformers.logging.set_verbosity_error()
-    distributed = not engine.startswith("one_process")
+    distributed = "WORLD_SIZE" in os.environ  # under the elastic launcher (``_launch``: more than one rank)
     if distributed:
         dist.init_process_group("gloo")
     rank = dist.get_rank() if distributed else 0
@@ -92,20 +94,23 @@ def _worker(
     from autotp.kv_cache import cache_keyword, returned_cache
 
     dtype = getattr(torch, dtype_name)
+    device = torch.device(device_name)
+    sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
     t0 = time.perf_counter()
     if engine in AUTOTP_VARIANTS:
         from autotp import parallelize_model
 
-        model = parallelize_model(folder, tp_size=world, dtype=dtype, **AUTOTP_VARIANTS[engine])
+        model = parallelize_model(folder, tp_size=world, dtype=dtype, device=device, **AUTOTP_VARIANTS[engine])
     elif engine == "transformers_tp":
         model = transformers.AutoModelForCausalLM.from_pretrained(folder, tp_plan="auto", dtype=dtype).eval()
     else:
-        model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+        model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
         if engine == "one_process_compiled":
             model.forward = torch.compile(model.forward)  # inductor, as a user compiles it
+    sync()
     load_s = time.perf_counter() - t0
     vocab = model.config.vocab_size
-    ids = (torch.arange(prefill) * 7919 % (vocab - 1) + 1).unsqueeze(0)  # (1, P), deterministic
+    ids = (torch.arange(prefill) * 7919 % (vocab - 1) + 1).unsqueeze(0).to(device)  # (1, P), deterministic
 
     def barrier() -> None:
         if distributed:
@@ -118,16 +123,18 @@ def _worker(
         barrier()
         start = time.perf_counter()
         out = model(input_ids=ids, use_cache=True, **{keyword: cache})
+        sync()
         return time.perf_counter() - start, returned_cache(out), out.logits[:, -1:].argmax(-1)
 
     def run_decode(steps: int) -> tuple[list[float], list[int]]:
         _, cache, token = run_prefill()
         times, tokens = [], []
         for i in range(steps):
-            position = torch.tensor([[prefill + i]])
+            position = torch.tensor([[prefill + i]], device=device)
             barrier()
             start = time.perf_counter()
             out = model(input_ids=token, use_cache=True, position_ids=position, **{keyword: cache})
+            sync()
             times.append(time.perf_counter() - start)
             cache, token = returned_cache(out), out.logits[:, -1:].argmax(-1)
             tokens.append(int(token))
@@ -138,7 +145,9 @@ def _worker(
         first_token_s, cache, token = run_prefill()  # the first call after load: compiles the prefill
         barrier()
         start = time.perf_counter()
-        model(input_ids=token, use_cache=True, position_ids=torch.tensor([[prefill]]), **{keyword: cache})
+        model(input_ids=token, use_cache=True, position_ids=torch.tensor([[prefill]], device=device),
+              **{keyword: cache})
+        sync()
         first_decode_s = time.perf_counter() - start
         run_decode(4)  # warm-up: the dynamic-length decode graph
         warmup_s = time.perf_counter() - t
@@ -154,7 +163,8 @@ def _worker(
                 "compile_inner": model.autotp.context.config.compile_inner,
             }
             comm.reset_counts()
-            model(input_ids=token, use_cache=True, position_ids=torch.tensor([[prefill]]), **{keyword: cache})
+            model(input_ids=token, use_cache=True, position_ids=torch.tensor([[prefill]], device=device),
+                  **{keyword: cache})
             plan = model.autotp.plans[-1]
             step_collectives = {
                 "issued": dict(comm.counts),
@@ -175,6 +185,7 @@ def _worker(
             json.dumps(
                 {
                     "engine": engine,
+                    "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                     "world_size": world,
                     "threads": torch.get_num_threads(),
                     "load_s": load_s,
@@ -207,6 +218,7 @@ def _launch(engine: str, folder: Path, args: argparse.Namespace, result: Path) -
         str(args.reps),
         os.fspath(result),
         args.dtype,
+        args.device,
     ]
     launch(ranks, worker, label=engine)
     return json.loads(result.read_text())
@@ -314,8 +326,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--worker",
-        nargs=7,
-        metavar=("ENGINE", "FOLDER", "PREFILL", "DECODE", "REPS", "RESULT", "DTYPE"),
+        nargs=8,
+        metavar=("ENGINE", "FOLDER", "PREFILL", "DECODE", "REPS", "RESULT", "DTYPE", "DEVICE"),
         help=argparse.SUPPRESS,
     )
     parser.add_argument(
@@ -325,6 +337,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                        help="cuda: every engine on GPU 0 (tp=1 only: one GPU; transformers_tp needs NCCL)")
     parser.add_argument(
         "--size",
         default="150m",
@@ -340,8 +354,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--png", default=None)
     args = parser.parse_args(argv)
     if args.worker:
-        engine, folder, prefill, decode, reps, result, dtype_name = args.worker
-        _worker(engine, folder, int(prefill), int(decode), int(reps), result, dtype_name)
+        engine, folder, prefill, decode, reps, result, dtype_name, device_name = args.worker
+        _worker(engine, folder, int(prefill), int(decode), int(reps), result, dtype_name, device_name)
         return 0
 
     import torch
@@ -353,6 +367,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(engines) - set(ENGINES))
     if unknown:
         parser.error(f"unknown engines {unknown}; choose from {list(ENGINES)}")
+    if args.device == "cuda" and (args.tp != 1 or "transformers_tp" in engines):
+        parser.error("--device cuda measures tp=1 on GPU 0: use --tp 1 and no transformers_tp engine")
     runs: dict[str, list[dict[str, Any]]] = {e: [] for e in engines}
     with tempfile.TemporaryDirectory(prefix="autotp-gen-") as tmp:
         for round_ in range(args.rounds):
@@ -365,6 +381,7 @@ def main(argv: list[str] | None = None) -> int:
         "checkpoint": checkpoint_name(folder),
         "size": args.size,
         "tp": args.tp,
+        "device": args.device,
         "dtype": args.dtype,
         "prefill": args.prefill,
         "decode": args.decode,
