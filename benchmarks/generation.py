@@ -249,6 +249,7 @@ def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "threads_per_rank": runs[0]["threads"],
         "tokens": runs[0]["tokens"],
         "samples": {"prefill": len(prefill), "decode_steps": len(decode)},
+        "device": runs[0].get("device", "cpu"),
         **({key: runs[0][key] for key in ("prefill_collectives", "decode_collectives") if runs[0].get(key)}),
     }
 

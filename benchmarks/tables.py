@@ -47,6 +47,9 @@ def _seconds(value: float) -> str:
 def generation_rows(result: dict[str, Any]) -> list[Row]:
     engines = result["engines"]
     setup = f"tp={result['tp']}, {result['dtype']}"
+    gpu = {s.get("device") for s in engines.values()} - {None, "cpu"}
+    if gpu:  # a --device cuda run: its GPU's name, from each engine's launches
+        setup += ", " + " / ".join(sorted(gpu))
 
     def cells(fmt: Callable[[dict[str, Any]], str]) -> list[str]:
         return [fmt(engines[e]) if e in engines else "-" for e in GENERATION_ENGINES]
@@ -129,6 +132,7 @@ def startup_rows(result: dict[str, Any]) -> list[Row]:
 PERFORMANCE: dict[str, Callable[[dict[str, Any]], list[Row]]] = {
     "generation_tp2_fp32.json": generation_rows,
     "generation_tp2_bf16.json": generation_rows,
+    "generation_tp1_cuda_fp32.json": generation_rows,
     "startup_tp2_fp32.json": startup_rows,
     "load_memory_tp2_fp32.json": load_memory_rows,
     "solver_scaling.json": solver_scaling_rows,
