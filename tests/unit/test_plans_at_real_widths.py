@@ -194,6 +194,32 @@ def test_a_batch_2_plan_keeps_its_warm_up_which_is_the_batch_1_plan() -> None:
     assert two.parameters == one.parameters
 
 
+@pytest.mark.parametrize("tp", _valid_tps("t5"))
+def test_t5_decode_step_reduces_three_times_per_decoder_block_and_gathers_only_the_logits(tp: int) -> None:
+    """T5-base's decode step as ``generate`` runs it under ``parallelize_model`` after its first
+    token: the decoder alone, one new token per sequence, reading the encoder's output (gathered when
+    the encoder's call returned) and the KV cache the prefill filled. Each decoder block issues
+    Megatron's all-reduces, one after each row-parallel matmul (self-attention, cross-attention,
+    MLP); the encoder does not run; outside the blocks the vocab-parallel lookup of the new token
+    is reduced and the logits are gathered. The cache each rank holds is its share of the
+    self-attention's and the cross-attention's keys and values."""
+    report = plan_model(_config("t5"), tp)
+    step = report.decode
+
+    assert step is not None, report.decode_note
+    assert step.input_shape == (1, 1)
+    assert collectives_per_stack(step.sites) == {"decoder.block": {layer: {"all_reduce": 3} for layer in range(2)}}
+    outside = [(s["kind"], s["origin"]) for s in step.sites if s["layer"] is None]
+    assert outside == [("all_reduce", "decoder.embed_tokens"), ("all_gather", "lm_head")]
+    # the prefill before it (with the cache it fills) is the matrix's forward
+    assert collectives_per_stack(report.forward.sites) == {
+        stack: {layer: {"all_reduce": n} for layer in range(2)} for stack, n in sorted(T5_ALL_REDUCES.items())}
+    fields = REAL_WIDTHS["t5"][2]
+    positions = 2 * tp + 1  # self-attention's decoder positions, cross-attention's encoder positions
+    cache_bytes = 2 * 2 * 2 * positions * fields["d_model"] * 4  # layers x (self, cross) x (k, v), fp32
+    assert (report.kv_cache_bytes_total, report.kv_cache_bytes_per_rank) == (cache_bytes, cache_bytes // tp)
+
+
 def _vocabulary_rows(report: Any) -> dict[str, list[int]]:
     """Each vocabulary-sized parameter's rows on every rank, from the plan."""
     return {name: p["rows_per_rank"] for name, p in report.parameters.items() if p.get("rows_per_rank")}
