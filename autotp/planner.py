@@ -85,12 +85,10 @@ from autotp.placement import (
     uneven_rows,
 )
 from autotp.plan import style_of
-from autotp.plan_report import GraphReport, PlanReport
+from autotp.plan_report import GraphReport, PlanReport, block_in
 
 __all__ = ["GraphReport", "PlanReport", "check_names", "explain", "explain_matching", "load_config", "plan_model",
            "to_tp_plan"]
-
-_LAYER = re.compile(r"\.(\d+)(?=\.)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -256,12 +254,12 @@ def _sites(record: SolveRecord) -> list[dict[str, Any]]:
         seen.add((src_node, str(dst)))
         consumer = dyn[shadow.owner[n]] if n in shadow.owner else None
         origin = module_of(_origin(src_node, src, placements))
-        layer = _LAYER.search("." + origin + ".")
+        block = block_in(origin)
         val = n.meta.get("val")
         out.append({
             "kind": kind, "src": str(src), "dst": str(dst), "after": module_of(src_node), "origin": origin,
             "into": consumer.name if consumer is not None else "?",
-            "layer": int(layer.group(1)) if layer else None,
+            "layer": block[1] if block else None,
             "global_shape": list(val.shape) if isinstance(val, torch.Tensor) else None,
             "bytes_per_rank": _payload(val, src, record.opts.world_size),
         })
@@ -648,12 +646,12 @@ def _boundary_sites(graph: CompiledGraph, record: SolveRecord, result: Any, rece
         producer = edge.args[0]
         origin = _module_path(shadow.dynamo_nodes[shadow.owner[producer]]) if producer in shadow.owner \
             else producer.name
-        layer = _LAYER.search("." + origin + ".")
+        block = block_in(origin)
         val = edge.meta.get("val")
         src = placements.get(producer, placement)
         out.append({"kind": "all_gather", "src": str(src), "dst": "R",
                     "after": origin, "origin": origin, "into": "return (gathered by parallelize_model)",
-                    "layer": int(layer.group(1)) if layer else None,
+                    "layer": block[1] if block else None,
                     "global_shape": list(val.shape) if isinstance(val, torch.Tensor) else None,
                     "bytes_per_rank": _payload(val, src, record.opts.world_size)})
     return out
