@@ -32,3 +32,14 @@ def returned_cache(output: Any) -> Any:
             if value is not None:
                 return value
     return None
+
+
+def cache_layers(cache: Any) -> list[Any]:
+    """The layers (each holding ``keys`` and ``values``) of a transformers cache: a ``DynamicCache``'s
+    own, an ``EncoderDecoderCache``'s self-attention layers then its cross-attention layers; none
+    for None."""
+    layers = getattr(cache, "layers", None)
+    if isinstance(layers, list):
+        return layers
+    inner = (getattr(cache, name, None) for name in ("self_attention_cache", "cross_attention_cache"))
+    return [layer for c in inner if c is not None for layer in cache_layers(c)]

@@ -6,6 +6,7 @@ is rendered before torch or transformers load. :mod:`autotp.planner` computes it
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
@@ -16,8 +17,29 @@ from autotp.errors import AutoTPError
 if TYPE_CHECKING:
     from autotp.backend import SolveRecord
 
-__all__ = ["GraphReport", "PlanReport"]
+__all__ = ["STATISTIC", "GraphReport", "PlanReport", "block_in", "block_of"]
 
+#: a module path inside a block: (the stack's path, the block's index), e.g. ``model.layers.3.mlp``
+_BLOCK_PATH = re.compile(r"^(.*?)\.(\d+)(?:\.|$)")
+#: suffix of a collective's kind in :meth:`GraphReport.block_collectives` when it moves one value
+#: per token: a norm over a sharded dim reduces its statistic instead of gathering its input
+STATISTIC = " of a statistic"
+
+
+def block_in(path: str) -> tuple[str, int] | None:
+    """The block a module path lies in: (its stack, its index), the stack being the path before
+    the first index (``model.layers``; T5's ``encoder.block`` and ``decoder.block``, whose blocks
+    share indices); None outside every block."""
+    found = _BLOCK_PATH.search(path)
+    return (found.group(1), int(found.group(2))) if found is not None else None
+
+
+def block_of(site: Mapping[str, Any]) -> tuple[str, int] | None:
+    """The block a collective belongs to: the block whose op made the value it moves (``origin``),
+    or, for a value made outside every block (OPT's embedding partial sum, carried in the residual
+    stream and reduced with block 0's attention output), the block it sits in (``after``); None
+    outside every block (the logits' gather, a vocab-parallel lookup's reduction)."""
+    return block_in(site["origin"]) or block_in(site["after"])
 
 
 @dataclass
@@ -44,6 +66,25 @@ class GraphReport:
     @property
     def gap(self) -> float | None:
         return None if self.cost is None or self.lower_bound is None else max(self.cost - self.lower_bound, 0.0)
+
+    def block_collectives(self) -> dict[str, dict[int, dict[str, int]]]:
+        """Collectives by stack of blocks and block: stack -> block index -> kind -> count, each
+        site in the block :func:`block_of` names; a kind moving one value per token is suffixed
+        :data:`STATISTIC`; stacks in program order. One stack for a decoder or an encoder, two for
+        an encoder-decoder's forward (its decode step runs the decoder's alone)."""
+        out: dict[str, dict[int, Counter]] = {}
+        for site in self.sites:
+            block = block_of(site)
+            if block is not None:
+                statistic = tuple(site.get("global_shape") or ())[-1:] == (1,)
+                kind = site["kind"] + (STATISTIC if statistic else "")
+                out.setdefault(block[0], {}).setdefault(block[1], Counter())[kind] += 1
+        return {stack: {i: dict(sorted(kinds.items())) for i, kinds in sorted(blocks.items())}
+                for stack, blocks in out.items()}
+
+    def outside_blocks(self) -> list[dict[str, Any]]:
+        """The sites no block owns (:func:`block_of`), in program order."""
+        return [site for site in self.sites if block_of(site) is None]
 
 
 @dataclass
@@ -86,15 +127,19 @@ class PlanReport:
         """Collectives of one forward (the prefill graph), by kind."""
         return self.forward.collectives
 
-    def block_collectives(self, graph: str = "forward") -> dict[int, dict[str, int]]:
-        """Collectives per decoder block: layer index -> kind -> count, from the solution's sites
-        (a collective belongs to the block whose module produced the value it moves)."""
-        g = self.forward if graph == "forward" else self.decode
-        out: dict[int, Counter] = {}
-        for site in g.sites if g else []:
-            if site["layer"] is not None:
-                out.setdefault(site["layer"], Counter())[site["kind"]] += 1
-        return {k: dict(v) for k, v in sorted(out.items())}
+    def graph(self, name: str) -> GraphReport | None:
+        """The graph called ``name``: ``forward``, ``decode`` or ``warm-up`` (None where it was not
+        compiled)."""
+        graphs = {"forward": self.forward, "decode": self.decode, "warm-up": self.warmup}
+        if name not in graphs:
+            raise AutoTPError(f"no graph {name!r} in a plan report: choose one of {sorted(graphs)}")
+        return graphs[name]
+
+    def block_collectives(self, graph: str = "forward") -> dict[str, dict[int, dict[str, int]]]:
+        """:meth:`GraphReport.block_collectives` of the graph called ``graph`` ({} where it was not
+        compiled)."""
+        g = self.graph(graph)
+        return g.block_collectives() if g is not None else {}
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -104,7 +149,9 @@ class PlanReport:
             "collectives": self.forward.collectives,
             "solver": {"cost": self.forward.cost, "lower_bound": self.forward.lower_bound, "gap": self.forward.gap},
             "collective_bytes_per_rank": self.forward.collective_bytes,
+            "collectives_per_block": self.block_collectives("forward"),
             "collectives_per_token": self.decode.collectives if self.decode else None,
+            "collectives_per_block_per_token": self.block_collectives("decode") if self.decode else None,
             "collective_bytes_per_token_per_rank": self.decode.collective_bytes if self.decode else None,
             "decode_note": self.decode_note,
             "param_bytes_per_rank": self.param_bytes_per_rank,

@@ -21,8 +21,11 @@ Two calls, as in generation (three when ``(B, S)`` is not the warm-up shape):
    collectives it reports are the ones they issue.
 2. **decode** (``decode=True``): one new token per sequence with a KV cache of ``S`` positions,
    solved with every parameter pinned, as a real decode step is: the collectives per generated
-   token and the KV-cache bytes each rank holds. If it cannot be compiled, the report says why and
-   has forward numbers only.
+   token and the KV-cache bytes each rank holds. An encoder-decoder's prefill runs both stacks
+   (``decoder_input_ids`` of shape ``(B, S)`` too) into an empty ``EncoderDecoderCache``; its step
+   is ``generate``'s after the first token: the decoder alone, reading the encoder's output and
+   the cache's self-attention and cross-attention keys and values (:func:`_decode_inputs`). If it
+   cannot be compiled, the report says why and has forward numbers only.
 
 What the report holds beyond the plan: per-graph timings (Dynamo trace, decompose, solve, the
 rest), where each collective sits (the module whose output it redistributes, read off the
@@ -52,7 +55,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from autotp.api import gather_user_values
+from autotp.api import TOKEN_INPUTS, gather_user_values
 from autotp.backend import (
     SolveRecord,
     check_names,
@@ -66,7 +69,7 @@ from autotp.config import AutoTPConfig, parse_dtype
 from autotp.context import CompiledGraph, TPContext, attach_meta, meta_of, output_path_of, standin
 from autotp.errors import AutoTPError, SolverError
 from autotp.hf_config import read_config
-from autotp.kv_cache import cache_keyword, returned_cache
+from autotp.kv_cache import cache_keyword, cache_layers, returned_cache
 from autotp.passes.decompose import EDGE, MARK
 from autotp.passes.solve import solve
 from autotp.placement import (
@@ -82,12 +85,10 @@ from autotp.placement import (
     uneven_rows,
 )
 from autotp.plan import style_of
-from autotp.plan_report import GraphReport, PlanReport
+from autotp.plan_report import GraphReport, PlanReport, block_in
 
 __all__ = ["GraphReport", "PlanReport", "check_names", "explain", "explain_matching", "load_config", "plan_model",
            "to_tp_plan"]
-
-_LAYER = re.compile(r"\.(\d+)(?=\.)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -158,16 +159,26 @@ def _build(config: Any, dtype: torch.dtype | None) -> torch.nn.Module:
 
 
 def _empty_cache(config: Any, dtype: torch.dtype) -> Any:
-    """An empty DynamicCache for the prefill, its layers initialized here: transformers creates a
-    layer's empty tensors lazily inside ``forward``, which Dynamo cannot do on the meta device."""
-    from transformers import DynamicCache
+    """An empty KV cache for the prefill, as ``generate`` makes it: a DynamicCache for the decoder's
+    layers (``get_text_config(decoder=True)``), and for an encoder-decoder an ``EncoderDecoderCache``
+    of two (self-attention, and cross-attention over the encoder's positions). Each layer is
+    initialized here: transformers creates a layer's empty tensors lazily inside ``forward``, which
+    Dynamo cannot do on the meta device."""
+    from transformers import DynamicCache, EncoderDecoderCache
 
-    cache = DynamicCache(config=config)
+    decoder = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     empty = torch.empty(0, dtype=dtype, device="meta")
-    for layer in getattr(cache, "layers", []):
-        if hasattr(layer, "lazy_initialization") and not getattr(layer, "is_initialized", True):
-            layer.lazy_initialization(empty, empty)
-    return cache
+
+    def dynamic() -> Any:
+        cache = DynamicCache(config=decoder)
+        for layer in getattr(cache, "layers", []):
+            if hasattr(layer, "lazy_initialization") and not getattr(layer, "is_initialized", True):
+                layer.lazy_initialization(empty, empty)
+        return cache
+
+    if getattr(config, "is_encoder_decoder", False):
+        return EncoderDecoderCache(dynamic(), dynamic())
+    return dynamic()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -243,12 +254,12 @@ def _sites(record: SolveRecord) -> list[dict[str, Any]]:
         seen.add((src_node, str(dst)))
         consumer = dyn[shadow.owner[n]] if n in shadow.owner else None
         origin = module_of(_origin(src_node, src, placements))
-        layer = _LAYER.search("." + origin + ".")
+        block = block_in(origin)
         val = n.meta.get("val")
         out.append({
             "kind": kind, "src": str(src), "dst": str(dst), "after": module_of(src_node), "origin": origin,
             "into": consumer.name if consumer is not None else "?",
-            "layer": int(layer.group(1)) if layer else None,
+            "layer": block[1] if block else None,
             "global_shape": list(val.shape) if isinstance(val, torch.Tensor) else None,
             "bytes_per_rank": _payload(val, src, record.opts.world_size),
         })
@@ -394,10 +405,9 @@ def _trace(config: Any, module: torch.nn.Module, options: AutoTPConfig, shape: t
     forward = torch.compile(type(module).forward.__get__(module), backend=backend, dynamic=False)
     ids = torch.zeros(shape, dtype=torch.long, device="meta")  # (B, S)
     # an encoder-decoder's forward runs both stacks on one call, the decoder reading its own ids
-    # (as parallelize_model's warm-up passes them, ``api.TOKEN_INPUTS``); its decode step reads the
-    # encoder's outputs that ``generate`` keeps, which a forward call does not give: not planned
+    # (as parallelize_model's warm-up passes them, ``api.TOKEN_INPUTS``): S decoder tokens too
     seq2seq = bool(getattr(config, "is_encoder_decoder", False))
-    keyword = cache_keyword(type(module).forward) if decode and not seq2seq else None
+    keyword = cache_keyword(type(module).forward) if decode else None
     dtype = next(module.parameters()).dtype
     # the forward is the prefill when a decode step follows: it leaves the (sharded) KV cache
     kwargs = {"input_ids": ids, keyword: _empty_cache(config, dtype), "use_cache": True} if keyword \
@@ -422,17 +432,14 @@ def _trace(config: Any, module: torch.nn.Module, options: AutoTPConfig, shape: t
     record = seen[0].graph.solve if seen else None  # the free solve
 
     dec, note, kv = None, None, None
-    if decode and seq2seq:
-        note = "decode step not planned (an encoder-decoder's decode step reads the encoder outputs generate keeps)"
-    elif decode:
+    if decode:
         try:
             cache = returned_cache(prefill)
             if cache is None or keyword is None:
                 raise AutoTPError(f"{type(module).__name__}'s forward returned no KV cache")
             new = torch.zeros((shape[0], 1), dtype=torch.long, device="meta")  # (B, 1)
             first = len(seen)
-            dec, _ = _run_graph("decode", forward, {"input_ids": new, keyword: cache, "use_cache": True},
-                                comm, seen)
+            dec, _ = _run_graph("decode", forward, _decode_inputs(new, keyword, cache, prefill, seq2seq), comm, seen)
             compiled["decode"] = seen[first:]
             kv = _kv_bytes(seen[first:], tp, keyword)
         except SolverError:
@@ -449,6 +456,23 @@ def _trace(config: Any, module: torch.nn.Module, options: AutoTPConfig, shape: t
             styles.setdefault(fqn, e["style"])
     return _Run(warmup=warmup, forward=fwd, decode=dec, decode_note=note, record=record, kv_by_layer=kv,
                 styles=styles, compiled=compiled)
+
+
+def _decode_inputs(new: torch.Tensor, keyword: str, cache: Any, prefill: Any, seq2seq: bool) -> dict[str, Any]:
+    """The keywords of one decode step as ``generate`` passes them after its first token: ``new``
+    token ids (B, 1) and the KV cache the prefill filled. An encoder-decoder's step runs its decoder
+    alone: ``generate`` ran the encoder once (under ``parallelize_model`` through ``get_encoder()``,
+    its output gathered at that call's boundary, so the step reads it replicated) and passes its
+    output as ``encoder_outputs``; the cache holds the self-attention's S positions and the
+    cross-attention's keys and values of the S encoder positions, which the step reads instead of
+    projecting the encoder's output again."""
+    if not seq2seq:
+        return {"input_ids": new, keyword: cache, "use_cache": True}
+    from transformers.modeling_outputs import BaseModelOutput
+
+    encoded = prefill.encoder_last_hidden_state  # (B, S, hidden), as the encoder returned it
+    return {"decoder_input_ids": new, "encoder_outputs": BaseModelOutput(last_hidden_state=encoded), keyword: cache,
+            "use_cache": True}
 
 
 def _expanded(name: str, config: Any, module: torch.nn.Module, stand_in: torch.nn.Module, short: Any,
@@ -553,6 +577,7 @@ def _run_graph(name: str, forward: Any, kwargs: dict[str, Any], comm: Comm, seen
     """One compiled call; the graphs it compiled (normally one) make up its report."""
     comm.reset_counts()
     first = len(seen)
+    received = _cache_entries(*kwargs.values())  # held while the call may replace them
     t, cpu = time.perf_counter(), time.process_time()
     try:
         with torch.no_grad(), _meta_constants_allowed():
@@ -578,13 +603,13 @@ def _run_graph(name: str, forward: Any, kwargs: dict[str, Any], comm: Comm, seen
             continue
         for key in ("decompose_s", "solve_s", "annotate_s", "decompose_cpu_s", "solve_cpu_s"):
             timings[key] = timings.get(key, 0.0) + rec.timings.get(key, 0.0)
-        sites += _sites(rec) + _boundary_sites(c.graph, rec, out)
+        sites += _sites(rec) + _boundary_sites(c.graph, rec, out, received)
         cost += rec.solution.cost
         bound += rec.solution.lower_bound
         if rec.free_cost is not None:
             extra = (extra or 0.0) + rec.solution.cost - rec.free_cost
     timings["rewrite_s"] = backend_s - sum(timings.get(k, 0.0) for k in ("decompose_s", "solve_s", "annotate_s"))
-    shape = tuple(kwargs["input_ids"].shape)
+    shape = tuple(next(kwargs[key] for key in TOKEN_INPUTS if key in kwargs).shape)  # encoder's, else decoder's
     solved = any(c.graph.solve is not None for c in new)
     return GraphReport(name=name, input_shape=shape, collectives=dict(sorted(comm.counts.items())),
                        collective_bytes=dict(sorted(comm.bytes.items())), sites=sites, timings=timings,
@@ -592,13 +617,22 @@ def _run_graph(name: str, forward: Any, kwargs: dict[str, Any], comm: Comm, seen
                        lower_bound=bound if solved else None), out
 
 
-def _boundary_sites(graph: CompiledGraph, record: SolveRecord, result: Any) -> list[dict[str, Any]]:
+def _cache_entries(*values: Any) -> list[torch.Tensor]:
+    """The keys and values of every KV cache among ``values``."""
+    return [t for v in values for layer in cache_layers(v)
+            for t in (getattr(layer, "keys", None), getattr(layer, "values", None)) if isinstance(t, torch.Tensor)]
+
+
+def _boundary_sites(graph: CompiledGraph, record: SolveRecord, result: Any, received: Sequence[torch.Tensor]
+                    ) -> list[dict[str, Any]]:
     """The all-gathers ``parallelize_model`` issues when the call returns: one per sharded graph
-    output the user reads (the logits), none for the KV-cache entries kept sharded (found by the
-    output path their stand-ins carry)."""
-    cache = returned_cache(result)
-    kept = {output_path_of(t) for layer in getattr(cache, "layers", []) or []
-            for t in (getattr(layer, "keys", None), getattr(layer, "values", None))}
+    output the user reads (the logits), none for the KV-cache entries this graph returned, kept
+    sharded (found by the output path their stand-ins carry). An entry the call ``received`` and
+    left in place (an encoder-decoder's cross-attention keys and values during decoding) carries
+    the path of the graph that made it, which may name another output of this graph: not one of
+    its entries."""
+    kept = {output_path_of(t) for t in _cache_entries(returned_cache(result))
+            if not any(t is r for r in received)}
     shadow, placements = record.shadow, record.solution.placements
     output_index = len(shadow.dynamo_nodes) - 1
     out = []
@@ -612,12 +646,12 @@ def _boundary_sites(graph: CompiledGraph, record: SolveRecord, result: Any) -> l
         producer = edge.args[0]
         origin = _module_path(shadow.dynamo_nodes[shadow.owner[producer]]) if producer in shadow.owner \
             else producer.name
-        layer = _LAYER.search("." + origin + ".")
+        block = block_in(origin)
         val = edge.meta.get("val")
         src = placements.get(producer, placement)
         out.append({"kind": "all_gather", "src": str(src), "dst": "R",
                     "after": origin, "origin": origin, "into": "return (gathered by parallelize_model)",
-                    "layer": int(layer.group(1)) if layer else None,
+                    "layer": block[1] if block else None,
                     "global_shape": list(val.shape) if isinstance(val, torch.Tensor) else None,
                     "bytes_per_rank": _payload(val, src, record.opts.world_size)})
     return out

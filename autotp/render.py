@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from autotp.errors import AutoTPError
-from autotp.plan_report import PlanReport
+from autotp.plan_report import GraphReport, PlanReport
 
 __all__ = ["Block", "CollectiveRow", "ParamRow", "plan_blocks", "render_html", "render_png", "render_text"]
 
@@ -389,6 +389,28 @@ def _counts_bytes(counts: dict[str, int], nbytes: dict[str, int]) -> str:
     return ", ".join(f"{k} {v} ({_human(nbytes.get(k, 0))})" for k, v in sorted(counts.items()))
 
 
+def _per_block(graph: GraphReport) -> list[str]:
+    """One line per stack of blocks (``GraphReport.block_collectives``): what each block issues
+    (runs of blocks that issue alike shown once), then the collectives outside every block."""
+    lines = []
+    for stack, blocks in graph.block_collectives().items():
+        runs: list[tuple[list[int], dict[str, int]]] = []
+        for index, kinds in blocks.items():
+            if runs and runs[-1][1] == kinds and runs[-1][0][-1] == index - 1:
+                runs[-1][0].append(index)
+            else:
+                runs.append(([index], kinds))
+        per = "; ".join(f"blocks {r[0]}..{r[-1]}: {kinds}" if len(r) > 1 else f"block {r[0]}: {kinds}"
+                        for r, kinds in runs)
+        if len(runs) == 1 and runs[0][0] == list(range(len(blocks))):
+            per = str(runs[0][1])  # every block alike
+        lines.append(f"  per block of {stack}: {per}")
+    if lines:
+        outside = ", ".join(f"{s['kind']} after {s['after']}" for s in graph.outside_blocks()) or "none"
+        lines.append(f"  outside blocks: {outside}")
+    return lines
+
+
 def render_text(report: PlanReport) -> str:
     """The per-layer table and the totals ``autotp plan`` prints."""
     lines = [
@@ -438,14 +460,7 @@ def render_text(report: PlanReport) -> str:
         f"collectives per forward (input {tuple(f.input_shape)}, bytes per rank): "
         f"{_counts_bytes(f.collectives, f.collective_bytes)}"
     )
-    blocks = report.block_collectives()
-    if blocks:
-        kinds = {str(v) for v in blocks.values()}
-        per = next(iter(kinds)) if len(kinds) == 1 else "varies"
-        lines.append(
-            f"  per decoder block: {per}; outside blocks: "
-            + (", ".join(f"{s['kind']} after {s['after']}" for s in f.sites if s["layer"] is None) or "none")
-        )
+    lines += _per_block(f)
     if f.cost is not None:
         lines.append(
             f"  solver: cost {f.cost:.1f} byte-equivalents per token; "
@@ -461,6 +476,7 @@ def render_text(report: PlanReport) -> str:
             f"collectives per generated token (input {tuple(d.input_shape)}, KV cache of {report.seq_len} "
             f"positions, bytes per rank): {_counts_bytes(d.collectives, d.collective_bytes)}"
         )
+        lines += _per_block(d)
     else:
         lines.append(f"collectives per generated token: not available: {report.decode_note}")
     lines.append(

@@ -12,8 +12,8 @@ For every case and tp size: save the tiny checkpoint, run ``parallelize_model`` 
 compare with one process (:func:`tests.distributed.test_architectures.run_case`, same tolerance as
 the test). *Collectives per block* comes from the planner (``autotp.planner.plan_model``: the same
 solve of the same warm-up forward, one process, simulated collectives), per block, read as
-the architecture test reads it (:func:`tests.distributed.test_architectures.collectives_per_stack`:
-per stack of blocks where there are several, T5's encoder and decoder); architectures the meta
+the architecture test reads it (``PlanReport.block_collectives``: per stack of blocks where there
+are several, T5's encoder and decoder); architectures the meta
 planner cannot trace say "not measured". *Plan* lists the matmul weights of layer 0 by style (``fused``: stored
 strided, each rank holds its chunk of every segment). One JSON line per run goes to ``--out``, with the run's provenance (commit, date, command,
 versions, machine: ``benchmarks/_record.py``);
@@ -51,7 +51,6 @@ from tests.distributed.test_architectures import (  # noqa: E402
     CASES,
     KNOWN_FAILURES,
     Case,
-    collectives_per_stack,
     run_case,
     save_case,
 )
@@ -85,7 +84,7 @@ def per_block(case: Case, world: int, folder: Path | Any, batch: int = 1) -> str
 
     try:
         model = str(folder) if isinstance(folder, Path) else folder
-        stacks = collectives_per_stack(plan_model(model, world, batch=batch, decode=False).forward.sites)
+        stacks = plan_model(model, world, batch=batch, decode=False).block_collectives()
     except Exception as e:  # noqa: BLE001 - a planner failure is a table cell
         return f"not measured (meta planner: {type(e).__name__})"
     cells = {stack: _blocks_text(blocks) for stack, blocks in stacks.items()}

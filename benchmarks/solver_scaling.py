@@ -164,7 +164,7 @@ def child(shape: str, layers: int | None, tp: int, decode: bool, full_depth: boo
         "collectives_per_token": report.decode.collectives if report.decode else None,
         "decode_note": report.decode_note,
         "block_collectives": sorted(
-            {json.dumps(v, sort_keys=True) for v in report.block_collectives().values()}
+            {json.dumps(v, sort_keys=True) for blocks in report.block_collectives().values() for v in blocks.values()}
         ),
         "param_bytes_per_rank": report.param_bytes_per_rank,
     }

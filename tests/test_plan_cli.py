@@ -72,15 +72,15 @@ def test_bytes_per_rank_add_up_from_the_local_shapes(report: PlanReport) -> None
 
 
 def test_every_block_has_the_megatron_two_all_reduces(report: PlanReport) -> None:
-    assert report.block_collectives() == {0: {"all_reduce": 2}, 1: {"all_reduce": 2}}
-    outside = sorted((s["kind"], s["after"]) for s in report.forward.sites if s["layer"] is None)
+    assert report.block_collectives() == {"model.layers": {0: {"all_reduce": 2}, 1: {"all_reduce": 2}}}
+    outside = sorted((s["kind"], s["after"]) for s in report.forward.outside_blocks())
     assert outside == [("all_gather", "lm_head"), ("all_reduce", "model.embed_tokens")]
 
 
 @pytest.mark.parametrize("arch", ["mistral", "qwen2"])
 def test_other_dense_decoders_also_get_two_all_reduces_per_block(arch: str) -> None:
     r = tiny_plan(arch, pad_token_id=PAD_ID)  # the matrix's plan (tests/distributed/test_architectures.py)
-    assert r.block_collectives() == {0: {"all_reduce": 2}, 1: {"all_reduce": 2}}
+    assert r.block_collectives() == {"model.layers": {0: {"all_reduce": 2}, 1: {"all_reduce": 2}}}
     assert r.collectives == FORWARD
 
 
@@ -93,6 +93,29 @@ def test_a_decode_step_gives_collectives_per_token_and_the_kv_cache_per_rank(rep
     assert report.kv_cache_bytes_per_rank == report.kv_cache_bytes_total // 2
 
 
+def test_an_encoder_decoder_reports_each_stacks_blocks_in_its_forward_and_its_decode_step() -> None:
+    """T5 at tp=2: the forward runs both stacks, the decode step (``generate``'s after its first
+    token) the decoder alone; the text and the JSON give each graph's collectives per block of each
+    stack, as :meth:`PlanReport.block_collectives` counts them. At hidden 64 block 0 of each stack
+    also reduce-scatters its relative-position bias (tests/distributed/test_architectures.py)."""
+    report = plan_model(tiny_config("t5", pad_token_id=PAD_ID), 2)
+
+    assert report.decode is not None, report.decode_note
+    decoder = {0: {"all_reduce": 3, "reduce_scatter": 1}, 1: {"all_reduce": 3}}
+    assert report.block_collectives("decode") == {"decoder.block": decoder}
+    assert report.block_collectives() == {"encoder.block": {0: {"all_reduce": 2, "reduce_scatter": 1},
+                                                            1: {"all_reduce": 2}}, "decoder.block": decoder}
+    text = render_text(report).splitlines()
+    per_token = text.index(next(line for line in text if line.startswith("collectives per generated token")))
+    assert text[per_token + 1:per_token + 3] == [
+        "  per block of decoder.block: block 0: {'all_reduce': 3, 'reduce_scatter': 1}; block 1: {'all_reduce': 3}",
+        "  outside blocks: all_reduce after decoder.embed_tokens, all_gather after lm_head"]
+    data = json.loads(json.dumps(report.to_json()))  # what autotp plan --json prints
+    for key, graph in (("collectives_per_block", "forward"), ("collectives_per_block_per_token", "decode")):
+        assert data[key] == {stack: {str(i): kinds for i, kinds in blocks.items()}
+                             for stack, blocks in report.block_collectives(graph).items()}
+
+
 def test_a_long_prefill_is_planned_with_the_placements_the_warm_up_fixed() -> None:
     """parallelize_model fixes every placement in its (1, 2*tp+1) warm-up and solves a longer
     prefill with them pinned; the planner does the same, so a 16-token prefill reports Megatron's
@@ -101,7 +124,7 @@ def test_a_long_prefill_is_planned_with_the_placements_the_warm_up_fixed() -> No
     r = plan_model(tiny_config("llama"), 2, seq_len=16)
     assert r.forward.input_shape == (1, 16) and r.timings["warmup_s"] > 0.0
     assert r.collectives == FORWARD and r.decode.collectives == DECODE
-    assert r.block_collectives() == {0: {"all_reduce": 2}, 1: {"all_reduce": 2}}
+    assert r.block_collectives() == {"model.layers": {0: {"all_reduce": 2}, 1: {"all_reduce": 2}}}
 
 
 def test_timings_cover_trace_decompose_and_solve(report: PlanReport) -> None:
@@ -158,7 +181,7 @@ def test_text_and_html_show_the_table_and_the_collectives(report: PlanReport, tm
     text = render_text(report)
     assert "model.layers.0.self_attn.o_proj.weight" in text and "rowwise" in text
     assert "layers 1..1: same styles as layer 0" in text
-    assert "per decoder block: {'all_reduce': 2}" in text
+    assert "per block of model.layers: {'all_reduce': 2}" in text
     assert "collectives per generated token" in text and "all_gather 1" in text
     page = render_html(report)
     assert page.startswith("<!DOCTYPE html>") and "<script" not in page and "http" not in page
@@ -192,6 +215,8 @@ def test_cli_json_from_a_config_only_folder(
     assert data["parameters"]["lm_head.weight"]["style"] == "colwise"
     assert data["param_bytes_per_rank"] > 0 and data["timings"]["solve_s"] > 0
     assert data["collectives_per_token"] is None and "decode=False" in data["decode_note"]
+    assert data["collectives_per_block"] == {"model.layers": {"0": {"all_reduce": 2}, "1": {"all_reduce": 2}}}
+    assert data["collectives_per_block_per_token"] is None
     assert data["explanations"]["lm_head.weight"]["alternatives"]
     assert page.read_text().startswith("<!DOCTYPE html>")
 

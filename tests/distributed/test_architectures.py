@@ -25,7 +25,6 @@ for N = 2 and 4) sum partial results across ranks, which reorders fp32 additions
 
 from __future__ import annotations
 
-import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +34,7 @@ import pytest
 import torch
 
 from autotp import session_of
+from autotp.plan_report import STATISTIC
 from tests._dist import run_ranks
 from tests._tiny import ARCHS, save_tiny, tiny_config, tiny_plan
 
@@ -209,37 +209,6 @@ def assert_moe_is_tensor_parallel(parameters: dict[str, dict[str, Any]], num_lay
         assert parameters[f"{mlp}.experts.down_proj"]["placement"] == "S(2)"
 
 
-def collectives_per_stack(sites: list[dict[str, Any]]) -> dict[str, dict[int, dict[str, int]]]:
-    """Collectives of one forward by stack of blocks and block: a collective belongs to the block
-    whose op made the value it moves (``origin``), or, for a value made outside every block (OPT's
-    embedding partial sum, carried in the residual stream and reduced with block 0's attention
-    output), to the block it sits in (``after``). The stack is the module path before the block's
-    index (``model.layers``; T5's ``encoder.block`` and ``decoder.block``, whose blocks share
-    indices)."""
-    out: dict[str, dict[int, dict[str, int]]] = {}
-    for site in sites:
-        kind = site["kind"] + (STATISTIC if tuple(site.get("global_shape") or ())[-1:] == (1,) else "")
-        found = _BLOCK_PATH.search(site["origin"]) if site["layer"] is not None else _BLOCK_PATH.search(site["after"])
-        if found is not None:
-            kinds = out.setdefault(found.group(1), {}).setdefault(int(found.group(2)), {})
-            kinds[kind] = kinds.get(kind, 0) + 1
-    return {stack: dict(sorted(blocks.items())) for stack, blocks in sorted(out.items())}
-
-
-def collectives_per_block(sites: list[dict[str, Any]]) -> dict[int, dict[str, int]]:
-    """:func:`collectives_per_stack` of a model with one stack of blocks: block index -> kind -> count."""
-    stacks = collectives_per_stack(sites)
-    if len(stacks) > 1:
-        raise ValueError(f"blocks of several stacks ({', '.join(stacks)}) share indices: use collectives_per_stack")
-    return next(iter(stacks.values()), {})
-
-
-#: a module path inside a block: (the stack's path, the block's index), e.g. ``model.layers.3.mlp``
-_BLOCK_PATH = re.compile(r"^(.*?)\.(\d+)(?:\.|$)")
-#: suffix of a collective's kind in :func:`collectives_per_block` when it moves one value per token
-STATISTIC = " of a statistic"
-
-
 def _plan(arch: str, dtype: str | None = None) -> Any:
     """The matrix's tiny ``arch`` planned at tp=2 (once per session: other files read the same plans)."""
     return tiny_plan(arch, dtype=dtype, pad_token_id=PAD_ID)
@@ -254,7 +223,7 @@ def test_decoder_forward_has_the_minimum_all_reduces_per_block(arch: str) -> Non
     expected = {"all_reduce": ALL_REDUCES_PER_BLOCK[arch]}
     if arch in STATISTICS_PER_BLOCK:
         expected["all_reduce" + STATISTIC] = STATISTICS_PER_BLOCK[arch]
-    assert collectives_per_block(report.forward.sites) == {layer: expected for layer in range(2)}
+    assert list(report.block_collectives().values()) == [{layer: expected for layer in range(2)}]  # one stack
 
 
 #: T5's blocks: the encoder's self-attention and MLP, the decoder's self-attention, cross-attention
@@ -273,7 +242,7 @@ def test_t5_encoder_blocks_reduce_twice_and_decoder_blocks_three_times() -> None
     replicated, and the block issues its all-reduces alone (``test_plans_at_real_widths.py``)."""
     report = _plan("t5")
 
-    assert collectives_per_stack(report.forward.sites) == _t5_blocks()
+    assert report.block_collectives() == _t5_blocks()
 
 
 def _t5_blocks() -> dict[str, dict[int, dict[str, int]]]:
@@ -293,7 +262,7 @@ def test_t5_at_batch_2_keeps_its_blocks_plan_where_the_certificate_widens_the_be
 
     report = plan_model(tiny_config("t5"), 2, decode=False, batch=2)
 
-    assert collectives_per_stack(report.forward.sites) == _t5_blocks()
+    assert report.block_collectives() == _t5_blocks()
     assert report.forward.gap == 0
 
 
@@ -329,8 +298,8 @@ def test_bf16_moe_plans_like_fp32() -> None:
     block by block."""
     fp32, bf16 = _plan("mixtral"), _plan("mixtral", dtype="bfloat16")
     assert _grouped_mms(bf16) == 4 and _grouped_mms(fp32) == 0  # gate_up and down of both blocks
-    assert collectives_per_block(bf16.forward.sites) == collectives_per_block(fp32.forward.sites) \
-        == {layer: {"all_reduce": 2} for layer in range(2)}
+    assert bf16.block_collectives() == fp32.block_collectives() \
+        == {"model.layers": {layer: {"all_reduce": 2} for layer in range(2)}}
     assert_moe_is_tensor_parallel(bf16.parameters, num_layers=2)
     for layer in range(2):
         after_experts = [s for s in bf16.forward.sites if s["origin"] == f"model.layers.{layer}.mlp.experts"]
@@ -345,7 +314,7 @@ def test_bf16_moe_at_real_widths_plans_like_fp32() -> None:
     fp32 = plan_model(config, 2, decode=False)
     bf16 = plan_model(config, 2, dtype="bfloat16", decode=False)
     assert _grouped_mms(bf16) == 4
-    assert collectives_per_block(bf16.forward.sites) == collectives_per_block(fp32.forward.sites)
+    assert bf16.block_collectives() == fp32.block_collectives()
     assert {k: e["placement"] for k, e in bf16.parameters.items()} == \
         {k: e["placement"] for k, e in fp32.parameters.items()}
 

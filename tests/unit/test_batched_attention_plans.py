@@ -23,7 +23,6 @@ import transformers
 
 from autotp.planner import plan_model
 from tests._tiny import tiny_config
-from tests.distributed.test_architectures import collectives_per_block
 
 
 def _eager(config: Any) -> Any:
@@ -46,7 +45,7 @@ def _real(arch: str) -> Any:
 
 def _assert_megatron_at_batch_2(config: Any, tp: int) -> None:
     report = plan_model(config, tp, batch=2, decode=False)
-    assert collectives_per_block(report.forward.sites) == {layer: {"all_reduce": 2} for layer in range(2)}
+    assert list(report.block_collectives().values()) == [{layer: {"all_reduce": 2} for layer in range(2)}]  # one stack
     gathers = [s["origin"] for s in report.forward.sites if s["kind"] == "all_gather"]
     assert len(gathers) <= 1, gathers
 

@@ -24,7 +24,6 @@ import pytest
 import transformers
 
 from autotp.planner import plan_model
-from tests.distributed.test_architectures import collectives_per_block
 
 #: case -> (config fields, tp, expected k/v placement)
 WIDTHS: dict[str, tuple[dict[str, Any], int, str]] = {
@@ -63,7 +62,7 @@ def _config(fields: dict[str, Any]) -> Any:
 def test_more_ranks_than_kv_heads_plan_megatrons_collectives(case: str) -> None:
     fields, tp, kv_placement = WIDTHS[case]
     report = plan_model(_config(fields), tp)
-    assert collectives_per_block(report.forward.sites) == {layer: {"all_reduce": 2} for layer in range(2)}
+    assert report.block_collectives() == {"model.layers": {layer: {"all_reduce": 2} for layer in range(2)}}
     for call in (report.forward, report.decode):
         # the decode step may keep the residual stream partial and reduce it before each norm
         # instead (the same count): 2 per block + the vocab-parallel embedding's, and the logits
@@ -114,7 +113,7 @@ def test_falcons_fused_multi_query_projection_splits_q_and_keeps_its_kv_head_who
                                        num_hidden_layers=2, multi_query=True, new_decoder_architecture=False,
                                        parallel_attn=True, bias=False, alibi=False)
     report = plan_model(config, 8)
-    assert collectives_per_block(report.forward.sites) == {layer: {"all_reduce": 1} for layer in range(2)}
+    assert report.block_collectives() == {"transformer.h": {layer: {"all_reduce": 1} for layer in range(2)}}
     for call in (report.forward, report.decode):
         assert call.collectives == {"all_reduce": 2 + 1, "all_gather": 1}
         assert [s["origin"] for s in call.sites if s["kind"] == "all_gather"] == ["lm_head"]

@@ -90,7 +90,7 @@ def test_a_replicated_lm_head_is_honoured_and_costed() -> None:
     assert r.parameters["lm_head.weight"]["local_shape"] == [128, 64]
     assert r.collectives == {"all_reduce": 5}  # the logits come out replicated: no all-gather
     assert r.forward.extra_cost_of_overrides > 0  # it costs memory the free plan saves
-    assert r.block_collectives() == {0: {"all_reduce": 2}, 1: {"all_reduce": 2}}
+    assert r.block_collectives() == {"model.layers": {0: {"all_reduce": 2}, 1: {"all_reduce": 2}}}
 
 
 def test_feeding_back_the_exported_tp_plan_reproduces_the_plan_at_no_extra_cost() -> None:

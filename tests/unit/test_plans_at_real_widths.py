@@ -25,14 +25,9 @@ from typing import Any
 import pytest
 import transformers
 
+from autotp.plan_report import STATISTIC
 from autotp.planner import plan_model
-from tests.distributed.test_architectures import (
-    STATISTIC,
-    STATISTICS_PER_BLOCK,
-    T5_ALL_REDUCES,
-    collectives_per_block,
-    collectives_per_stack,
-)
+from tests.distributed.test_architectures import STATISTICS_PER_BLOCK, T5_ALL_REDUCES
 
 #: arch -> (the public model whose widths these are, config class, fields, all-reduces per block, or
 #: per stack of blocks for an encoder-decoder)
@@ -166,9 +161,9 @@ def test_a_real_width_forward_communicates_like_megatron(arch: str, tp: int, bat
         return {layer: {"all_reduce": n, **statistics} for layer in range(2)}
 
     if isinstance(all_reduces, dict):  # an encoder-decoder, whose stacks' blocks share indices
-        assert collectives_per_stack(forward.sites) == {stack: blocks(n) for stack, n in sorted(all_reduces.items())}
+        assert forward.block_collectives() == {stack: blocks(n) for stack, n in all_reduces.items()}
     else:
-        assert collectives_per_block(forward.sites) == blocks(all_reduces)
+        assert list(forward.block_collectives().values()) == [blocks(all_reduces)]  # one stack
     gathers = [s["origin"] for s in forward.sites if s["kind"] == "all_gather"]
     assert len(gathers) <= 1 + (arch in HEAD_MATRIX), gathers
 
@@ -192,6 +187,32 @@ def test_a_batch_2_plan_keeps_its_warm_up_which_is_the_batch_1_plan() -> None:
     for field in ("input_shape", "collectives", "collective_bytes", "sites", "cost"):
         assert getattr(two.warmup, field) == getattr(one.forward, field), field
     assert two.parameters == one.parameters
+
+
+@pytest.mark.parametrize("tp", _valid_tps("t5"))
+def test_t5_decode_step_reduces_three_times_per_decoder_block_and_gathers_only_the_logits(tp: int) -> None:
+    """T5-base's decode step as ``generate`` runs it under ``parallelize_model`` after its first
+    token: the decoder alone, one new token per sequence, reading the encoder's output (gathered when
+    the encoder's call returned) and the KV cache the prefill filled. Each decoder block issues
+    Megatron's all-reduces, one after each row-parallel matmul (self-attention, cross-attention,
+    MLP); the encoder does not run; outside the blocks the vocab-parallel lookup of the new token
+    is reduced and the logits are gathered. The cache each rank holds is its share of the
+    self-attention's and the cross-attention's keys and values."""
+    report = plan_model(_config("t5"), tp)
+    step = report.decode
+
+    assert step is not None, report.decode_note
+    assert step.input_shape == (1, 1)
+    assert step.block_collectives() == {"decoder.block": {layer: {"all_reduce": 3} for layer in range(2)}}
+    outside = [(s["kind"], s["origin"]) for s in step.outside_blocks()]
+    assert outside == [("all_reduce", "decoder.embed_tokens"), ("all_gather", "lm_head")]
+    # the prefill before it (with the cache it fills) is the matrix's forward
+    assert report.block_collectives() == {
+        stack: {layer: {"all_reduce": n} for layer in range(2)} for stack, n in T5_ALL_REDUCES.items()}
+    fields = REAL_WIDTHS["t5"][2]
+    positions = 2 * tp + 1  # self-attention's decoder positions, cross-attention's encoder positions
+    cache_bytes = 2 * 2 * 2 * positions * fields["d_model"] * 4  # layers x (self, cross) x (k, v), fp32
+    assert (report.kv_cache_bytes_total, report.kv_cache_bytes_per_rank) == (cache_bytes, cache_bytes // tp)
 
 
 def _vocabulary_rows(report: Any) -> dict[str, list[int]]:
@@ -221,7 +242,7 @@ def test_a_bert_vocabulary_of_30522_is_split_over_four_ranks() -> None:
     rows = _vocabulary_rows(report)
     assert rows["bert.embeddings.word_embeddings.weight"] == [7631, 7631, 7631, 7629]
     assert all(r == [7631, 7631, 7631, 7629] for r in rows.values()), rows
-    assert collectives_per_block(report.forward.sites) == {layer: {"all_reduce": 2} for layer in range(2)}
+    assert report.block_collectives() == {"bert.encoder.layer": {layer: {"all_reduce": 2} for layer in range(2)}}
 
 
 def test_an_untied_lm_head_over_a_vocabulary_with_one_added_token_is_split_like_its_table() -> None:
@@ -232,7 +253,7 @@ def test_an_untied_lm_head_over_a_vocabulary_with_one_added_token_is_split_like_
     report = plan_model(config, 2, decode=False)
 
     assert _vocabulary_rows(report) == {"model.embed_tokens.weight": [16001, 16000], "lm_head.weight": [16001, 16000]}
-    assert collectives_per_block(report.forward.sites) == {layer: {"all_reduce": 2} for layer in range(2)}
+    assert report.block_collectives() == {"model.layers": {layer: {"all_reduce": 2} for layer in range(2)}}
     assert [s["origin"] for s in report.forward.sites if s["kind"] == "all_gather"] == ["lm_head"]
 
 
@@ -244,7 +265,7 @@ def test_qwen2_5_7b_plans_at_tp8_with_its_28_heads_split_4_and_3_per_kv_head() -
     report = plan_model(_config("qwen2"), 8)
 
     for step in (report.forward, report.decode):
-        assert collectives_per_block(step.sites) == {layer: {"all_reduce": 2} for layer in range(2)}
+        assert step.block_collectives() == {"model.layers": {layer: {"all_reduce": 2} for layer in range(2)}}
         assert [s["origin"] for s in step.sites if s["kind"] == "all_gather"] == ["lm_head"]
     params = report.parameters
     attn = "model.layers.0.self_attn."
@@ -283,7 +304,7 @@ def test_a_fused_qkv_whose_heads_no_tp_divides_is_split_in_whole_heads_of_each_s
 
     for step in (report.forward, report.decode):
         blocks = (REAL_WIDTHS.get(arch) or KV_PAST_RANKS[arch])[3]
-        assert collectives_per_block(step.sites) == {layer: {"all_reduce": blocks} for layer in range(2)}
+        assert list(step.block_collectives().values()) == [{layer: {"all_reduce": blocks} for layer in range(2)}]
         assert [s["origin"] for s in step.sites if s["kind"] == "all_gather"] == ["lm_head"]
     entry = report.parameters[qkv]
     assert entry["placement"] == placement
