@@ -24,12 +24,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from autotp.errors import AutoTPError
-from autotp.plan_report import GraphReport, PlanReport
+from autotp.plan_report import GraphReport, PlanReport, block_in, block_of
 
 __all__ = ["Block", "CollectiveRow", "ParamRow", "plan_blocks", "render_html", "render_png", "render_text"]
 
 _COLORS = {"colwise": "#2b7bb9", "rowwise": "#e08b1f", "vocab": "#6a3d9a", "replicate": "#9e9e9e"}
-_LAYER = re.compile(r"^(.*?\.)(\d+)\.(.*)$")
 
 _CSS = """
 body{font-family:system-ui,sans-serif;margin:24px;color:#222;max-width:1100px}
@@ -52,10 +51,14 @@ def _esc(x: Any) -> str:
 
 
 def _group_key(fqn: str) -> tuple[str, int | None, str]:
-    m = _LAYER.match(fqn)
-    if m and ".layers." in "." + m.group(1):
-        return m.group(1), int(m.group(2)), m.group(3)
-    return "", None, fqn
+    """``(stack, index, name inside the block)`` of a parameter (:func:`~autotp.plan_report.block_in`:
+    ``model.layers``, T5's ``encoder.block`` and ``decoder.block``), or ``("", None, fqn)`` outside
+    every block."""
+    found = block_in(fqn)
+    if found is None:
+        return "", None, fqn
+    stack, idx = found
+    return stack, idx, fqn[len(f"{stack}.{idx}."):]
 
 
 def _param_row(name: str, e: dict[str, Any]) -> str:
@@ -115,72 +118,100 @@ class Block:
 
 
 def plan_blocks(report: PlanReport) -> list[Block]:
-    """The plan as the drawings show it (``--html`` and ``--png`` both draw these): the non-layer
-    parameters before the first layer (embeddings), one block per run of identical decoder layers
-    (same styles and shapes, same collectives: a uniform 32-layer model is one block), the rest."""
+    """The plan as the drawings show it (``--html`` and ``--png`` both draw these), in forward
+    order: one card per parameter outside the blocks, one per run of identical consecutive blocks
+    of a stack (same styles and shapes, same collectives: a uniform 32-layer model is one card;
+    T5's encoder and decoder blocks are separate runs). Blocks and the collectives each owns are
+    :func:`~autotp.plan_report.block_in` and :func:`~autotp.plan_report.block_of`, as in the counts."""
     params = {k: v for k, v in report.parameters.items() if not v.get("tied_to")}
     sites = _sites_by_module(report)
-    # Parameters in forward order: non-layer ones before the first layer (embeddings), layers, rest.
-    head, layers, tail = [], {}, []
+    # a tied parameter's module (T5's encoder.embed_tokens, a tied lm_head) has no card of its own:
+    # its collectives are drawn on the card of the parameter it shares
+    tied_modules: dict[str, list[str]] = {}
+    for fqn, e in report.parameters.items():
+        if e.get("tied_to"):
+            tied_modules.setdefault(e["tied_to"], []).append(fqn.rpartition(".")[0])
+    # Parameters in forward order; a block's parameters are drawn where its first one comes (T5: the
+    # shared embedding, the encoder's blocks, its final norm, the decoder's blocks, ...).
+    order: list[tuple[str, Any, Any]] = []  # ("param", module, [(fqn, entry)]) or ("block", stack, index)
+    layers: dict[tuple[str, int], list[tuple[str, dict[str, Any]]]] = {}
     for fqn, e in params.items():
-        prefix, idx, rest = _group_key(fqn)
-        if idx is None:
-            (tail if layers else head).append((fqn, e))
-        else:
-            layers.setdefault(idx, []).append((rest, e, prefix))
-    # Identical consecutive layers (same styles and shapes, same collectives) are drawn once.
-    groups: list[tuple[list[int], list]] = []
-    for idx in sorted(layers):
-        sig = (
-            tuple((r, e["style"], tuple(e["local_shape"])) for r, e, _ in layers[idx]),
-            tuple(
-                sorted(
-                    Counter(
-                        (_norm(s["after"]), s["kind"])
-                        for a, ss in sites.items()
-                        for s in ss
-                        if s["layer"] == idx
-                    ).items()
-                )
-            ),
+        stack, idx, rest = _group_key(fqn)
+        if idx is None:  # a module's parameters outside the blocks share one card (a norm's weight and bias)
+            module = fqn.rpartition(".")[0] or fqn
+            if order and order[-1][0] == "param" and order[-1][1] == module:
+                order[-1][2].append((fqn, e))
+            else:
+                order.append(("param", module, [(fqn, e)]))
+            continue
+        if (stack, idx) not in layers:
+            order.append(("block", stack, idx))
+        layers.setdefault((stack, idx), []).append((rest, e))
+
+    def signature(stack: str, idx: int) -> tuple:
+        return (
+            tuple((r, e["style"], tuple(e["local_shape"])) for r, e in layers[stack, idx]),
+            tuple(sorted(Counter((_norm(s["after"]), s["kind"]) for ss in sites.values() for s in ss
+                                 if block_of(s) == (stack, idx)).items())),
         )
-        if groups and groups[-1][1][0] == sig:
-            groups[-1][0].append(idx)
+
+    # Identical consecutive blocks of one stack (same styles and shapes, same collectives) are drawn once.
+    groups: list[tuple[str, Any, Any]] = []  # ("param", fqn, entry) or ("blocks", stack, [indices])
+    for kind, a, b in order:
+        if kind == "block" and groups and groups[-1][0] == "blocks" and groups[-1][1] == a \
+                and signature(a, groups[-1][2][0]) == signature(a, b):
+            groups[-1][2].append(b)
         else:
-            groups.append(([idx], [sig, layers[idx]]))
+            groups.append((kind, a, b) if kind == "param" else ("blocks", a, [b]))
 
-    def collectives_after(module: str, layer: int | None) -> list[CollectiveRow]:
-        return [CollectiveRow(module, s) for s in sites.get(module, []) if s["layer"] == layer]
+    # A collective outside every block is drawn on the card of the module after which it sits, or
+    # else of the module that made the value it moves (GPT-2's embedding sum, reduced after
+    # ``transformer`` adds ``wpe``, is drawn with ``wte``), tied modules counting as their card's.
+    card_of = {module: module for kind, module, _ in order if kind == "param"}
+    card_of.update({tied: fqn.rpartition(".")[0] or fqn for fqn, modules in tied_modules.items() for tied in modules})
+    outside: dict[str, list[CollectiveRow]] = {}
+    for module, ss in sites.items():
+        for s in ss:
+            if block_of(s) is None:
+                card = card_of.get(module) or card_of.get(s["origin"]) or ""
+                outside.setdefault(card, []).append(CollectiveRow(module, s))
 
-    def block(
-        title: str, rows: list[tuple[str, dict[str, Any]]], layers: list[int], prefix: str = ""
-    ) -> Block:
-        layer = layers[0] if layers else None
-        body: list[ParamRow | CollectiveRow] = []
+    def collectives_after(module: str, where: tuple[str, int] | None) -> list[CollectiveRow]:
+        return [CollectiveRow(module, s) for s in sites.get(module, []) if block_of(s) == where]
+
+    def block(title: str, rows: list[tuple[str, dict[str, Any]]], layers: list[int], stack: str = "") -> Block:
+        where = (stack, layers[0]) if layers else None
+        body: list[ParamRow | CollectiveRow] = [ParamRow(name, e) for name, e in rows] if where is None else []
+        if where is None:
+            return Block(title, (), (*body, *outside.pop(title, [])))
         done: set[str] = set()
         for name, e in rows:
             body.append(ParamRow(name, e))
-            owner = name.rpartition(".")[0]
-            module = f"{prefix}{layer}.{owner}" if layer is not None else owner
+            module = f"{stack}.{layers[0]}.{name.rpartition('.')[0]}"
             if module not in done:
                 done.add(module)
-                body += collectives_after(module, layer)
-        if layer is not None:  # collectives after a module that holds no parameter (e.g. the block)
+                body += collectives_after(module, where)
+        if where is not None:  # collectives after a module that holds no parameter (e.g. the block)
             for module in sorted(sites):
-                if module not in done and any(s["layer"] == layer for s in sites[module]):
-                    body += collectives_after(module, layer)
+                if module not in done and any(block_of(s) == where for s in sites[module]):
+                    body += collectives_after(module, where)
         return Block(title, tuple(layers), tuple(body))
 
-    blocks = [block(name.rpartition(".")[0] or name, [(name, e)], []) for name, e in head]
-    for idxs, (_, members) in groups:
-        first, prefix = idxs[0], members[0][2]
+    blocks: list[Block] = []
+    for kind, a, b in groups:
+        if kind == "param":
+            blocks.append(block(a, b, []))
+            continue
+        stack, idxs = a, b
+        first = idxs[0]
         title = (
-            f"{prefix}{first}"
+            f"{stack}.{first}"
             if len(idxs) == 1
-            else f"{prefix}{{{idxs[0]}..{idxs[-1]}}} ({len(idxs)} identical blocks, layer {first} shown)"
+            else f"{stack}.{{{idxs[0]}..{idxs[-1]}}} ({len(idxs)} identical blocks, layer {first} shown)"
         )
-        blocks.append(block(title, [(r, e) for r, e, _ in members], idxs, prefix))
-    blocks += [block(name.rpartition(".")[0] or name, [(name, e)], []) for name, e in tail]
+        blocks.append(block(title, layers[stack, first], idxs, stack))
+    if outside:  # after a module with no card and made by none (none known; drawn rather than lost)
+        blocks.append(Block("outside every module", (), tuple(row for rows in outside.values() for row in rows)))
     return blocks
 
 

@@ -356,3 +356,24 @@ def test_png_without_matplotlib_is_refused_before_planning(
     assert main(["plan", str(config_only), "--tp", "2", "--png", str(tmp_path / "plan.png")]) == 2
     err = capsys.readouterr().err
     assert "needs matplotlib" in err and "autotp[plot]" in err and not (tmp_path / "plan.png").exists()
+
+
+@pytest.mark.parametrize("arch", ["t5", "gpt2", "opt"])
+def test_the_drawings_show_every_collective_once_and_each_stack_apart(arch: str) -> None:
+    from autotp.render import CollectiveRow, plan_blocks
+    from tests._tiny import tiny_plan
+
+    report = tiny_plan(arch)
+    blocks = plan_blocks(report)
+    drawn: Counter = Counter()
+    for b in blocks:  # tied modules (T5's embed_tokens, GPT-2's lm_head) and sums outside blocks included
+        for r in b.rows:
+            if isinstance(r, CollectiveRow):
+                drawn[r.site["kind"]] += max(len(b.layers), 1)
+    assert drawn == Counter(report.forward.collectives)
+    titles = [b.title for b in blocks]
+    assert len(titles) == len(set(titles))  # a norm's weight and bias share one card
+    if arch == "t5":  # block 0 of each stack holds the relative-position bias: drawn on its own
+        assert [t for t in titles if ".block." in t] == [
+            "encoder.block.0", "encoder.block.1", "decoder.block.0", "decoder.block.1"]
+        assert titles.index("encoder.final_layer_norm") < titles.index("decoder.block.0")
