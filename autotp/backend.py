@@ -25,7 +25,8 @@ import torch
 import torch.distributed as dist
 import torch.fx
 
-from autotp.collectives import Comm, attach_health, broadcast_object
+from autotp.cache_outputs import cache_entry_leaves
+from autotp.collectives import Comm, attach_health, broadcast_object, redistribute
 from autotp.compat import maybe_mark_dynamic
 from autotp.config import AutoTPConfig
 from autotp.context import CompiledGraph, TPContext, attach_meta, meta_of, shard_of, sharded_standin, standin
@@ -107,7 +108,9 @@ def autotp_backend(gm: torch.fx.GraphModule, example_inputs: list[Any],
     if ctx is None:
         comm = _backend_comm(mesh)
         attach_health(comm)  # a failed collective names the rank that failed (autotp.health)
-        ctx = TPContext(comm=comm, config=config)
+        # outputs may stay sharded, as under parallelize_model; the returned callable gathers all
+        # but the KV-cache entries (TPContext.gather_outputs), so the cache stays sharded across steps
+        ctx = TPContext(comm=comm, config=config, sharded_outputs=True, gather_outputs=True)
     return compile_graph(gm, example_inputs, ctx)
 
 
@@ -271,6 +274,9 @@ def lower_graph(gm: torch.fx.GraphModule, example_inputs: list[Any], inputs: Gra
     world = ctx.world_size
     annotation, param_inputs = plan.annotation, inputs.params
     consumers = {ph: first_consumer(ph) for ph in param_inputs}
+    # read off the graph as Dynamo captured it, before the rewrite replaces its nodes
+    cache_leaves = cache_entry_leaves(gm, [ph for ph, x in inputs.user if shard_of(x) is not None]) \
+        if ctx.gather_outputs else None
     check = _verification(gm, annotation, inputs.placeholders, param_inputs, example_inputs, ctx) \
         if ctx.config.verify and world > 1 else None
     record = plan.record
@@ -308,7 +314,9 @@ def lower_graph(gm: torch.fx.GraphModule, example_inputs: list[Any], inputs: Gra
     run = _release_after_first_call(gm, param_inputs, forward)
     if check is not None:
         run = check(run, gm)
-    return _bind_sharded_values(run, sharded_outputs, example_inputs, world)
+    gathered = frozenset(w.leaf for w in sharded_outputs if w.leaf not in cache_leaves) \
+        if cache_leaves is not None else frozenset()
+    return _bind_sharded_values(run, sharded_outputs, example_inputs, ctx.comm, gathered)
 
 
 def _write_trace(folder: Path, gm: torch.fx.GraphModule, plan: GraphPlan, compiled: CompiledGraph, report: Any,
@@ -757,11 +765,13 @@ def _sharded_outputs(gm: torch.fx.GraphModule, annotation: Any) -> list[ShardedO
     return found
 
 
-def _bind_sharded_values(run: Callable[..., Any], wraps: list[ShardedOutput],
-                         example_inputs: list[Any], world: int) -> Callable[..., Any]:
+def _bind_sharded_values(run: Callable[..., Any], wraps: list[ShardedOutput], example_inputs: list[Any],
+                         comm: Comm, gathered: frozenset[int] = frozenset()) -> Callable[..., Any]:
     """Values that cross graphs sharded (KV-cache entries, see ``TPContext.sharded_outputs``):
     a sharded input arrives as a :func:`~autotp.context.sharded_standin` and the graph gets its
-    local shard; a sharded output leaves as a new stand-in around the local result.
+    local shard; a sharded output leaves as a new stand-in around the local result, or, where its
+    leaf is in ``gathered`` (``TPContext.gather_outputs``: the torch.compile entry's logits and every
+    other output that is not a KV-cache entry), gathered whole here, one all-gather when the call returns.
 
     A dim that is symbolic in this graph stays dynamic in the next graph that reads the stand-in
     (``torch._dynamo.maybe_mark_dynamic``): the first decode step after a dynamic-shape prefill
@@ -784,7 +794,8 @@ def _bind_sharded_values(run: Callable[..., Any], wraps: list[ShardedOutput],
             args[i] = shard[0]
         out = run(*args)
         for w in wraps:
-            out = _replace_at(out, w.path, lambda local, w=w: _growing_standin(local, w, world))
+            out = _replace_at(out, w.path, lambda local, w=w: redistribute(local, w.placement, R, comm, size=w.size)
+                              if w.leaf in gathered else _growing_standin(local, w, comm.world_size))
         return out
 
     return call

@@ -54,6 +54,11 @@ class TPContext:
     #: graph outputs may stay sharded (as :func:`sharded_standin`): the caller gathers what the
     #: user reads at the model boundary and keeps KV-cache entries sharded (``parallelize_model``)
     sharded_outputs: bool = False
+    #: with ``sharded_outputs``, the callable the backend returns gathers every sharded output except
+    #: the KV-cache entries (``autotp/cache_outputs.py``), which stay stand-ins: the model boundary
+    #: of ``torch.compile(model, backend="autotp")``, which has no forward wrapper of its own
+    #: (``parallelize_model``'s ``_SwappingForward`` gathers at its boundary, so it leaves this off)
+    gather_outputs: bool = False
     #: keep each graph's solver record (shadow ATen graph, solution) in ``CompiledGraph.solve`` for
     #: tools that read it (``autotp plan``); at run time it is dropped before the weights are read,
     #: so the tracing's fake tensors and graphs are freed, not held next to the shards
