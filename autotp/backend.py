@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.fx
 
-from autotp.cache_outputs import cache_entry_leaves
+from autotp.cache_outputs import cache_entry_leaves, refuse_spent_standins
 from autotp.collectives import Comm, attach_health, broadcast_object, redistribute
 from autotp.compat import maybe_mark_dynamic
 from autotp.config import AutoTPConfig
@@ -205,6 +205,8 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: list[Any], ctx: TPCo
     if folder:
         write_text(folder, "dynamo_graph.py", gm.code)
     inputs = graph_inputs(gm, example_inputs, ctx)
+    if ctx.gather_outputs:  # the torch.compile entry: no boundary of its own sees a changed cache
+        refuse_spent_standins((str(grapharg_source(ph)), x) for ph, x in inputs.user)
     checkpoints = inline_checkpoints(gm)  # checkpointed blocks are planned through (passes/checkpoint.py)
     plan = plan_graph(gm, example_inputs, inputs, ctx, graph_id, runner, folder)
     return lower_graph(gm, example_inputs, inputs, plan, ctx, runner, folder, bool(checkpoints))

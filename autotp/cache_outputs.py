@@ -65,3 +65,30 @@ def _is_tensor(node: torch.fx.Node) -> bool:
 def _is_empty_1d(node: torch.fx.Node) -> bool:
     value = node.meta.get("example_value", node.meta.get("val"))
     return isinstance(value, torch.Tensor) and tuple(value.shape) == (0,)
+
+
+def refuse_spent_standins(user_inputs: Iterable[tuple[str, object]]) -> None:
+    """Refuse a graph input made eagerly from a cache entry this entry left sharded.
+
+    A stand-in reads as NaN. Eager code that reorders, crops or copies the cache (beam search's
+    ``reorder_cache`` is ``index_select`` on every entry) turns it into a plain tensor of NaN,
+    the shard it carried lost; Dynamo recompiles for the new strides, and that graph would read
+    the NaN as a replicated cache and generate garbage without an error (seen: ``num_beams=2`` on a
+    tiny GPT-NeoX gave 2 tokens one process does not give, then stopped). So a floating
+    input that is entirely NaN and not a stand-in is refused here, at that compile, before any
+    plan (every rank sees the same input, so all raise). ``user_inputs``: (Dynamo source, value)
+    of the graph's non-parameter inputs. The ``parallelize_model`` entry refuses the same change
+    earlier, at its boundary (``autotp.inputs.CacheWatch``)."""
+    from autotp.context import shard_of
+    from autotp.errors import AutoTPError
+
+    for source, value in user_inputs:
+        if isinstance(value, torch.Tensor) and value.is_floating_point() and value.numel() > 0 \
+                and shard_of(value) is None and bool(torch.isnan(value).all()):
+            raise AutoTPError(
+                f"graph input {source} is all NaN: it looks like a KV-cache entry that "
+                "torch.compile(backend='autotp') returned sharded (each rank holds only its heads; the tensor "
+                "itself reads as NaN) and that was then changed outside the model (cloned, cropped or reordered "
+                "eagerly, as beam search does). Keep the cache the compiled model returned as it is, start a new "
+                "one, or pass use_cache=False (beam search with a sharded cache is not supported: num_beams=1)."
+            )

@@ -161,9 +161,15 @@ def _rank_decode(rank: int, world: int, folder: str) -> dict:
         step_counts = dict(comm.counts)
         step_cache_sharded = sharded(returned_cache(step))
         tokens = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=PAD_ID)
+        gathers_in_graphs = [g.plan["collectives"].get("all_gather", 0) for g in session_of(model).graphs]
+        try:  # beam search reorders the cache eagerly: its entries become plain NaN tensors
+            beams = model.generate(ids, max_new_tokens=3, do_sample=False, num_beams=2, pad_token_id=PAD_ID)
+            beam_error = f"no error, tokens {beams[0].tolist()}"
+        except Exception as e:  # noqa: BLE001 - Dynamo wraps a backend's error (BackendCompilerFailed)
+            beam_error = f"{type(e).__name__}: {e}"
     return {"prefill": prefill.logits, "step": step.logits, "tokens": tokens[0].tolist(), "step_counts": step_counts,
-            "cache_sharded": prefill_cache_sharded and step_cache_sharded,
-            "gathers_in_graphs": [g.plan["collectives"].get("all_gather", 0) for g in session_of(model).graphs]}
+            "cache_sharded": prefill_cache_sharded and step_cache_sharded, "gathers_in_graphs": gathers_in_graphs,
+            "beam_error": beam_error}
 
 
 def _reference_decode(folder: Path) -> dict:
@@ -196,3 +202,6 @@ def test_compiled_decoding_keeps_the_kv_cache_sharded_and_gathers_only_the_logit
         assert r["step_counts"].get("all_gather", 0) == 1  # the logits', when the call returns
         assert r["step_counts"].get("all_reduce", 0) > 0  # the step did run tensor-parallel
         assert r["gathers_in_graphs"] and not any(r["gathers_in_graphs"])  # none inside any graph
+        # a reordered sharded cache is refused, not read as NaN (it generated wrong tokens silently)
+        assert "AutoTPError: graph input" in r["beam_error"] and "changed outside the model" in r["beam_error"], \
+            r["beam_error"]
