@@ -1,6 +1,7 @@
-"""Stored graphs across jobs at tp=2 (gloo, CPU): a second job installs the graphs the first one
-stored and runs without Dynamo tracing the model, with the first job's results; a call the stored
-guards refuse is traced as before; a corrupt entry is ignored and rewritten.
+"""Stored graphs and the plan cache across jobs at tp=2 (gloo, CPU): a second job installs the graphs
+the first one stored and runs without Dynamo tracing the model, with the first job's results; a call
+the stored guards refuse is traced as before; a corrupt entry is ignored and rewritten. A second job
+of the same model finds every graph's plan in the plan cache and runs exactly as the first.
 
 Tolerance: logits are compared with a one-process transformers run at atol=1e-5, rtol=1e-4 (the
 row-parallel reductions reorder fp32 additions); a job running stored graphs must equal the job
@@ -41,20 +42,21 @@ def _job(rank: int, world: int, folder: str, cache_dir: str, new_tokens: int, ba
         logits = model(input_ids=ids).logits
         tokens = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=PAD_ID)
         traced_before = counters["frames"]["ok"]
-        plan_cache = [o.status for o in model.autotp.context.plan_cache.outcomes]
+        outcomes = [o.as_dict() for o in model.autotp.context.plan_cache.outcomes]
         plans = list(model.autotp.plans)
         pair = model(input_ids=torch.tensor(BATCH_OF_TWO)).logits if batch_of_two else None
     return {"logits": logits, "tokens": tokens[0].tolist(), "pair": pair, "plans": plans,
             "traced": traced_before, "traced_for_pair": counters["frames"]["ok"] - traced_before,
             "stored": model.autotp.context.stored_graphs.as_dict(),
-            "plan_cache": plan_cache}
+            "plan_cache": [o["status"] for o in outcomes], "plan_cache_outcomes": outcomes}
 
 
 @pytest.fixture(scope="module")
 def first_job(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, list[dict]]:
     """(the checkpoint, the cache folder, the ranks' :func:`_job` results) of a first job, 8 tokens,
     in an empty cache. Each test runs its later jobs in its own copy of that folder
-    (:func:`cache_after`): the first job is the same for both, and traced and solved everything."""
+    (:func:`cache_after`): the first job is the same for all, and traced and solved everything.
+    (The plan-cache test, in its own file, ran the same first job again.)"""
     root = tmp_path_factory.mktemp("first-job")
     folder = save_tiny("llama", root / "llama", pad_token_id=PAD_ID)
     return folder, root / "cache", run_ranks(_job, 2, str(folder), str(root / "cache"), 8, False)
@@ -93,6 +95,35 @@ def test_a_second_job_runs_the_stored_graphs_untraced_and_matches_the_first_and_
     assert first[0]["stored"]["stored"] == 0  # the other ranks wrote nothing
     assert len(list((cache / "graphs").glob("*.pkl"))) == 1
     assert not list((cache / "graphs").glob(".*.tmp"))
+
+
+def test_a_second_job_hits_every_graph_in_the_plan_cache_and_matches_the_first_and_one_process(
+        first_job: tuple[Path, Path, list[dict]], tmp_path: Path) -> None:
+    """Every graph the first job solved is a plan-cache hit in the second, with the entry the first
+    stored and the same plan; the trace says hit or miss per graph."""
+    folder, first_cache, first = first_job
+    ref_logits, ref_tokens = one_process_reference(folder, PROMPT, 8, PAD_ID)
+    cache = cache_after(first_job, tmp_path)
+    second = run_ranks(_job, 2, str(folder), str(cache), 8, False, str(tmp_path / "trace2"))
+
+    for rank in range(2):
+        a, b = first[rank]["plan_cache_outcomes"], second[rank]["plan_cache_outcomes"]
+        assert len(a) >= 2  # the warm-up (prefill) graph and at least one decode graph
+        assert all(o["status"] == "miss" and o["reason"] == "no entry" for o in a)
+        assert all(o["stored"] for o in a)
+        assert [o["status"] for o in b] == ["hit"] * len(a)
+        assert [o["entry"] for o in b] == [o["entry"] for o in a]
+        assert second[rank]["plans"] == first[rank]["plans"]
+        assert torch.equal(second[rank]["logits"], first[rank]["logits"])
+        torch.testing.assert_close(second[rank]["logits"], ref_logits, atol=1e-5, rtol=1e-4)
+        assert first[rank]["tokens"] == second[rank]["tokens"] == ref_tokens
+        # the trace says hit or miss per graph
+        notes = [json.loads(p.read_text())["status"]
+                 for p in sorted((tmp_path / "trace2" / f"rank{rank}").glob("graph*/plan_cache.json"))]
+        assert notes == ["hit"] * len(a)
+    plans = list((first_cache / "plans").glob("*.json"))
+    assert len(plans) == len(first[0]["plan_cache_outcomes"])  # both ranks wrote the same
+    assert not list((first_cache / "plans").glob(".*.tmp"))
 
 
 def test_a_truncated_entry_is_ignored_with_its_reason_and_rewritten(first_job: tuple[Path, Path, list[dict]],

@@ -3,7 +3,7 @@
 A hit must reproduce the plan it stored exactly: the same placements, collectives and rewritten
 program, hence the same outputs bit for bit (the simulated group's collectives are deterministic
 stand-ins, so equal outputs mean equal programs; the tp=2 test with real ranks and a one-process
-reference is ``tests/distributed/test_plan_cache.py``). Every bad entry is a miss with a reason,
+reference is in ``tests/distributed/test_stored_graphs.py``). Every bad entry is a miss with a reason,
 is solved again and rewritten, and never changes a result.
 """
 
