@@ -90,5 +90,6 @@ def refuse_spent_standins(user_inputs: Iterable[tuple[str, object]]) -> None:
                 "torch.compile(backend='autotp') returned sharded (each rank holds only its heads; the tensor "
                 "itself reads as NaN) and that was then changed outside the model (cloned, cropped or reordered "
                 "eagerly, as beam search does). Keep the cache the compiled model returned as it is, start a new "
-                "one, or pass use_cache=False (beam search with a sharded cache is not supported: num_beams=1)."
+                "one, or pass use_cache=False (for beam search, num_beams=1, or parallelize_model, whose cache "
+                "follows the library's reorder)."
             )

@@ -34,6 +34,7 @@ import torch
 
 from autotp.context import shard_of
 from autotp.errors import AutoTPError
+from autotp.sharded_cache import follow_edits
 
 __all__ = ["CacheWatch", "InputGuard", "TokenIdCheck", "check_mask", "check_token_ids"]
 
@@ -195,19 +196,23 @@ class CacheWatch:
                     raise AutoTPError(
                         f"the KV cache passed in was changed outside the model: layer {layer}'s {name!r} was a "
                         "sharded entry this model returned (each rank holds only its heads) and is now "
-                        f"{'gone' if where not in current else 'a plain tensor'} (e.g. cloned, cropped or "
-                        "reordered eagerly, as beam search does). Keep the cache the parallelized model "
-                        "returned as it is, start a new one, or pass use_cache=False."
+                        f"{'gone' if where not in current else 'a plain tensor'} (e.g. cloned or sliced "
+                        "eagerly; the cache's own methods, such as beam search's reorder_cache and crop, "
+                        "work). Keep the cache the parallelized model returned as it is, start a new one, "
+                        "or pass use_cache=False."
                     )
 
     def after(self, args: tuple[Any, ...], kwargs: Mapping[str, Any], result: Any) -> None:
-        """Remember the sharded entries of every cache the call used or returned."""
+        """Remember the sharded entries of every cache the call used or returned, and make the
+        library's own edits of it (beam search's reorder, crop, ...) act on the shards
+        (:func:`autotp.sharded_cache.follow_edits`)."""
         for cache in _caches((args, dict(kwargs), result)):
             where = frozenset(k for k, v in _entries(cache) if shard_of(v) is not None)
             key = id(cache)
             if not where:
                 self.sharded.pop(key, None)
                 continue
+            follow_edits(cache)
             if key not in self.sharded or self.sharded[key][0]() is not cache:
                 ref = weakref.ref(cache, lambda _r, key=key, sharded=self.sharded: sharded.pop(key, None))
             else:
