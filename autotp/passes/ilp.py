@@ -265,7 +265,7 @@ def _build(search: _Search) -> tuple[_Program, dict[str, int]]:
                 if len(moves) == 1:  # the move is taken exactly where m has p: its columns are x[m, p]'s
                     (q, price), = moves.items()
                     t = {q: c}
-                    if not shared:
+                    if price and not shared:
                         prog.pay(c, price)
                 else:
                     t = {q: [prog.var(0.0 if shared else price)] for q, price in moves.items()}
@@ -345,7 +345,10 @@ def certify(search: _Search, relax: bool = False, time_limit: float | None = Non
     if relax:
         # HiGHS's dual simplex without presolve, called directly where scipy's bindings allow
         # (compat.highs_lp), else through linprog; either way nothing but an optimum is a bound
-        solved = highs_lp(cost, matrix, lower, upper)
+        if not n:  # nothing to choose (HiGHS calls it empty): the rows hold at 0 or never
+            solved = (0.0 if bool(np.all(lower <= 0.0) and np.all(upper >= 0.0)) else None), "no columns"
+        else:
+            solved = highs_lp(cost, matrix, lower, upper)
         if solved is None:
             equal = lower == upper  # every other row is ``-inf <= row <= upper``
             bounded = None if equal.all() else (matrix[~equal], upper[~equal])
