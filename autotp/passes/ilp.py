@@ -72,6 +72,7 @@ blocks; this program does not).
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -255,10 +256,11 @@ def _build(search: _Search) -> tuple[_Program, dict[str, int]]:
                 x[j] = src
                 continue
             shared = moved[m] > 1
+            spec, output = step.spec, step.is_output_edge
             for p, c in src.items():
                 if not isinstance(p, Placement):
                     raise _Unsupported(f"edge {step.node.name} moves a {p!r}")
-                moves = moves_from(p, step.spec, step.is_output_edge)
+                moves = moves_from(p, spec, output)
                 if not moves:  # p cannot leave the graph: x[m, p] = 0
                     prog.row(c)
                     continue
@@ -278,15 +280,18 @@ def _build(search: _Search) -> tuple[_Program, dict[str, int]]:
                             copies[key] = prog.var(moves[q])
                         prog.row(cols, [copies[key]], -np.inf, 0.0)
         else:  # an op: one strategy per combination of its inputs' placements and candidate
-            distinct = list(dict.fromkeys(step.inputs))
+            distinct = list(dict.fromkeys(step.inputs)) if len(step.inputs) > 1 else step.inputs
             domains = [values(i) for i in distinct]
             varying = [k for k, d in enumerate(domains) if len(d) > 1]
             if step.inputs and len(varying) <= 1:
                 # one input decides the combination (the others have one placement each, x = 1):
                 # a strategy is x[lead, p] itself where p has one candidate
                 lead = distinct[varying[0] if varying else 0]
-                ins = [p if i != lead else None for i, p in zip(step.inputs, map(single, step.inputs), strict=True)]
-                slots = [k for k, i in enumerate(step.inputs) if i == lead]
+                if len(step.inputs) == 1:
+                    ins, slots = [None], (0,)
+                else:
+                    ins = [None if i == lead else single(i) for i in step.inputs]
+                    slots = [k for k, i in enumerate(step.inputs) if i == lead]
                 combinations += len(x[lead])
                 for p, c in x[lead].items():
                     for k in slots:
@@ -304,7 +309,7 @@ def _build(search: _Search) -> tuple[_Program, dict[str, int]]:
                         groups.setdefault(cand.output, []).append(col)
                     prog.row(cols, c)
             else:
-                size = int(np.prod([len(d) for d in domains])) if domains else 1
+                size = math.prod(len(d) for d in domains)
                 if size > MAX_COMBINATIONS:
                     raise _Unsupported(f"op {step.node.name} has {size} input combinations")
                 combinations += size
