@@ -55,18 +55,24 @@ What it cannot express it refuses (``Certificate.reason``): an op with more than
 ``MAX_COMBINATIONS`` combinations of input placements, a free parameter an op reads without an
 edge, an edge without a producer.
 
-Size and cost: one column per reachable (value, placement) and per (op, input combination,
-candidate) and (edge, move) that is not one of those single choices; the rule calls are those the
-beam already cached, mostly, and each distinct edge move is priced once. The relaxation goes
-through ``scipy.optimize.linprog`` (HiGHS's simplex, as ``milp`` with no integers, with less of
-scipy's per-column work around it). Measured in process CPU, best of 5, on a loaded 2-core machine
-(benchmarks/certificate_gap.py has the matrix): at 2 layers of Gemma-2-9B's widths, tp=2: 2,742
-columns and 1,913 rows, 0.014 s to build and 0.027 s in HiGHS (it was 3,634 and 2,854, 0.027 s and
-0.039 s, before the single choices were folded in and the moves priced once; the beam takes
-~0.45 s); the integer program, where the LP leaves a gap, ~0.08 s. It grows with the graph, not
-with the number of distinct blocks: 40 Llama layers of hidden 64 at tp=2, whole graph: 41,274
-columns, 0.22 s to build and 0.75 s in HiGHS, against the beam's 1.3 s (the beam replays repeated
-blocks; this program does not).
+Size and cost: one column per free parameter's option and per (op, input combination, candidate)
+and (edge, move) that is not one of those single choices; the rule calls are those the beam already
+cached, mostly (14 of 401 are new at BERT's widths, tp=4, batch 2), and each distinct edge move is
+priced once. HiGHS solves the relaxation with its dual simplex and no presolve, called through
+scipy's bindings (:func:`autotp.compat.highs_lp`): ``linprog``'s wrapper walks the basis column by
+column in Python, and on these programs HiGHS's presolve costs more than it removes; the two were
+half the certificate on the smallest graphs. Measured in process CPU, median of 100 builds and
+solves of the same inputs in one process, on a loaded 2-core machine, before -> after the ``x``
+became sums and HiGHS was called directly: BERT's widths at tp=4, batch 2 (the matrix's smallest
+solve, ~0.035 s): 543 -> 391 columns, 406 -> 254 rows, 7.4 -> 3.7 ms (build 3.0 -> 2.2, HiGHS
+4.3 -> 1.4; the build is ~1.5 ms since single-input steps skip the per-input bookkeeping); 2 layers
+of Gemma-2-9B's widths at tp=4 (median of 3): 2,698 -> 2,152 columns, 41 -> 28 ms (HiGHS 32 ->
+9); the beam takes ~0.45 s. The integer program, where the LP leaves a gap, ~0.08 s. It grows with
+the graph, not with the number of distinct blocks: 40 Llama layers of hidden 64 at tp=2, whole
+graph: 39,792 -> 32,197 columns, 0.16 -> 0.13 s to build and 0.48 -> 0.30 s in HiGHS, against the
+beam's ~1.3 s (the beam replays repeated blocks; this program does not). In the solver, on the
+real-width matrix (``benchmarks/certificate_gap.py``, a machine at load 4-12, commit fc9ed44) the
+certificate is 4.0-10.9% of the solve's CPU, median 5.5% (it was 7.7-19.5%, median 10%, before).
 """
 
 from __future__ import annotations
