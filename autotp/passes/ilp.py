@@ -71,7 +71,7 @@ of Gemma-2-9B's widths at tp=4 (median of 3): 2,698 -> 2,152 columns, 41 -> 28 m
 the graph, not with the number of distinct blocks: 40 Llama layers of hidden 64 at tp=2, whole
 graph: 39,792 -> 32,197 columns, 0.16 -> 0.13 s to build and 0.48 -> 0.30 s in HiGHS, against the
 beam's ~1.3 s (the beam replays repeated blocks; this program does not). In the solver, on the
-real-width matrix (``benchmarks/certificate_gap.py``, a machine at load 4-12, commit fc9ed44) the
+real-width matrix (``benchmarks/certificate_gap.py``, a machine at load 4-12, commit 9b25bd2) the
 certificate is 4.0-10.9% of the solve's CPU, median 5.5% (it was 7.7-19.5%, median 10%, before).
 """
 
