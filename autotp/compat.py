@@ -55,6 +55,12 @@ uninstaller calls ``torch._C._dynamo.eval_frame._reset_precompile_entries``. Pro
 
 **Data-parallel composition (2-D mesh).** DDP's graph splitting and FSDP2's parameter objects,
 which the 2-D mesh reaches into (``tests/distributed/test_mesh.py`` notices a change).
+
+**scipy's HiGHS bindings.** :func:`highs_lp` solves the certificate's linear program
+(``autotp/passes/ilp.py``) through ``scipy.optimize._highspy._core`` (the HiGHS that scipy bundles,
+as ``linprog`` calls it) instead of ``linprog``, whose wrapper walks the basis column by column in
+Python: half the certificate's time on the smallest graphs. Not probed: where the bindings are
+missing or changed it returns None and the caller takes ``linprog``.
 """
 
 from __future__ import annotations
@@ -95,6 +101,7 @@ __all__ = [
     "fsdp_params",
     "functional_collectives",
     "grouped_mm_accepts_standins",
+    "highs_lp",
     "legacy_get_string",
     "linear_builtin",
     "maybe_mark_dynamic",
@@ -732,3 +739,34 @@ def _guard_markings(package_module: Any, markings: dict[str, dict[str, Any]]) ->
         yield
     finally:
         package_module.load_guards_state = original
+
+
+# -- scipy's HiGHS bindings (used when present, see the module docstring) -------------------
+def highs_lp(cost: Any, matrix: Any, lower: Any, upper: Any) -> tuple[float | None, str] | None:
+    """``min cost @ x`` over ``lower <= matrix @ x <= upper``, ``0 <= x <= 1`` (``matrix`` a scipy
+    CSR array without duplicate entries, the rest float arrays) by HiGHS's dual simplex without presolve (on the certificate's
+    programs presolve costs more than it saves): the optimum (None where HiGHS proves none) and
+    HiGHS's status; None where this scipy lacks the bindings."""
+    import numpy as np
+
+    try:
+        core = importlib.import_module("scipy.optimize._highspy._core")
+        n, m = matrix.shape[1], matrix.shape[0]
+        lp = core.HighsLp()
+        lp.num_col_, lp.num_row_ = n, m
+        lp.a_matrix_.num_col_, lp.a_matrix_.num_row_ = n, m
+        lp.a_matrix_.format_ = core.MatrixFormat.kRowwise
+        lp.a_matrix_.start_, lp.a_matrix_.index_, lp.a_matrix_.value_ = matrix.indptr, matrix.indices, matrix.data
+        lp.col_cost_, lp.col_lower_, lp.col_upper_ = cost, np.zeros(n), np.ones(n)
+        lp.row_lower_, lp.row_upper_ = lower, upper
+        highs = core._Highs()
+        options = core.HighsOptions()
+        options.output_flag, options.presolve = False, "off"
+        highs.passOptions(options)
+        highs.passModel(lp)
+        highs.run()
+        status = highs.getModelStatus()
+        optimal = status == core.HighsModelStatus.kOptimal
+        return (highs.getInfo().objective_function_value if optimal else None), highs.modelStatusToString(status)
+    except (ImportError, AttributeError, TypeError):  # no such bindings, or changed ones
+        return None

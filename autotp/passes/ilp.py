@@ -2,7 +2,8 @@
 
 The beam (:func:`autotp.passes.solve.solve`) minimizes one scalar over every plan the rules allow.
 :func:`certify` writes the same choices and the same costs as a 0/1 program and hands it to HiGHS
-(``scipy.optimize.linprog`` for its LP relaxation, ``milp`` for the integer program). Every cost
+(its LP relaxation to the dual simplex through scipy's bindings, :func:`autotp.compat.highs_lp`, or
+``scipy.optimize.linprog`` where those are missing; the integer program to ``milp``). Every cost
 and every candidate comes from the solver's own functions (``_Search.rule``, ``edge_targets``,
 ``edge_cost``, ``_Search.internal_cost``, ``_Search.activation_cost``, the priced ``ParamChoice``
 options): the program holds no cost formula of its own.
@@ -11,8 +12,15 @@ Formulation, over the solver's steps (its inputs, ``_Search``):
 
 * ``x[v, p]``: value ``v`` (a step's output, a placeholder, a free parameter) has placement ``p``;
   one per value, over the placements it can reach (computed forward in schedule order from the
-  pinned placeholders and the parameters' options). A free parameter's ``x`` costs its option's
-  priced memory (the objective's tiers 1 and 3).
+  pinned placeholders and the parameters' options). A free parameter's ``x`` is a column that costs
+  its option's priced memory (the objective's tiers 1 and 3). Any other ``x`` is no column of its
+  own: it is the sum of the columns below that give ``v`` placement ``p`` (its producer's
+  strategies, its edge's moves), and every row that names ``x[v, p]`` names those columns (a
+  column and an equality row per value and placement less: 107 of 543 columns at BERT's widths, tp=4,
+  batch 2). Where ``v`` has one placement (a pinned placeholder, a parameter with one option)
+  ``x[v, p]`` is the constant 1 (``ONE``): it moves to the rows' bounds, and its cost to the
+  objective's constant. No ``x`` needs a bound of its own: each op's strategies sum to any one
+  input's ``x`` and each edge's moves to its source's, so a value's columns sum to 1.
 * ``s[n, k]``: op ``n`` reads its distinct inputs in the placements of combination ``k`` and takes
   one candidate the rule returns for them, at ``internal_cost + activation_cost``; enumerated by
   calling the rule on every combination of its inputs' reachable placements. For each input and
@@ -47,31 +55,39 @@ What it cannot express it refuses (``Certificate.reason``): an op with more than
 ``MAX_COMBINATIONS`` combinations of input placements, a free parameter an op reads without an
 edge, an edge without a producer.
 
-Size and cost: one column per reachable (value, placement) and per (op, input combination,
-candidate) and (edge, move) that is not one of those single choices; the rule calls are those the
-beam already cached, mostly, and each distinct edge move is priced once. The relaxation goes
-through ``scipy.optimize.linprog`` (HiGHS's simplex, as ``milp`` with no integers, with less of
-scipy's per-column work around it). Measured in process CPU, best of 5, on a loaded 2-core machine
-(benchmarks/certificate_gap.py has the matrix): at 2 layers of Gemma-2-9B's widths, tp=2: 2,742
-columns and 1,913 rows, 0.014 s to build and 0.027 s in HiGHS (it was 3,634 and 2,854, 0.027 s and
-0.039 s, before the single choices were folded in and the moves priced once; the beam takes
-~0.45 s); the integer program, where the LP leaves a gap, ~0.08 s. It grows with the graph, not
-with the number of distinct blocks: 40 Llama layers of hidden 64 at tp=2, whole graph: 41,274
-columns, 0.22 s to build and 0.75 s in HiGHS, against the beam's 1.3 s (the beam replays repeated
-blocks; this program does not).
+Size and cost: one column per free parameter's option and per (op, input combination, candidate)
+and (edge, move) that is not one of those single choices; the rule calls are those the beam already
+cached, mostly (14 of 401 are new at BERT's widths, tp=4, batch 2), and each distinct edge move is
+priced once. HiGHS solves the relaxation with its dual simplex and no presolve, called through
+scipy's bindings (:func:`autotp.compat.highs_lp`): ``linprog``'s wrapper walks the basis column by
+column in Python, and on these programs HiGHS's presolve costs more than it removes; the two were
+half the certificate on the smallest graphs. Measured in process CPU, median of 100 builds and
+solves of the same inputs in one process, on a loaded 2-core machine, before -> after the ``x``
+became sums and HiGHS was called directly: BERT's widths at tp=4, batch 2 (the matrix's smallest
+solve, ~0.035 s): 543 -> 391 columns, 406 -> 254 rows, 7.4 -> 3.7 ms (build 3.0 -> 2.2, HiGHS
+4.3 -> 1.4; the build is ~1.5 ms since single-input steps skip the per-input bookkeeping); 2 layers
+of Gemma-2-9B's widths at tp=4 (median of 3): 2,698 -> 2,152 columns, 41 -> 28 ms (HiGHS 32 ->
+9); the beam takes ~0.45 s. The integer program, where the LP leaves a gap, ~0.08 s. It grows with
+the graph, not with the number of distinct blocks: 40 Llama layers of hidden 64 at tp=2, whole
+graph: 39,792 -> 32,197 columns, 0.16 -> 0.13 s to build and 0.48 -> 0.30 s in HiGHS, against the
+beam's ~1.3 s (the beam replays repeated blocks; this program does not). In the solver, on the
+real-width matrix (``benchmarks/certificate_gap.py``, a machine at load 4-12, commit 9b25bd2) the
+certificate is 4.0-10.9% of the solve's CPU, median 5.5% (it was 7.7-19.5%, median 10%, before).
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 from scipy.optimize import LinearConstraint, linprog, milp
-from scipy.sparse import coo_array
+from scipy.sparse import csr_array
 
+from autotp.compat import highs_lp
 from autotp.passes.solve import _Search, edge_cost, edge_targets
 from autotp.placement import GroupedShard, HeadShard, Placement, R, Shard, StridedShard
 
@@ -96,13 +112,21 @@ class Certificate:
     stats: dict[str, Any] = field(default_factory=dict)
 
 
+#: the constant 1 in a column list: the placement of a value with one placement (no column)
+ONE = -1
+
+
 class _Program:
-    """Columns (0/1 variables with a cost) and sparse rows ``lower <= sum(val * column) <= upper``,
-    collected as flat lists and handed to HiGHS as one sparse matrix."""
+    """Columns (0/1 variables with a cost), a constant ``offset`` of the objective, and sparse rows
+    ``lower <= sum(val * column) <= upper``, collected as flat lists (row ``r``'s terms are
+    ``cols[starts[r]:starts[r + 1]]``, no column twice) and handed to HiGHS as one sparse matrix. A
+    row is written over column lists, each standing for the sum of its columns (``ONE`` in one: the
+    constant 1, moved to the row's bounds or the offset)."""
 
     def __init__(self) -> None:
         self.cost: list[float] = []
-        self.rows: list[int] = []
+        self.offset = 0.0
+        self.starts: list[int] = [0]
         self.cols: list[int] = []
         self.vals: list[float] = []
         self.lower: list[float] = []
@@ -112,26 +136,31 @@ class _Program:
         self.cost.append(cost)
         return len(self.cost) - 1
 
-    def row(self, terms: list[tuple[int, float]], lower: float, upper: float) -> None:
-        r = len(self.lower)
-        self.rows.extend([r] * len(terms))
-        for col, val in terms:
-            self.cols.append(col)
-            self.vals.append(val)
-        self.lower.append(lower)
-        self.upper.append(upper)
+    def pay(self, cols: list[int], price: float) -> None:
+        """Add ``price`` to the cost of ``sum(cols)``."""
+        cost = self.cost
+        for col in cols:
+            if col == ONE:
+                self.offset += price
+            else:
+                cost[col] += price
 
-    def sum_row(self, total: int | None, cols: list[int], rhs: float = 0.0) -> None:
-        """``sum(cols) - total == rhs`` (no ``total``: ``sum(cols) == rhs``)."""
-        r = len(self.lower)
-        if total is not None:
-            self.cols.append(total)
-            self.vals.append(-1.0)
-        self.cols.extend(cols)
-        self.vals.extend([1.0] * len(cols))
-        self.rows.extend([r] * (len(cols) + (total is not None)))
-        self.lower.append(rhs)
-        self.upper.append(rhs)
+    def row(self, plus: list[int], minus: list[int] = (), lower: float = 0.0, upper: float = 0.0) -> None:
+        """``lower <= sum(plus) - sum(minus) <= upper``."""
+        shift = 0
+        if ONE in plus:
+            shift += plus.count(ONE)
+            plus = [col for col in plus if col != ONE]
+        if ONE in minus:
+            shift -= minus.count(ONE)
+            minus = [col for col in minus if col != ONE]
+        self.cols += plus
+        self.cols += minus
+        self.vals += [1.0] * len(plus)
+        self.vals += [-1.0] * len(minus)
+        self.starts.append(len(self.cols))
+        self.lower.append(lower - shift)
+        self.upper.append(upper - shift)
 
 
 class _Unsupported(Exception):  # noqa: N818 (control flow: the program cannot be built)
@@ -141,32 +170,25 @@ class _Unsupported(Exception):  # noqa: N818 (control flow: the program cannot b
 def _build(search: _Search) -> tuple[_Program, dict[str, int]]:
     prog = _Program()
     opts = search.opts
-    cost = prog.cost
-    x: dict[int, dict[Any, int]] = {}  # value -> placement -> column
+    # value -> placement -> the columns whose sum is x[value, placement] ([ONE]: its only placement)
+    x: dict[int, dict[Any, list[int]]] = {}
 
-    def values(j: int, reading_edge: bool = False) -> dict[Any, int]:
+    def values(j: int, reading_edge: bool = False) -> dict[Any, list[int]]:
         if j not in x:
             if j in search.free and not reading_edge:  # the beam reads it as unplaced (None)
                 raise _Unsupported(f"parameter {j} is read by an op, not through an edge")
-            if j in search.free:
-                x[j] = {p: prog.var(m) for p, m in search.free[j].options}
+            if j in search.free and len(search.free[j].options) > 1:
+                x[j] = {p: [prog.var(m)] for p, m in search.free[j].options}
+                prog.row([cols[0] for cols in x[j].values()], (), 1.0, 1.0)
+            elif j in search.free:
+                (p, m), = search.free[j].options
+                x[j] = {p: [ONE]}
+                prog.offset += m
             elif j in search.fixed:
-                x[j] = {search.fixed[j]: prog.var()}
+                x[j] = {search.fixed[j]: [ONE]}
             else:
                 raise _Unsupported(f"value {j} is read before it is placed")
-            prog.sum_row(None, list(x[j].values()), 1.0)
         return x[j]
-
-    def define(j: int, groups: dict[Any, list[int]]) -> None:
-        """``x[j, p] = sum(groups[p])``: the placement of ``j`` is what those columns give (the
-        column itself where there is one)."""
-        x[j] = out = {}
-        for p, cols in groups.items():
-            if len(cols) == 1:
-                out[p] = cols[0]
-            else:
-                out[p] = col = prog.var()
-                prog.sum_row(col, cols)
 
     priced: dict[tuple, dict[Any, float]] = {}
 
@@ -192,6 +214,19 @@ def _build(search: _Search) -> tuple[_Program, dict[str, int]]:
             priced[key] = moves
         return moves
 
+    rule, internal, activation = search.rule, search.internal_cost, search.activation_cost
+    weighted = bool(opts.activation_weight)
+
+    def cost_of(step: Any, cand: Any) -> float:
+        """What one candidate of ``step`` costs: its internal collectives and its activations."""
+        out = internal(cand) if cand.collectives else 0.0
+        return out + activation(step, cand.output) if weighted else out
+
+    def single(i: int) -> Any:
+        """The placement of ``i`` where it has one (else None)."""
+        domain = x[i]
+        return next(iter(domain)) if len(domain) == 1 else None
+
     # values redistributed by more than one edge: their collectives are columns of their own, shared
     moved: dict[int, int] = {}
     for step in search.steps:
@@ -203,13 +238,13 @@ def _build(search: _Search) -> tuple[_Program, dict[str, int]]:
     combinations = 0
     for step in search.steps:
         j = step.index
+        groups: dict[Any, list[int]] = {}  # x[j, p]: the columns that give j placement p
         if step.kind == "mark":
             x[j] = values(step.inputs[0])
-        elif step.kind == "getitem":
-            groups: dict[Any, list[int]] = {}
+            continue
+        if step.kind == "getitem":
             for p, c in values(step.inputs[0]).items():
-                groups.setdefault(p[step.node.args[1]] if isinstance(p, tuple) else p, []).append(c)
-            define(j, groups)
+                groups.setdefault(p[step.node.args[1]] if isinstance(p, tuple) else p, []).extend(c)
         elif step.kind == "edge":
             if not step.inputs:
                 raise _Unsupported(f"edge {step.node.name} has no producer")
@@ -218,7 +253,7 @@ def _build(search: _Search) -> tuple[_Program, dict[str, int]]:
             here = search.position[j]
             if m in search.params:  # never redistributed; an output edge that decides it keeps it R
                 if step.is_output_edge and m in search.free and m not in first_edge:
-                    prog.row([(c, 1.0) for p, c in src.items() if p != R], 0.0, 0.0)
+                    prog.row([col for p, c in src.items() if p != R for col in c])
                 first_edge.add(m)
                 x[j] = src
                 continue
@@ -227,75 +262,77 @@ def _build(search: _Search) -> tuple[_Program, dict[str, int]]:
                 x[j] = src
                 continue
             shared = moved[m] > 1
-            groups = {}
+            spec, output = step.spec, step.is_output_edge
             for p, c in src.items():
                 if not isinstance(p, Placement):
                     raise _Unsupported(f"edge {step.node.name} moves a {p!r}")
-                moves = moves_from(p, step.spec, step.is_output_edge)
+                moves = moves_from(p, spec, output)
                 if not moves:  # p cannot leave the graph: x[m, p] = 0
-                    prog.sum_row(None, [c])
+                    prog.row(c)
                     continue
-                if len(moves) == 1:  # the move is taken exactly where m has p: its column is x[m, p]
+                if len(moves) == 1:  # the move is taken exactly where m has p: its columns are x[m, p]'s
                     (q, price), = moves.items()
                     t = {q: c}
-                    if not shared:
-                        cost[c] += price
+                    if price and not shared:
+                        prog.pay(c, price)
                 else:
-                    t = {q: prog.var(0.0 if shared else price) for q, price in moves.items()}
-                    prog.sum_row(c, list(t.values()))
-                for q, col in t.items():
-                    groups.setdefault(q, []).append(col)
+                    t = {q: [prog.var(0.0 if shared else price)] for q, price in moves.items()}
+                    prog.row([cols[0] for cols in t.values()], c)
+                for q, cols in t.items():
+                    groups.setdefault(q, []).extend(cols)
                     if shared and p != q and moves[q] > 0.0:
                         key = (m, p, q, moves[q])
                         if key not in copies:
                             copies[key] = prog.var(moves[q])
-                        prog.row([(col, 1.0), (copies[key], -1.0)], -np.inf, 0.0)
-            define(j, groups)
+                        prog.row(cols, [copies[key]], -np.inf, 0.0)
         else:  # an op: one strategy per combination of its inputs' placements and candidate
-            distinct = list(dict.fromkeys(step.inputs))
+            distinct = list(dict.fromkeys(step.inputs)) if len(step.inputs) > 1 else step.inputs
             domains = [values(i) for i in distinct]
             varying = [k for k, d in enumerate(domains) if len(d) > 1]
-            groups = {}
             if step.inputs and len(varying) <= 1:
                 # one input decides the combination (the others have one placement each, x = 1):
-                # a strategy's column is x[lead, p] itself where p has one candidate
-                lead = varying[0] if varying else 0
-                placed = [next(iter(d)) for d in domains]
-                combinations += len(domains[lead])
-                for p, c in domains[lead].items():
-                    placed[lead] = p
-                    by_input = dict(zip(distinct, placed, strict=True))
-                    cands = search.rule(step, tuple(by_input[i] for i in step.inputs))
+                # a strategy is x[lead, p] itself where p has one candidate
+                lead = distinct[varying[0] if varying else 0]
+                if len(step.inputs) == 1:
+                    ins, slots = [None], (0,)
+                else:
+                    ins = [None if i == lead else single(i) for i in step.inputs]
+                    slots = [k for k, i in enumerate(step.inputs) if i == lead]
+                combinations += len(x[lead])
+                for p, c in x[lead].items():
+                    for k in slots:
+                        ins[k] = p
+                    cands = rule(step, tuple(ins))
                     if len(cands) == 1:
-                        cost[c] += search.internal_cost(cands[0]) + search.activation_cost(step, cands[0].output)
-                        groups.setdefault(cands[0].output, []).append(c)
+                        cand = cands[0]
+                        if cand.collectives or weighted:
+                            prog.pay(c, cost_of(step, cand))
+                        groups.setdefault(cand.output, []).extend(c)
                         continue
                     cols = []
                     for cand in cands:
-                        cols.append(col := prog.var(search.internal_cost(cand) + search.activation_cost(step, cand.output)))
+                        cols.append(col := prog.var(cost_of(step, cand)))
                         groups.setdefault(cand.output, []).append(col)
-                    prog.sum_row(c, cols)
-                define(j, groups)
-                continue
-            size = int(np.prod([len(d) for d in domains])) if domains else 1
-            if size > MAX_COMBINATIONS:
-                raise _Unsupported(f"op {step.node.name} has {size} input combinations")
-            combinations += size
-            reads: dict[tuple[int, Any], list[int]] = {}
-            items = [list(d.items()) for d in domains]
-            for combo in itertools.product(*items):
-                placed = {i: p for i, (p, _) in zip(distinct, combo, strict=True)}
-                for cand in search.rule(step, tuple(placed[i] for i in step.inputs)):
-                    col = prog.var(search.internal_cost(cand) + search.activation_cost(step, cand.output))
-                    groups.setdefault(cand.output, []).append(col)
-                    for i, (p, _) in zip(distinct, combo, strict=True):
-                        reads.setdefault((i, p), []).append(col)
-            for i, domain in zip(distinct, domains, strict=True):
-                for p, c in domain.items():
-                    prog.sum_row(c, reads.get((i, p), []))
-            if not step.inputs:
-                prog.sum_row(None, [col for cols in groups.values() for col in cols], 1.0)
-            define(j, groups)
+                    prog.row(cols, c)
+            else:
+                size = math.prod(len(d) for d in domains)
+                if size > MAX_COMBINATIONS:
+                    raise _Unsupported(f"op {step.node.name} has {size} input combinations")
+                combinations += size
+                reads: dict[tuple[int, Any], list[int]] = {}
+                for combo in itertools.product(*domains):
+                    placed = dict(zip(distinct, combo, strict=True))
+                    for cand in rule(step, tuple(placed[i] for i in step.inputs)):
+                        col = prog.var(cost_of(step, cand))
+                        groups.setdefault(cand.output, []).append(col)
+                        for i, p in placed.items():
+                            reads.setdefault((i, p), []).append(col)
+                for i, domain in zip(distinct, domains, strict=True):
+                    for p, c in domain.items():
+                        prog.row(reads.get((i, p), []), c)
+                if not step.inputs:
+                    prog.row([col for cols in groups.values() for col in cols], (), 1.0, 1.0)
+        x[j] = groups
     return prog, {"values": len(x), "copies": len(copies), "combinations": combinations}
 
 
@@ -311,28 +348,41 @@ def certify(search: _Search, relax: bool = False, time_limit: float | None = Non
         out.build_s = time.process_time() - start
         return out
     n = len(prog.cost)
-    matrix = coo_array((prog.vals, (prog.rows, prog.cols)), shape=(len(prog.lower), n)).tocsr()
+    matrix = csr_array((prog.vals, prog.cols, prog.starts), shape=(len(prog.lower), n))
     cost, lower, upper = np.asarray(prog.cost), np.asarray(prog.lower), np.asarray(prog.upper)
     out.variables, out.constraints = n, len(prog.lower)
     out.build_s = time.process_time() - start
     start = time.process_time()
-    if relax:  # linprog: the same HiGHS, with less of scipy's per-column work around it than milp
-        equal = lower == upper  # every other row is ``-inf <= row <= upper``
-        bounded = None if equal.all() else (matrix[~equal], upper[~equal])
-        result = linprog(cost, *(bounded or (None, None)), A_eq=matrix[equal], b_eq=lower[equal],
-                         bounds=(0.0, 1.0), method="highs")
-    else:
-        options: dict[str, Any] = {"mip_rel_gap": 0.0}
-        if time_limit is not None:
-            options["time_limit"] = time_limit
-        result = milp(cost, constraints=LinearConstraint(matrix, lower, upper), integrality=np.ones(n),
-                      bounds=(0.0, 1.0), options=options)
+    if relax:
+        # HiGHS's dual simplex without presolve, called directly where scipy's bindings allow
+        # (compat.highs_lp), else through linprog; either way nothing but an optimum is a bound
+        if not n:  # nothing to choose (HiGHS calls it empty): the rows hold at 0 or never
+            solved = (0.0 if bool(np.all(lower <= 0.0) and np.all(upper >= 0.0)) else None), "no columns"
+        else:
+            solved = highs_lp(cost, matrix, lower, upper)
+        if solved is None:
+            equal = lower == upper  # every other row is ``-inf <= row <= upper``
+            bounded = None if equal.all() else (matrix[~equal], upper[~equal])
+            result = linprog(cost, *(bounded or (None, None)), A_eq=matrix[equal], b_eq=lower[equal],
+                             bounds=(0.0, 1.0), method="highs-ds", options={"presolve": False})
+            solved = (float(result.fun) if result.status == 0 else None), result.message
+        out.solve_s = time.process_time() - start
+        optimum, out.reason = solved
+        if optimum is not None:
+            out.bound, out.optimal = optimum + prog.offset, True
+        return out
+    options: dict[str, Any] = {"mip_rel_gap": 0.0}
+    if time_limit is not None:
+        options["time_limit"] = time_limit
+    result = milp(cost, constraints=LinearConstraint(matrix, lower, upper), integrality=np.ones(n),
+                  bounds=(0.0, 1.0), options=options)
     out.solve_s = time.process_time() - start
     dual = getattr(result, "mip_dual_bound", None)  # what HiGHS proved (the same as fun when optimal)
-    dual = float(dual) if dual is not None and np.isfinite(dual) and not relax else None
+    dual = float(dual) if dual is not None and np.isfinite(dual) else None
     if result.status == 0:
         out.bound, out.optimal = float(result.fun) if dual is None else min(float(result.fun), dual), True
     elif dual is not None:
         out.bound = dual
+    out.bound += prog.offset
     out.reason = result.message
     return out

@@ -106,7 +106,11 @@ and with decode graphs and sequence parallelism on the cases tried, the LP relax
 the plan's cost (gap 0, 63 of 63 cases), at 8-19% of the whole solve's CPU time (median 10%; the
 larger shares on the smallest solves: a fixed cost of HiGHS); the whole solve is a median x1.12 of
 the solver before the certificate (x1.04-x1.35, 6 of 60 cases above x1.20; x1.01 less the
-certificate; quiet machine, commit 655322e, ``benchmarks/results/certificate_gap.json``). On small random
+certificate; quiet machine, commit 655322e, ``benchmarks/results/certificate_gap.json``). Since the
+program's ``x`` became sums and HiGHS is called directly (``ilp``'s docstring): 4-11% (median
+5.5%), the whole solve a median x1.06 (the smallest, BERT's widths at tp=4 and batch 2, x1.11; one
+case above x1.20, Llama's widths at tp=4, x1.28, of which x1.22 is the rest of the solve: noise at
+load 4-12; commit 9b25bd2, not the stored JSON). On small random
 graphs the bound equals the optimum of an exhaustive search at beams 1 and 4, also where a beam of
 1 misses that optimum (then the integer program finds it, below the plan: the plan is not
 replaced, ``exact`` does that). Guaranteed: the bound never exceeds the optimum of this objective

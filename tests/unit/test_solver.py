@@ -315,6 +315,22 @@ def test_where_the_beam_drops_partial_plans_the_linear_program_proves_its_plan_o
     assert solution.gap == 0 and solution.lower_bound == solution.cost == uncertified.cost
 
 
+def test_without_scipys_highs_bindings_the_linear_program_goes_through_linprog_to_the_same_bound(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The certificate calls HiGHS through scipy's private bindings (``compat.highs_lp``); where a
+    scipy lacks them it takes ``scipy.optimize.linprog`` and proves the same plan optimal."""
+    from autotp.passes import ilp
+
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    direct, _, _ = _plan(_TwoBlocks(), 2, beam_width=1, input_ids=ids)
+    monkeypatch.setattr(ilp, "highs_lp", lambda *args: None)
+    fallback, _, _ = _plan(_TwoBlocks(), 2, beam_width=1, input_ids=ids)
+
+    assert fallback.trace.pruned_states > 0 and fallback.trace.certificate["method"] == "lp"
+    assert "HiGHS" in fallback.trace.certificate["note"]  # linprog's message, not the bindings' status
+    assert fallback.gap == direct.gap == 0 and fallback.lower_bound == direct.lower_bound == direct.cost
+
+
 def test_where_the_program_cannot_be_built_the_certificate_keeps_the_beams_bound_and_says_why(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """An op with more input-placement combinations than the program enumerates leaves no program:
