@@ -243,6 +243,13 @@ def causal_lm_class_name(model_type: str) -> str | None:
     return names.get(model_type)
 
 
+def encoder_outputs(last_hidden_state: torch.Tensor) -> Any:
+    """An encoder's result as ``generate`` hands it to an encoder-decoder's forward
+    (``encoder_outputs=``): transformers' ``BaseModelOutput``, which the top-level package does
+    not export."""
+    return require("transformers.modeling_outputs", "BaseModelOutput")(last_hidden_state=last_hidden_state)
+
+
 def rope_init_functions() -> dict[str, Callable[..., Any]]:
     """transformers' rotary-embedding initialisers by ``rope_type`` (``ROPE_INIT_FUNCTIONS``), used
     to compute ``inv_freq`` buffers of a model built on the meta device."""

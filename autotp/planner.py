@@ -64,7 +64,7 @@ from autotp.backend import (
     grapharg_source,
 )
 from autotp.collectives import Comm, kind_of
-from autotp.compat import BackendCompilerFailed, fake_tensor_tls
+from autotp.compat import BackendCompilerFailed, encoder_outputs, fake_tensor_tls
 from autotp.config import AutoTPConfig, parse_dtype
 from autotp.context import CompiledGraph, TPContext, attach_meta, meta_of, output_path_of, standin
 from autotp.errors import AutoTPError, SolverError
@@ -468,10 +468,8 @@ def _decode_inputs(new: torch.Tensor, keyword: str, cache: Any, prefill: Any, se
     projecting the encoder's output again."""
     if not seq2seq:
         return {"input_ids": new, keyword: cache, "use_cache": True}
-    from transformers.modeling_outputs import BaseModelOutput
-
     encoded = prefill.encoder_last_hidden_state  # (B, S, hidden), as the encoder returned it
-    return {"decoder_input_ids": new, "encoder_outputs": BaseModelOutput(last_hidden_state=encoded), keyword: cache,
+    return {"decoder_input_ids": new, "encoder_outputs": encoder_outputs(encoded), keyword: cache,
             "use_cache": True}
 
 
