@@ -750,6 +750,7 @@ class _Search:
         self.movable = {s.index for s in steps if s.kind == "mark"
                         and all(u.target is EDGE and step_of.get(u) is not None and step_of[u] not in pinned_edges
                                 for u in s.node.users)}
+        #: (value, placement in a, in b, ready in a, ready in b) -> :meth:`conversion`
         self.conversions: dict[tuple, float] = {}
         self.redistribution_cache: dict[tuple[int, Pending], list[tuple[Placement, float]]] = {}
         #: (op step, its inputs' placements) -> its options (:meth:`op_options`)
@@ -1025,43 +1026,64 @@ class _Search:
         differently, that value must be *movable* (a Dynamo-node output read only through edges
         that may redistribute it, or a pending edge): ``a``'s plan can then follow ``b``'s by
         redistributing the value at its edges to whatever ``b``'s plan uses there, which costs
-        at most :meth:`conversion` more. ``a`` dominates if its cost plus those conversions does
-        not exceed ``b``'s. Values ``b`` already holds in extra placements (``ready``) must be
-        ready in ``a`` too. ``loose``: the positions in the live tuples where the two may differ,
-        when the caller knows they agree everywhere else (:meth:`prune`'s index)."""
+        at most :meth:`conversion` more. Placements ``b`` already holds a value in because an
+        earlier edge paid for them (``ready``) and ``a`` does not are priced the same way: ``a``
+        pays that redistribution at the later edge that reads it (the edge redistributed the value
+        in ``b``'s plan, so it may in ``a``'s). ``a`` dominates if its cost plus those conversions
+        does not exceed ``b``'s. ``loose``: the positions in the live tuples where the two may
+        differ, when the caller knows they agree everywhere else (:meth:`prune`'s index).
+
+        Requiring ``b``'s ready placements to be ready in ``a`` as well (as this did) kept, in a
+        decode graph whose parameters the prefill pinned, a state that gathered the rotary tables
+        once besides the one that kept them replicated: their costs drifted apart block by block,
+        so no block matched an earlier one (``reused_nodes`` 0, 2.2 s CPU for 14 layers of the
+        startup benchmark's model) where the prefill's blocks replay."""
         if cost_a > cost_b:
             return False
         (live_a, ready_a), (live_b, ready_b) = a, b
-        if not ready_b <= ready_a or len(live_a) != len(live_b):
+        if len(live_a) != len(live_b):
             return False
+        positions = range(len(live_b)) if loose is None else loose
+        unready = {j for j, _ in ready_b - ready_a} if len(ready_b) else _NONE
+        if unready:  # the values b holds ready somewhere a does not: compare them too
+            at = {j: i for i, (j, _) in enumerate(live_b)}
+            if any(j not in at for j in unready):
+                return False
+            positions = sorted(set(positions) | {at[j] for j in unready})
         slack = cost_b - cost_a
-        for i in range(len(live_b)) if loose is None else loose:
+        for i in positions:
             (j, pa), (jb, pb) = live_a[i], live_b[i]
             if j != jb:
                 return False
-            if pa == pb:
+            if pa == pb and j not in unready:
                 continue
-            if not isinstance(pb, Pending) and j not in self.movable:
+            if pa != pb and not isinstance(pb, Pending) and j not in self.movable:
                 return False
-            conversion = self.conversions.get((j, pa, pb))
-            slack -= self.conversion(j, pa, pb) if conversion is None else conversion
+            ra = _ready_of(ready_a, j) if ready_a else _NONE
+            rb = _ready_of(ready_b, j) if ready_b else _NONE
+            key = (j, pa, pb, ra, rb)
+            conversion = self.conversions.get(key)
+            slack -= self.conversion(j, pa, pb, ra, rb) if conversion is None else conversion
             if slack < 0:
                 return False
         return True
 
-    def conversion(self, j: int, pa: Any, pb: Any) -> float:
+    def conversion(self, j: int, pa: Any, pb: Any, ready_a: frozenset = frozenset(),
+                   ready_b: frozenset = frozenset()) -> float:
         """An upper bound of what a plan pays more for value ``j`` starting from placement ``pa``
-        than from ``pb`` whatever the later edges ask for: the sum, over every placement ``q``
-        ``pb`` can reach, of ``max(0, cost(pa -> q) - cost(pb -> q))`` (each redistribution of a
-        value to one placement is paid once and shared). ``inf`` where ``pa`` cannot reach a
-        placement ``pb`` reaches (a fused layout, ``R -> P``)."""
-        key = (j, pa, pb)
+        (and the placements ``ready_a`` an earlier edge paid for) than from ``pb`` (``ready_b``)
+        whatever the later edges ask for: the sum, over every placement ``q`` ``pb`` can reach
+        or holds, of ``max(0, cost(pa -> q) - cost(pb -> q))`` (each redistribution of a value to
+        one placement is paid once and shared). ``inf`` where ``pa`` cannot reach a placement
+        ``pb`` reaches (a fused layout, ``R -> P``)."""
+        key = (j, pa, pb, ready_a, ready_b)
         cached = self.conversions.get(key)
         if cached is not None:
             return cached
         spec = self.spec_of.get(j)
         src_a, free_a = (pa.src, pa.ready | {pa.src}) if isinstance(pa, Pending) else (pa, frozenset([pa]))
         src_b, free_b = (pb.src, pb.ready | {pb.src}) if isinstance(pb, Pending) else (pb, frozenset([pb]))
+        free_a, free_b = free_a | ready_a, free_b | ready_b
         if not isinstance(spec, TensorSpec) or not isinstance(src_a, Placement) or not isinstance(src_b, Placement):
             total = float("inf")
         else:
@@ -1230,6 +1252,14 @@ class _Search:
             cands = _candidates(step, ins)
             self.rule_cache[key] = cands
         return cands
+
+
+_NONE: frozenset = frozenset()
+
+
+def _ready_of(ready: frozenset, j: int) -> frozenset:
+    """The placements a state holds value ``j`` in besides its own (an earlier edge paid for them)."""
+    return frozenset(q for m, q in ready if m == j)
 
 
 def _runs_of_equal_cost(ranked: list[tuple[State, tuple]]) -> list[tuple[int, int]]:
