@@ -750,8 +750,17 @@ class _Search:
         self.movable = {s.index for s in steps if s.kind == "mark"
                         and all(u.target is EDGE and step_of.get(u) is not None and step_of[u] not in pinned_edges
                                 for u in s.node.users)}
-        #: (value, placement in a, in b, ready in a, ready in b) -> :meth:`conversion`
+        #: (value, placement in a, in b[, ready in a, ready in b]) -> :meth:`conversion`
         self.conversions: dict[tuple, float] = {}
+        #: value -> its position in the live tuples of the states :meth:`undominated` compares
+        #: (every state of one step holds the same live values), for :meth:`dominates`
+        self.live_at: dict[int, int] = {}
+        #: every parameter placed by an earlier graph: :meth:`dominates` also compares states that
+        #: hold values ready differently (that costs a search with free parameters more than it
+        #: saves: 2x the CPU of tiny T5's, whose beam widens to 256)
+        self.pinned = not free
+        #: id of a state :meth:`undominated` compares -> its ready and live (value, placement) pairs
+        self.covers: dict[int, frozenset] = {}
         self.redistribution_cache: dict[tuple[int, Pending], list[tuple[Placement, float]]] = {}
         #: (op step, its inputs' placements) -> its options (:meth:`op_options`)
         self.option_cache: dict[tuple[int, tuple], tuple[list[_Option], str | None]] = {}
@@ -975,6 +984,8 @@ class _Search:
         # instead of all of them (the pairwise scan was most of the solve time at real widths).
         # Exactly the same states survive.
         indexes: dict[frozenset, dict[tuple, list[tuple[State, tuple]]]] = {}
+        self.live_at = {j: i for i, (j, _) in enumerate(next(iter(states))[0])} if states else {}
+        self.covers = {}
 
         def project(fixed: tuple, pending: frozenset) -> tuple:
             return tuple(item for item in fixed if item[0] not in pending)
@@ -1033,7 +1044,8 @@ class _Search:
         does not exceed ``b``'s. ``loose``: the positions in the live tuples where the two may
         differ, when the caller knows they agree everywhere else (:meth:`prune`'s index).
 
-        Requiring ``b``'s ready placements to be ready in ``a`` as well (as this did) kept, in a
+        Only in a pinned graph (``pinned``); elsewhere ``b``'s ready placements must be ready in
+        ``a`` too. Requiring that in a pinned graph as well (as this did) kept, in a
         decode graph whose parameters the prefill pinned, a state that gathered the rotary tables
         once besides the one that kept them replicated: their costs drifted apart block by block,
         so no block matched an earlier one (``reused_nodes`` 0, 2.2 s CPU for 14 layers of the
@@ -1043,30 +1055,46 @@ class _Search:
         (live_a, ready_a), (live_b, ready_b) = a, b
         if len(live_a) != len(live_b):
             return False
-        positions = range(len(live_b)) if loose is None else loose
-        unready = {j for j, _ in ready_b - ready_a} if len(ready_b) else _NONE
-        if unready:  # the values b holds ready somewhere a does not: compare them too
-            at = {j: i for i, (j, _) in enumerate(live_b)}
-            if any(j not in at for j in unready):
+        unready: frozenset | set = _NONE
+        if ready_b and not ready_b <= ready_a:
+            if not self.pinned:
                 return False
-            positions = sorted(set(positions) | {at[j] for j in unready})
+            # b holds values ready in placements a does not: a decides only where a holds each such
+            # value itself in that placement (b paid a redistribution a never needs) and may move
+            # it (the conversion below prices what b holds ready); any other pair of states is left
+            # undecided, cheaply: most of them differ by more than their costs do
+            cover = self.covers.get(id(a))
+            if cover is None:  # (this, a C-level subset test, rejects nearly every such pair)
+                cover = self.covers[id(a)] = ready_a | frozenset(live_a)
+            if not ready_b <= cover:
+                return False
+            at = self.live_at
+            unready = set()
+            for j, q in ready_b - ready_a:
+                i = at.get(j)
+                if i is None or j in unready or j not in self.movable or live_a[i] != (j, q):
+                    return False
+                unready.add(j)
         slack = cost_b - cost_a
-        for i in positions:
+        for i in range(len(live_b)) if loose is None else loose:
             (j, pa), (jb, pb) = live_a[i], live_b[i]
             if j != jb:
                 return False
-            if pa == pb and j not in unready:
+            if pa == pb:
                 continue
-            if pa != pb and not isinstance(pb, Pending) and j not in self.movable:
+            if not isinstance(pb, Pending) and j not in self.movable:
                 return False
-            ra = _ready_of(ready_a, j) if ready_a else _NONE
-            rb = _ready_of(ready_b, j) if ready_b else _NONE
-            key = (j, pa, pb, ra, rb)
-            conversion = self.conversions.get(key)
-            slack -= self.conversion(j, pa, pb, ra, rb) if conversion is None else conversion
+            if unready and j in unready:  # b's ready placements of j priced too (a's count for a)
+                readies = (_ready_of(ready_a, j), _ready_of(ready_b, j))
+                unready.discard(j)
+                conversion = self.conversions.get((j, pa, pb, *readies))
+                slack -= self.conversion(j, pa, pb, *readies) if conversion is None else conversion
+            else:  # b holds j ready nowhere a does not: pricing neither's ready placements is an upper bound
+                conversion = self.conversions.get((j, pa, pb))
+                slack -= self.conversion(j, pa, pb) if conversion is None else conversion
             if slack < 0:
                 return False
-        return True
+        return not unready
 
     def conversion(self, j: int, pa: Any, pb: Any, ready_a: frozenset = frozenset(),
                    ready_b: frozenset = frozenset()) -> float:
@@ -1076,7 +1104,7 @@ class _Search:
         or holds, of ``max(0, cost(pa -> q) - cost(pb -> q))`` (each redistribution of a value to
         one placement is paid once and shared). ``inf`` where ``pa`` cannot reach a placement
         ``pb`` reaches (a fused layout, ``R -> P``)."""
-        key = (j, pa, pb, ready_a, ready_b)
+        key = (j, pa, pb, ready_a, ready_b) if ready_a or ready_b else (j, pa, pb)
         cached = self.conversions.get(key)
         if cached is not None:
             return cached
