@@ -1056,6 +1056,7 @@ class _Search:
         if len(live_a) != len(live_b):
             return False
         unready: frozenset | set = _NONE
+        unready_checked = False
         if ready_b and not ready_b <= ready_a:
             if not self.pinned:
                 return False
@@ -1075,6 +1076,7 @@ class _Search:
                 if i is None or j in unready or j not in self.movable or live_a[i] != (j, q):
                     return False
                 unready.add(j)
+            unready_checked = True
         slack = cost_b - cost_a
         for i in range(len(live_b)) if loose is None else loose:
             (j, pa), (jb, pb) = live_a[i], live_b[i]
@@ -1094,6 +1096,8 @@ class _Search:
                 slack -= self.conversion(j, pa, pb) if conversion is None else conversion
             if slack < 0:
                 return False
+        if unready_checked and slack <= TIE * max(1.0, abs(cost_b)):
+            return False  # a tie: left to the beam's tie-break (which reduces Partial values first)
         return not unready
 
     def conversion(self, j: int, pa: Any, pb: Any, ready_a: frozenset = frozenset(),
