@@ -1044,8 +1044,9 @@ class _Search:
         does not exceed ``b``'s. ``loose``: the positions in the live tuples where the two may
         differ, when the caller knows they agree everywhere else (:meth:`prune`'s index).
 
-        Only in a pinned graph (``pinned``); elsewhere ``b``'s ready placements must be ready in
-        ``a`` too. Requiring that in a pinned graph as well (as this did) kept, in a
+        Only in a pinned graph (``pinned``), only where ``a`` holds each such value itself in the
+        one placement ``b`` paid beyond ``a``'s, and only strictly below ``b``'s cost (ties stay
+        with the beam's tie-break); elsewhere ``b``'s ready placements must be ready in ``a`` too. Requiring that in a pinned graph as well (as this did) kept, in a
         decode graph whose parameters the prefill pinned, a state that gathered the rotary tables
         once besides the one that kept them replicated: their costs drifted apart block by block,
         so no block matched an earlier one (``reused_nodes`` 0, 2.2 s CPU for 14 layers of the
