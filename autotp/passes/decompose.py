@@ -252,12 +252,18 @@ def _tensor_key(t: Tensor) -> tuple:
 
 def _node_key(n: torch.fx.Node, flat: list[Any], spec: Any) -> tuple | None:
     """What a node's decomposition depends on: op, target, argument structure, tensor metadata,
-    constants. (Arguments never alias: every tensor argument is its own edge.) None when a constant
-    is unhashable."""
+    constants (a slice by its bounds). (Arguments never alias: every tensor argument is its own
+    edge.) None when a constant is unhashable."""
     parts: list[Any] = []
     for v in flat:
         if isinstance(v, _Ref):
             parts.append(("T", _tensor_key(v.val)))
+        elif isinstance(v, slice):  # unhashable before Python 3.12: rotary's x[..., :half] in every layer
+            parts.append((slice, (v.start, v.stop, v.step)))
+            try:
+                hash(parts[-1])
+            except TypeError:
+                return None
         else:
             try:
                 hash(v)

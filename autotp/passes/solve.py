@@ -754,7 +754,17 @@ class _Search:
         self.movable = {s.index for s in steps if s.kind == "mark"
                         and all(u.target is EDGE and step_of.get(u) is not None and step_of[u] not in pinned_edges
                                 for u in s.node.users)}
+        #: (value, placement in a, in b[, ready in a, ready in b]) -> :meth:`conversion`
         self.conversions: dict[tuple, float] = {}
+        #: value -> its position in the live tuples of the states :meth:`undominated` compares
+        #: (every state of one step holds the same live values), for :meth:`dominates`
+        self.live_at: dict[int, int] = {}
+        #: every parameter placed by an earlier graph: :meth:`dominates` also compares states that
+        #: hold values ready differently (that costs a search with free parameters more than it
+        #: saves: 2x the CPU of tiny T5's, whose beam widens to 256)
+        self.pinned = not free
+        #: id of a state :meth:`undominated` compares -> its ready and live (value, placement) pairs
+        self.covers: dict[int, frozenset] = {}
         self.redistribution_cache: dict[tuple[int, Pending], list[tuple[Placement, float]]] = {}
         #: (op step, its inputs' placements) -> its options (:meth:`op_options`)
         self.option_cache: dict[tuple[int, tuple], tuple[list[_Option], str | None]] = {}
@@ -978,6 +988,8 @@ class _Search:
         # instead of all of them (the pairwise scan was most of the solve time at real widths).
         # Exactly the same states survive.
         indexes: dict[frozenset, dict[tuple, list[tuple[State, tuple]]]] = {}
+        self.live_at = {j: i for i, (j, _) in enumerate(next(iter(states))[0])} if states else {}
+        self.covers = {}
 
         def project(fixed: tuple, pending: frozenset) -> tuple:
             return tuple(item for item in fixed if item[0] not in pending)
@@ -1029,15 +1041,47 @@ class _Search:
         differently, that value must be *movable* (a Dynamo-node output read only through edges
         that may redistribute it, or a pending edge): ``a``'s plan can then follow ``b``'s by
         redistributing the value at its edges to whatever ``b``'s plan uses there, which costs
-        at most :meth:`conversion` more. ``a`` dominates if its cost plus those conversions does
-        not exceed ``b``'s. Values ``b`` already holds in extra placements (``ready``) must be
-        ready in ``a`` too. ``loose``: the positions in the live tuples where the two may differ,
-        when the caller knows they agree everywhere else (:meth:`prune`'s index)."""
+        at most :meth:`conversion` more. Placements ``b`` already holds a value in because an
+        earlier edge paid for them (``ready``) and ``a`` does not are priced the same way: ``a``
+        pays that redistribution at the later edge that reads it (the edge redistributed the value
+        in ``b``'s plan, so it may in ``a``'s). ``a`` dominates if its cost plus those conversions
+        does not exceed ``b``'s. ``loose``: the positions in the live tuples where the two may
+        differ, when the caller knows they agree everywhere else (:meth:`prune`'s index).
+
+        Only in a pinned graph (``pinned``), only where ``a`` holds each such value itself in the
+        one placement ``b`` paid beyond ``a``'s, and only strictly below ``b``'s cost (ties stay
+        with the beam's tie-break); elsewhere ``b``'s ready placements must be ready in ``a`` too. Requiring that in a pinned graph as well (as this did) kept, in a
+        decode graph whose parameters the prefill pinned, a state that gathered the rotary tables
+        once besides the one that kept them replicated: their costs drifted apart block by block,
+        so no block matched an earlier one (``reused_nodes`` 0, 2.2 s CPU for 14 layers of the
+        startup benchmark's model) where the prefill's blocks replay."""
         if cost_a > cost_b:
             return False
         (live_a, ready_a), (live_b, ready_b) = a, b
-        if not ready_b <= ready_a or len(live_a) != len(live_b):
+        if len(live_a) != len(live_b):
             return False
+        unready: frozenset | set = _NONE
+        unready_checked = False
+        if ready_b and not ready_b <= ready_a:
+            if not self.pinned:
+                return False
+            # b holds values ready in placements a does not: a decides only where a holds each such
+            # value itself in that placement (b paid a redistribution a never needs) and may move
+            # it (the conversion below prices what b holds ready); any other pair of states is left
+            # undecided, cheaply: most of them differ by more than their costs do
+            cover = self.covers.get(id(a))
+            if cover is None:  # (this, a C-level subset test, rejects nearly every such pair)
+                cover = self.covers[id(a)] = ready_a | frozenset(live_a)
+            if not ready_b <= cover:
+                return False
+            at = self.live_at
+            unready = set()
+            for j, q in ready_b - ready_a:
+                i = at.get(j)
+                if i is None or j in unready or j not in self.movable or live_a[i] != (j, q):
+                    return False
+                unready.add(j)
+            unready_checked = True
         slack = cost_b - cost_a
         for i in range(len(live_b)) if loose is None else loose:
             (j, pa), (jb, pb) = live_a[i], live_b[i]
@@ -1047,25 +1091,36 @@ class _Search:
                 continue
             if not isinstance(pb, Pending) and j not in self.movable:
                 return False
-            conversion = self.conversions.get((j, pa, pb))
-            slack -= self.conversion(j, pa, pb) if conversion is None else conversion
+            if unready and j in unready:  # b's ready placements of j priced too (a's count for a)
+                readies = (_ready_of(ready_a, j), _ready_of(ready_b, j))
+                unready.discard(j)
+                conversion = self.conversions.get((j, pa, pb, *readies))
+                slack -= self.conversion(j, pa, pb, *readies) if conversion is None else conversion
+            else:  # b holds j ready nowhere a does not: pricing neither's ready placements is an upper bound
+                conversion = self.conversions.get((j, pa, pb))
+                slack -= self.conversion(j, pa, pb) if conversion is None else conversion
             if slack < 0:
                 return False
-        return True
+        if unready_checked and slack <= TIE * max(1.0, abs(cost_b)):
+            return False  # a tie: left to the beam's tie-break (which reduces Partial values first)
+        return not unready
 
-    def conversion(self, j: int, pa: Any, pb: Any) -> float:
+    def conversion(self, j: int, pa: Any, pb: Any, ready_a: frozenset = frozenset(),
+                   ready_b: frozenset = frozenset()) -> float:
         """An upper bound of what a plan pays more for value ``j`` starting from placement ``pa``
-        than from ``pb`` whatever the later edges ask for: the sum, over every placement ``q``
-        ``pb`` can reach, of ``max(0, cost(pa -> q) - cost(pb -> q))`` (each redistribution of a
-        value to one placement is paid once and shared). ``inf`` where ``pa`` cannot reach a
-        placement ``pb`` reaches (a fused layout, ``R -> P``)."""
-        key = (j, pa, pb)
+        (and the placements ``ready_a`` an earlier edge paid for) than from ``pb`` (``ready_b``)
+        whatever the later edges ask for: the sum, over every placement ``q`` ``pb`` can reach
+        or holds, of ``max(0, cost(pa -> q) - cost(pb -> q))`` (each redistribution of a value to
+        one placement is paid once and shared). ``inf`` where ``pa`` cannot reach a placement
+        ``pb`` reaches (a fused layout, ``R -> P``)."""
+        key = (j, pa, pb, ready_a, ready_b) if ready_a or ready_b else (j, pa, pb)
         cached = self.conversions.get(key)
         if cached is not None:
             return cached
         spec = self.spec_of.get(j)
         src_a, free_a = (pa.src, pa.ready | {pa.src}) if isinstance(pa, Pending) else (pa, frozenset([pa]))
         src_b, free_b = (pb.src, pb.ready | {pb.src}) if isinstance(pb, Pending) else (pb, frozenset([pb]))
+        free_a, free_b = free_a | ready_a, free_b | ready_b
         if not isinstance(spec, TensorSpec) or not isinstance(src_a, Placement) or not isinstance(src_b, Placement):
             total = float("inf")
         else:
@@ -1234,6 +1289,14 @@ class _Search:
             cands = _candidates(step, ins)
             self.rule_cache[key] = cands
         return cands
+
+
+_NONE: frozenset = frozenset()
+
+
+def _ready_of(ready: frozenset, j: int) -> frozenset:
+    """The placements a state holds value ``j`` in besides its own (an earlier edge paid for them)."""
+    return frozenset(q for m, q in ready if m == j)
 
 
 def _runs_of_equal_cost(ranked: list[tuple[State, tuple]]) -> list[tuple[int, int]]:

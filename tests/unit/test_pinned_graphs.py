@@ -48,3 +48,43 @@ def test_sequence_parallelism_solves_a_pinned_graph_once_with_the_plan_of_two_so
         assert twice.cost == once.cost
         assert {n.name: str(p) for n, p in twice.placements.items()} == \
             {n.name: str(p) for n, p in once.placements.items()}
+
+
+def test_a_pinned_decode_graph_replays_its_blocks_with_the_plan_of_the_search_that_replays_none(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The decode step of a 4-layer Llama has every parameter pinned by the prefill. Its search
+    compares states that hold a value ready differently (``_Search.dominates``), so the blocks after
+    the first reach the same frontier and replay (``reused_nodes``); the search that does not
+    compare them keeps two frontier states whose costs drift apart block by block, replays nothing,
+    and returns the same plan: same cost, placements and local rewrites."""
+    import autotp.passes.solve as solve_module
+    from autotp.planner import plan_model
+
+    calls: list[tuple] = []
+    original = backend.solve
+
+    def recording(shadow: Any, opts: Any, fixed: Any, free: Any, param_nodes: Any) -> Solution:
+        solution = original(shadow, opts, fixed, free, param_nodes)
+        calls.append((shadow, opts, fixed, free, param_nodes, solution))
+        return solution
+
+    monkeypatch.setattr(backend, "solve", recording)
+    plan_model(tiny_config("llama", num_hidden_layers=4), 2, full_depth=True)
+    pinned = [c for c in calls if not c[3]]
+    assert len(pinned) == 1  # the decode step
+    shadow, opts, fixed, free, param_nodes, replayed = pinned[0]
+    assert replayed.trace.reused_nodes > 0
+
+    init = solve_module._Search.__init__
+
+    def without_ready_dominance(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        self.pinned = False
+
+    monkeypatch.setattr(solve_module._Search, "__init__", without_ready_dominance)
+    searched = solve(shadow, opts, fixed, free, param_nodes)
+    assert searched.trace.reused_nodes == 0
+    assert replayed.cost == searched.cost
+    assert {n.name: str(p) for n, p in replayed.placements.items()} == \
+        {n.name: str(p) for n, p in searched.placements.items()}
+    assert {n.name: t for n, t in replayed.local.items()} == {n.name: t for n, t in searched.local.items()}
