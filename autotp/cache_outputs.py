@@ -15,6 +15,9 @@ from collections.abc import Iterable
 import torch
 import torch.fx
 
+from autotp.context import shard_of
+from autotp.errors import AutoTPError
+
 #: concatenations a cache layer grows by (the Dynamo graph's torch-level op, or its ATen form)
 _CONCATENATIONS = (torch.cat, torch.concat, torch.concatenate, torch.ops.aten.cat.default)
 
@@ -58,12 +61,17 @@ def _grown_cache(node: torch.fx.Node, sources: set[torch.fx.Node]) -> bool:
     return any(isinstance(a, torch.fx.Node) and (a in sources or _is_empty_1d(a)) for a in operands)
 
 
+def _value(node: torch.fx.Node) -> object:
+    """The example value Dynamo (``example_value``) or a trace (``val``) recorded for ``node``."""
+    return node.meta.get("example_value", node.meta.get("val"))
+
+
 def _is_tensor(node: torch.fx.Node) -> bool:
-    return isinstance(node.meta.get("example_value", node.meta.get("val")), torch.Tensor)
+    return isinstance(_value(node), torch.Tensor)
 
 
 def _is_empty_1d(node: torch.fx.Node) -> bool:
-    value = node.meta.get("example_value", node.meta.get("val"))
+    value = _value(node)
     return isinstance(value, torch.Tensor) and tuple(value.shape) == (0,)
 
 
@@ -79,9 +87,6 @@ def refuse_spent_standins(user_inputs: Iterable[tuple[str, object]]) -> None:
     plan (every rank sees the same input, so all raise). ``user_inputs``: (Dynamo source, value)
     of the graph's non-parameter inputs. The ``parallelize_model`` entry refuses the same change
     earlier, at its boundary (``autotp.inputs.CacheWatch``)."""
-    from autotp.context import shard_of
-    from autotp.errors import AutoTPError
-
     for source, value in user_inputs:
         if isinstance(value, torch.Tensor) and value.is_floating_point() and value.numel() > 0 \
                 and shard_of(value) is None and bool(torch.isnan(value).all()):

@@ -666,6 +666,7 @@ def _all_reduce(x: Tensor, comm: Comm, backward: bool, op: str = "sum") -> Tenso
 _ALL_GATHER_SINGLE = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _REDUCE_SCATTER_SINGLE = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
+
 def _gather_raw(x: Tensor, comm: Comm) -> Tensor:
     """All-gather ``x`` (contiguous) into a new ``(N, *x.shape)`` tensor."""
     n = comm.world_size

@@ -34,6 +34,7 @@ import torch
 
 from autotp.context import shard_of
 from autotp.errors import AutoTPError
+from autotp.kv_cache import caches_in
 from autotp.sharded_cache import follow_edits
 
 __all__ = ["CacheWatch", "InputGuard", "TokenIdCheck", "check_mask", "check_token_ids"]
@@ -146,29 +147,6 @@ def check_token_ids(name: str, ids: torch.Tensor, rows: int) -> None:
     )
 
 
-def _caches(value: Any) -> Iterator[Any]:
-    """transformers cache objects in ``value``: those with a ``layers`` list (``DynamicCache``,
-    ``StaticCache``), also inside an ``EncoderDecoderCache``, a ModelOutput, a dict or a tuple."""
-    if isinstance(value, torch.Tensor) or value is None:
-        return
-    layers = getattr(value, "layers", None)
-    if isinstance(layers, list):
-        yield value
-        return
-    if isinstance(value, dict):
-        for v in value.values():
-            yield from _caches(v)
-        return
-    if isinstance(value, (tuple, list)):
-        for v in value:
-            yield from _caches(v)
-        return
-    for name in ("self_attention_cache", "cross_attention_cache"):
-        inner = getattr(value, name, None)
-        if inner is not None:
-            yield from _caches(inner)
-
-
 def _entries(cache: Any) -> Iterator[tuple[tuple[int, str], torch.Tensor]]:
     for i, layer in enumerate(cache.layers):
         for name, v in vars(layer).items():
@@ -185,7 +163,7 @@ class CacheWatch:
 
     def before(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
         """Refuse a cache one of whose sharded entries was replaced since the model returned it."""
-        for cache in _caches((args, dict(kwargs))):
+        for cache in caches_in((args, dict(kwargs))):
             known = self.sharded.get(id(cache))
             if known is None or known[0]() is not cache:
                 continue
@@ -206,7 +184,7 @@ class CacheWatch:
         """Remember the sharded entries of every cache the call used or returned, and make the
         library's own edits of it (beam search's reorder, crop, ...) act on the shards
         (:func:`autotp.sharded_cache.follow_edits`)."""
-        for cache in _caches((args, dict(kwargs), result)):
+        for cache in caches_in((args, dict(kwargs), result)):
             where = frozenset(k for k, v in _entries(cache) if shard_of(v) is not None)
             key = id(cache)
             if not where:

@@ -3,13 +3,14 @@
 transformers 5.24 renamed a causal LM's ``past_key_values`` forward argument and output field to
 ``cache`` (the old keyword is accepted with a warning until 5.40, and the output keeps a
 ``past_key_values`` property). autotp supports every ``transformers>=5.0``, so the planner, the
-benchmarks and the tests ask these two functions instead of spelling either name.
+benchmarks and the tests ask these two functions instead of spelling either name. The caches a
+value holds and their layers (:func:`caches_in`, :func:`cache_layers`) are found here too.
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 CACHE_NAMES = ("cache", "past_key_values")  # newest first
@@ -34,12 +35,32 @@ def returned_cache(output: Any) -> Any:
     return None
 
 
-def cache_layers(cache: Any) -> list[Any]:
-    """The layers (each holding ``keys`` and ``values``) of a transformers cache: a ``DynamicCache``'s
-    own, an ``EncoderDecoderCache``'s self-attention layers then its cross-attention layers; none
-    for None."""
-    layers = getattr(cache, "layers", None)
+def caches_in(value: Any) -> Iterator[Any]:
+    """The transformers cache objects in ``value``: those with a ``layers`` list (``DynamicCache``,
+    ``StaticCache``), also inside an ``EncoderDecoderCache`` (its self-attention cache, then its
+    cross-attention cache), a ModelOutput, a dict or a tuple."""
+    if value is None:
+        return
+    layers = getattr(value, "layers", None)  # (a tensor has none of these attributes: nothing)
     if isinstance(layers, list):
-        return layers
-    inner = (getattr(cache, name, None) for name in ("self_attention_cache", "cross_attention_cache"))
-    return [layer for c in inner if c is not None for layer in cache_layers(c)]
+        yield value
+        return
+    if isinstance(value, dict):
+        for v in value.values():
+            yield from caches_in(v)
+        return
+    if isinstance(value, (tuple, list)):
+        for v in value:
+            yield from caches_in(v)
+        return
+    for name in ("self_attention_cache", "cross_attention_cache"):
+        inner = getattr(value, name, None)
+        if inner is not None:
+            yield from caches_in(inner)
+
+
+def cache_layers(cache: Any) -> list[Any]:
+    """The layers (each holding ``keys`` and ``values``) of the caches in ``cache``
+    (:func:`caches_in`): a ``DynamicCache``'s own, an ``EncoderDecoderCache``'s self-attention
+    layers then its cross-attention layers; none for None."""
+    return [layer for c in caches_in(cache) for layer in c.layers]

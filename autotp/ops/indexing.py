@@ -219,10 +219,9 @@ def index_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate
     px, pis = inputs[0], inputs[1:]
     if any(not isinstance(q, Replicate) for q in pis):
         return reject("index tensors must be Replicate")
-    if isinstance(px, StridedShard) and px.dim < len(op.arg(1, "indices")) \
-            and op.arg(1, "indices")[px.dim] is not None:
-        indices = list(op.arg(1, "indices"))
-        at = indices[px.dim] if px.dim < len(indices) else None
+    indices = list(op.arg(1, "indices"))
+    if isinstance(px, StridedShard) and px.dim < len(indices) and indices[px.dim] is not None:
+        at = indices[px.dim]
         if isinstance(at, TensorSpec) and at.value is not None \
                 and all(t is None for d, t in enumerate(indices) if d != px.dim) \
                 and whole_segment_of(px, at.value) is not None:
@@ -231,7 +230,6 @@ def index_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candidate
     if not isinstance(px, Shard):
         return same(px)
     x = op.tensor_inputs[0]
-    indices = list(op.arg(1, "indices"))
     if any(isinstance(t, TensorSpec) and t.dtype in (torch.bool, torch.uint8) for t in indices):
         return reject("boolean mask indexing of a sharded tensor")
     indexed = [i for i, t in enumerate(indices) if t is not None]

@@ -1050,19 +1050,20 @@ class _Search:
 
         Only in a pinned graph (``pinned``), only where ``a`` holds each such value itself in the
         one placement ``b`` paid beyond ``a``'s, and only strictly below ``b``'s cost (ties stay
-        with the beam's tie-break); elsewhere ``b``'s ready placements must be ready in ``a`` too. Requiring that in a pinned graph as well (as this did) kept, in a
-        decode graph whose parameters the prefill pinned, a state that gathered the rotary tables
-        once besides the one that kept them replicated: their costs drifted apart block by block,
-        so no block matched an earlier one (``reused_nodes`` 0, 2.2 s CPU for 14 layers of the
-        startup benchmark's model) where the prefill's blocks replay."""
+        with the beam's tie-break); elsewhere ``b``'s ready placements must be ready in ``a`` too.
+        Requiring that in a pinned graph as well (as this did) kept, in a decode graph whose
+        parameters the prefill pinned, a state that gathered the rotary tables once besides the
+        one that kept them replicated: their costs drifted apart block by block, so no block
+        matched an earlier one (``reused_nodes`` 0, 2.2 s CPU for 14 layers of the startup
+        benchmark's model) where the prefill's blocks replay."""
         if cost_a > cost_b:
             return False
         (live_a, ready_a), (live_b, ready_b) = a, b
         if len(live_a) != len(live_b):
             return False
-        unready: frozenset | set = _NONE
-        unready_checked = False
-        if ready_b and not ready_b <= ready_a:
+        unready: set[int] = set()  # values b holds ready in a placement a does not, not yet priced
+        extra_ready = bool(ready_b) and not ready_b <= ready_a
+        if extra_ready:
             if not self.pinned:
                 return False
             # b holds values ready in placements a does not: a decides only where a holds each such
@@ -1075,13 +1076,11 @@ class _Search:
             if not ready_b <= cover:
                 return False
             at = self.live_at
-            unready = set()
             for j, q in ready_b - ready_a:
                 i = at.get(j)
                 if i is None or j in unready or j not in self.movable or live_a[i] != (j, q):
                     return False
                 unready.add(j)
-            unready_checked = True
         slack = cost_b - cost_a
         for i in range(len(live_b)) if loose is None else loose:
             (j, pa), (jb, pb) = live_a[i], live_b[i]
@@ -1101,7 +1100,7 @@ class _Search:
                 slack -= self.conversion(j, pa, pb) if conversion is None else conversion
             if slack < 0:
                 return False
-        if unready_checked and slack <= TIE * max(1.0, abs(cost_b)):
+        if extra_ready and slack <= TIE * max(1.0, abs(cost_b)):
             return False  # a tie: left to the beam's tie-break (which reduces Partial values first)
         return not unready
 
@@ -1289,9 +1288,6 @@ class _Search:
             cands = _candidates(step, ins)
             self.rule_cache[key] = cands
         return cands
-
-
-_NONE: frozenset = frozenset()
 
 
 def _ready_of(ready: frozenset, j: int) -> frozenset:

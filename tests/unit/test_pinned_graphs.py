@@ -17,9 +17,9 @@ from autotp.passes.solve import LATENCY_BYTES, Solution, solve
 from tests._tiny import tiny_config
 
 
-def _pinned_solves(monkeypatch: pytest.MonkeyPatch, arch: str, sequence_parallel: bool) -> list[tuple]:
-    """Every solve ``plan_model`` runs for the tiny ``arch`` at tp=2 (warm-up, prefill, decode step),
-    as ``(shadow, opts, fixed, free, param_nodes, solution)``."""
+def _solves(monkeypatch: pytest.MonkeyPatch, config: Any, **options: Any) -> list[tuple]:
+    """Every solve ``plan_model(config, 2, **options)`` runs (warm-up, prefill, decode step), as
+    ``(shadow, opts, fixed, free, param_nodes, solution)``."""
     from autotp.planner import plan_model
 
     calls: list[tuple] = []
@@ -31,13 +31,14 @@ def _pinned_solves(monkeypatch: pytest.MonkeyPatch, arch: str, sequence_parallel
         return solution
 
     monkeypatch.setattr(backend, "solve", recording)
-    plan_model(tiny_config(arch), 2, seq_len=8, sequence_parallel=sequence_parallel, full_depth=True)
+    plan_model(config, 2, **options)
     return calls
 
 
 def test_sequence_parallelism_solves_a_pinned_graph_once_with_the_plan_of_two_solves(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    pinned = [c for c in _pinned_solves(monkeypatch, "llama", True) if not c[3]]
+    solves = _solves(monkeypatch, tiny_config("llama"), seq_len=8, sequence_parallel=True, full_depth=True)
+    pinned = [c for c in solves if not c[3]]
     assert pinned and all(c[1].activation_weight > 0 for c in pinned)  # only the sequence-parallel solve ran
     for shadow, sp_opts, fixed, _, param_nodes, once in pinned:
         # the pure-communication solve this graph had before, then the sequence-parallel one
@@ -58,19 +59,8 @@ def test_a_pinned_decode_graph_replays_its_blocks_with_the_plan_of_the_search_th
     compare them keeps two frontier states whose costs drift apart block by block, replays nothing,
     and returns the same plan: same cost, placements and local rewrites."""
     import autotp.passes.solve as solve_module
-    from autotp.planner import plan_model
 
-    calls: list[tuple] = []
-    original = backend.solve
-
-    def recording(shadow: Any, opts: Any, fixed: Any, free: Any, param_nodes: Any) -> Solution:
-        solution = original(shadow, opts, fixed, free, param_nodes)
-        calls.append((shadow, opts, fixed, free, param_nodes, solution))
-        return solution
-
-    monkeypatch.setattr(backend, "solve", recording)
-    plan_model(tiny_config("llama", num_hidden_layers=4), 2, full_depth=True)
-    pinned = [c for c in calls if not c[3]]
+    pinned = [c for c in _solves(monkeypatch, tiny_config("llama", num_hidden_layers=4), full_depth=True) if not c[3]]
     assert len(pinned) == 1  # the decode step
     shadow, opts, fixed, free, param_nodes, replayed = pinned[0]
     assert replayed.trace.reused_nodes > 0
