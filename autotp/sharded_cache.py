@@ -70,8 +70,10 @@ def _on_shards(layer: Any, method: Callable[..., Any]) -> Callable[..., Any]:
 def _rewrapped(standin: torch.Tensor, local: Any, edit: str) -> Any:
     """``local`` (what the edit left of ``standin``'s shard) as a stand-in again."""
     shard, placement = shard_of(standin)
-    if local is shard or not isinstance(local, torch.Tensor):
-        return standin if local is shard else local
+    if local is shard:  # the edit left this entry alone
+        return standin
+    if not isinstance(local, torch.Tensor):
+        return local
     if local.dim() != shard.dim() or local.shape[placement.dim] != shard.shape[placement.dim]:
         raise AutoTPError(
             f"the KV cache's {edit} changed the dim each rank holds a part of ({placement}: local shape "
