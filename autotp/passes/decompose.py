@@ -529,8 +529,10 @@ def _constant_values(traced: torch.fx.GraphModule, n: torch.fx.Node) -> dict[str
     out = {name: tuple(int(v) for v in c.flatten().tolist()) for name, c in constants
            if c.device.type != "meta" and not isinstance(c, FakeTensor)}
     empty = [(name, c) for name, c in constants if name not in out]
+    if not empty:  # nearly every node: no walk of its arguments
+        return out
     lists = _int_lists((n.args, n.kwargs))
-    if empty and len(lists) == len(empty) and all(len(v) == c.numel() for v, (_, c) in zip(lists, empty, strict=True)):
+    if len(lists) == len(empty) and all(len(v) == c.numel() for v, (_, c) in zip(lists, empty, strict=True)):
         out.update((name, v) for v, (name, _) in zip(lists, empty, strict=True))
     return out
 
