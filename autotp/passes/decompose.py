@@ -39,6 +39,7 @@ from autotp.compat import (
     LazyGraphModule,
     OpOverload,
     core_aten_decompositions,
+    lazy_traced_graphs,
     pytree,
 )
 from autotp.ops.registry import CONSTANT_VALUE
@@ -175,7 +176,7 @@ def decompose_whole(gm: torch.fx.GraphModule, example_inputs: list[Any],
     def run(*args: Any) -> Any:
         return interpreter.run(*args)
 
-    with fake_mode, torch.fx.traceback.preserve_node_meta():
+    with fake_mode, torch.fx.traceback.preserve_node_meta(), lazy_traced_graphs():  # code written only if read
         aten = make_fx(
             torch.func.functionalize(run, remove="mutations_and_views"),
             decomposition_table=decomposition_table(),
@@ -298,7 +299,7 @@ def _trace_node(n: torch.fx.Node, flat: list[Any], spec: Any, fake_mode: FakeTen
         holder["values"] = [_TENSOR if isinstance(v, Tensor) else v for v in out_flat]
         return [v for v in out_flat if isinstance(v, Tensor)]
 
-    with fake_mode:
+    with fake_mode, lazy_traced_graphs():  # the trace is read and copied, never run: no Python code
         metas = [flat[i].val for i in tensor_positions]
         fakes = [torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device).requires_grad_(v.requires_grad)
                  for v in metas]
