@@ -17,7 +17,9 @@ for later graphs (recompiles, decode steps), since a collection walks every live
 (~0.9 s in a rank holding the loaded benchmark model) and the automatic collector frees that
 garbage eventually; then trims alone in the fuse pass after each group it lays out anew and at the
 end of ``parallelize_model``.
-Elsewhere than glibc (macOS, musl) only the collection runs.
+Elsewhere than glibc (macOS, musl) only the collection runs. The planning itself (decompose,
+solve) runs under :func:`collecting_new_objects_only`, so the collector's own full collections
+there do not walk the loaded model.
 
 One allocation burst is not the model's at all: after a backend returns, Dynamo measures how long
 the new graph's guards take to check (``torch._dynamo.guards.profile_guard_manager``, for its
