@@ -32,7 +32,7 @@ from autotp.config import AutoTPConfig
 from autotp.context import CompiledGraph, TPContext, attach_meta, meta_of, shard_of, sharded_standin, standin
 from autotp.errors import AutoTPError, SolverError
 from autotp.inner import inner_compile
-from autotp.memory import release_free_memory
+from autotp.memory import collecting_new_objects_only, release_free_memory
 from autotp.mesh import check_layout
 from autotp.ops.embedding import vocabulary_sizes
 from autotp.ops.fused import fused_segmentations, strided_candidates
@@ -208,7 +208,8 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: list[Any], ctx: TPCo
     if ctx.gather_outputs:  # the torch.compile entry: no boundary of its own sees a changed cache
         refuse_spent_standins((str(grapharg_source(ph)), x) for ph, x in inputs.user)
     checkpoints = inline_checkpoints(gm)  # checkpointed blocks are planned through (passes/checkpoint.py)
-    plan = plan_graph(gm, example_inputs, inputs, ctx, graph_id, runner, folder)
+    with collecting_new_objects_only():  # the collector skips the model and Dynamo (autotp/memory.py)
+        plan = plan_graph(gm, example_inputs, inputs, ctx, graph_id, runner, folder)
     return lower_graph(gm, example_inputs, inputs, plan, ctx, runner, folder, bool(checkpoints))
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +39,7 @@ from autotp.compat import (
     LazyGraphModule,
     OpOverload,
     core_aten_decompositions,
+    lazy_traced_graphs,
     pytree,
 )
 from autotp.ops.registry import CONSTANT_VALUE
@@ -151,13 +153,15 @@ def decompose(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> ShadowGrap
     reused for every length and a length that does not divide by the world size could not be split."""
     with torch.set_grad_enabled(torch.is_grad_enabled()):  # a traced grad-mode switch must not leak
         try:
-            # the shifted-size decomposition shares the traces: a node whose inputs' sizes do not
-            # move (in a decode step, all but attention over the cache) is traced once, not twice
-            build = functools.partial(decompose_by_node, memo={})
-            shadow = build(gm, example_inputs)
+            builder = _NodeByNode(gm, example_inputs, {}, {})
+            shadow = builder.build()
+            nodes_at = builder.nodes_at
         except NotNodeLocal:
-            build, shadow = decompose_whole, decompose_whole(gm, example_inputs)
-        mark_symbolic_dims(shadow, build)
+            shadow = decompose_whole(gm, example_inputs)
+
+            def nodes_at(resized: dict[int, Any]) -> list[Any]:
+                return list(decompose_whole(gm, example_inputs, resized).aten.graph.nodes)
+        mark_symbolic_dims(shadow, nodes_at)
     return shadow
 
 
@@ -172,7 +176,7 @@ def decompose_whole(gm: torch.fx.GraphModule, example_inputs: list[Any],
     def run(*args: Any) -> Any:
         return interpreter.run(*args)
 
-    with fake_mode, torch.fx.traceback.preserve_node_meta():
+    with fake_mode, torch.fx.traceback.preserve_node_meta(), lazy_traced_graphs():  # code written only if read
         aten = make_fx(
             torch.func.functionalize(run, remove="mutations_and_views"),
             decomposition_table=decomposition_table(),
@@ -295,7 +299,7 @@ def _trace_node(n: torch.fx.Node, flat: list[Any], spec: Any, fake_mode: FakeTen
         holder["values"] = [_TENSOR if isinstance(v, Tensor) else v for v in out_flat]
         return [v for v in out_flat if isinstance(v, Tensor)]
 
-    with fake_mode:
+    with fake_mode, lazy_traced_graphs():  # the trace is read and copied, never run: no Python code
         metas = [flat[i].val for i in tensor_positions]
         fakes = [torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device).requires_grad_(v.requires_grad)
                  for v in metas]
@@ -333,12 +337,16 @@ class _NodeByNode:
     the value of every Dynamo node seen so far (tensors as :class:`_Ref`)."""
 
     def __init__(self, gm: torch.fx.GraphModule, example_inputs: list[Any], resized: dict[int, Any],
-                 memo: dict[tuple, _NodeTrace]) -> None:
-        self.fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
+                 memo: dict[tuple, _NodeTrace], like: _NodeByNode | None = None) -> None:
+        # ``like``: the build at the current sizes whose fake mode and fake inputs (all but the
+        # resized ones) this one shares, and which it only records (:meth:`nodes_at`)
+        self.fake_mode = FakeTensorMode(allow_non_fake_inputs=False) if like is None else like.fake_mode
+        self.fake_inputs: list[Any] = []  # by placeholder position
+        self.like = like
         self.resized = resized
         self.table = decomposition_table()
         self.memo = memo
-        self.graph = torch.fx.Graph()
+        self.graph: Any = torch.fx.Graph() if like is None else _Recorder()
         self.root = torch.nn.Module()
         self.constants = itertools.count()
         self.env: dict[torch.fx.Node, Any] = {}
@@ -346,11 +354,33 @@ class _NodeByNode:
                                   example_inputs=list(example_inputs))
 
     def build(self) -> ShadowGraph:
+        self.walk()
+        self.shadow.aten = LazyGraphModule(self.root, self.graph)  # code written only if read (a trace folder)
+        return self.shadow
+
+    def nodes_at(self, resized: dict[int, Any]) -> list[Any]:
+        """The nodes this build made, in order, as they come out at the sizes ``resized`` gives
+        (see :func:`_fake_input`): each with ``op``, ``target`` and ``meta["val"]``, which is all
+        :func:`mark_symbolic_dims` compares. Shares this build's traces (a node whose inputs'
+        sizes do not move, in a decode step all but attention over the cache, is not traced
+        again), its fake mode and its unresized fake inputs (a parameter is faked once), and
+        records the nodes instead of building a graph (fx's naming, argument checks and use lists
+        were most of the second build's cost after its traces)."""
+        other = _NodeByNode(self.shadow.dynamo, self.shadow.example_inputs, resized, self.memo, like=self)
+        other.walk()
+        return other.graph.nodes
+
+    def walk(self) -> None:
+        """Decompose every Dynamo node into ``self.graph``, in order."""
         shadow = self.shadow
         for dst, n in enumerate(shadow.dynamo_nodes):
             if n.op == "placeholder":
                 position = len(shadow.placeholders)
-                x = _fake_input(self.fake_mode, shadow.example_inputs[position], self.resized.get(position))
+                if self.like is not None and position not in self.resized:
+                    x = self.like.fake_inputs[position]
+                else:
+                    x = _fake_input(self.fake_mode, shadow.example_inputs[position], self.resized.get(position))
+                self.fake_inputs.append(x)
                 ph = self.graph.placeholder(n.name)
                 ph.meta["stack_trace"] = n.meta.get("stack_trace")
                 shadow.placeholders.append((ph, n))
@@ -378,8 +408,6 @@ class _NodeByNode:
                 if key is not None:
                     self.memo[key] = traced
             self.env[n] = self.copy_trace(n, dst, traced, [v.node for v in flat if isinstance(v, _Ref)])
-        shadow.aten = LazyGraphModule(self.root, self.graph)  # code written only if read (a trace folder)
-        return shadow
 
     def bracket_inputs(self, n: torch.fx.Node, dst: int) -> tuple[Any, Any]:
         """``n``'s arguments with an edge on every tensor leaf of every Node argument (map_arg order)."""
@@ -387,18 +415,20 @@ class _NodeByNode:
 
         def fetch(m: torch.fx.Node) -> Any:
             leaf = next(leaf_counter)
-            flat_in, spec_in = pytree.tree_flatten(self.env[m])
-            out = []
-            for sub, v in enumerate(flat_in):
-                if isinstance(v, _Ref):
-                    e = self.graph.call_function(EDGE, (v.node, dst, leaf, sub))
-                    self.shadow.edges[(dst, leaf, sub)] = e
-                    self.shadow.owner[e] = dst
-                    v = _produced(e, v.val)
-                out.append(v)
-            return pytree.tree_unflatten(out, spec_in)
+            value = self.env[m]
+            if isinstance(value, _Ref):  # one tensor, most arguments: its own leaf (sub 0), no pytree walk
+                return self.edge(value, dst, leaf, 0)
+            flat_in, spec_in = pytree.tree_flatten(value)
+            return pytree.tree_unflatten([self.edge(v, dst, leaf, sub) if isinstance(v, _Ref) else v
+                                          for sub, v in enumerate(flat_in)], spec_in)
 
         return torch.fx.node.map_arg(n.args, fetch), torch.fx.node.map_arg(n.kwargs, fetch)
+
+    def edge(self, v: _Ref, dst: int, leaf: int, sub: int) -> _Ref:
+        e = self.graph.call_function(EDGE, (v.node, dst, leaf, sub))
+        self.shadow.edges[(dst, leaf, sub)] = e
+        self.shadow.owner[e] = dst
+        return _produced(e, v.val)
 
     def copy_trace(self, n: torch.fx.Node, dst: int, traced: _NodeTrace, edges: list[torch.fx.Node]) -> Any:
         """Copy ``traced`` into the graph with its inputs bound to ``edges``; mark every tensor
@@ -444,6 +474,45 @@ class _NodeByNode:
         return pytree.tree_unflatten(result, traced.spec)
 
 
+class _Recorded:
+    """A node of a recording build (:meth:`_NodeByNode.nodes_at`): op, target, arguments, meta."""
+
+    __slots__ = ("op", "target", "args", "meta")
+
+    def __init__(self, op: str, target: Any, args: tuple) -> None:
+        self.op, self.target, self.args, self.meta = op, target, args, {}
+
+
+class _Recorder:
+    """Stands in for the ``torch.fx.Graph`` of a recording build: the nodes it would make, in order.
+    A copied node's arguments are mapped one level deep (a copy's own ``args[0]`` is all the
+    walk reads back: a lifted constant's value)."""
+
+    def __init__(self) -> None:
+        self.nodes: list[_Recorded] = []
+
+    def _add(self, op: str, target: Any, args: tuple = ()) -> _Recorded:
+        node = _Recorded(op, target, args)
+        self.nodes.append(node)
+        return node
+
+    def placeholder(self, name: str) -> _Recorded:
+        return self._add("placeholder", name)
+
+    def get_attr(self, name: str) -> _Recorded:
+        return self._add("get_attr", name)
+
+    def call_function(self, target: Any, args: tuple) -> _Recorded:
+        return self._add("call_function", target, args)
+
+    def node_copy(self, node: torch.fx.Node, arg_transform: Any) -> _Recorded:
+        return self._add(node.op, node.target,
+                         tuple(arg_transform(a) if isinstance(a, torch.fx.Node) else a for a in node.args))
+
+    def output(self, result: Any) -> _Recorded:
+        return self._add("output", "output", (result,))
+
+
 _CONSTANT_LIMIT = 64  # elements: index lists, not tables
 #: ops a traced constant passes through before its use (a real constant is lifted by a copy)
 _CONSTANT_COPIES = {torch.ops.aten.lift_fresh_copy.default, torch.ops.aten.lift_fresh.default}
@@ -461,8 +530,10 @@ def _constant_values(traced: torch.fx.GraphModule, n: torch.fx.Node) -> dict[str
     out = {name: tuple(int(v) for v in c.flatten().tolist()) for name, c in constants
            if c.device.type != "meta" and not isinstance(c, FakeTensor)}
     empty = [(name, c) for name, c in constants if name not in out]
+    if not empty:  # nearly every node: no walk of its arguments
+        return out
     lists = _int_lists((n.args, n.kwargs))
-    if empty and len(lists) == len(empty) and all(len(v) == c.numel() for v, (_, c) in zip(lists, empty, strict=True)):
+    if len(lists) == len(empty) and all(len(v) == c.numel() for v, (_, c) in zip(lists, empty, strict=True)):
         out.update((name, v) for v, (name, _) in zip(lists, empty, strict=True))
     return out
 
@@ -641,14 +712,15 @@ def _equal_sized_dims(value: Any, sizes: set[int]) -> Any:
     return None
 
 
-def mark_symbolic_dims(shadow: ShadowGraph, build: Any) -> None:
+def mark_symbolic_dims(shadow: ShadowGraph, nodes_at: Callable[[dict[int, Any]], list[Any]]) -> None:
     """Record, on every ATen value of a dynamic-shape graph, the dims whose size is symbolic.
 
     Dynamo compiles a graph once and reuses it for every size its guards admit, but the shadow
     graph is traced at the current sizes, where a sequence of 8 tokens divides by 2. So the graph
-    is decomposed a second time (``build``: the same decomposer) with every size symbol shifted by
-    one; the two ATen graphs are node-for-node the same program, and a dim whose size differs
-    between them depends on a symbol. If the second decomposition fails or differs in structure,
+    is decomposed a second time (``nodes_at``: the same decomposer, which returns the nodes it
+    would make at the sizes of :func:`_resized_inputs`) with every size symbol shifted by one; the
+    two ATen graphs are node-for-node the same program, and a dim whose size differs between them
+    depends on a symbol. If the second decomposition fails or differs in structure,
     every dim whose size equals the current size of an input's symbolic dim is marked instead
     (conservative: such a dim may be symbolic), and ``shadow.symbolic_sizes`` says so."""
     found = _symbols(shadow.dynamo)
@@ -658,7 +730,7 @@ def mark_symbolic_dims(shadow: ShadowGraph, build: Any) -> None:
     ours = list(shadow.aten.graph.nodes)
     reason = None
     try:
-        other = list(build(shadow.dynamo, shadow.example_inputs, _resized_inputs(shadow.dynamo, shifted)).aten.graph.nodes)
+        other = nodes_at(_resized_inputs(shadow.dynamo, shifted))
         if len(other) != len(ours) or any(m.op != n.op or m.target != n.target for m, n in zip(ours, other, strict=True)):
             reason = "the graph decomposes differently at shifted sizes"
     except Exception as e:  # any failure only makes the marking conservative

@@ -16,6 +16,9 @@ from autotp.passes.decompose import (
     SYMBOLIC_DIMS,
     NotNodeLocal,
     ShadowGraph,
+    _NodeByNode,
+    _resized_inputs,
+    _symbols,
     decompose,
     decompose_by_node,
     decompose_whole,
@@ -161,6 +164,28 @@ def test_a_dynamic_graph_marks_the_sequence_dims_symbolic_and_nothing_else() -> 
     # a parameter's edge is never symbolic
     params = {ph.name for ph, dyn in shadow.placeholders if "parameters" in dyn.name}
     assert not any(name in marked for name in params)
+
+
+def test_the_shifted_size_recording_has_the_nodes_and_values_of_a_full_decomposition_at_those_sizes() -> None:
+    """``mark_symbolic_dims`` compares the shadow graph with a recording of the nodes (not an fx
+    graph) at shifted sizes, which shares the first build's traces, fake mode and unresized fake
+    inputs; it must be the graph a fresh decomposition at those sizes builds, node for node."""
+    model = tiny_model("llama", num_hidden_layers=2).eval()
+    gm, example = _capture_recompiled(model, torch.tensor([[1, 2, 3, 4, 5]]), torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8]]))
+    builder = _NodeByNode(gm, example, {}, {})
+    builder.build()
+    found = _symbols(gm)
+    assert found is not None
+    resized = _resized_inputs(gm, found[1])
+    recorded = builder.nodes_at(resized)
+    fresh = list(decompose_by_node(gm, example, resized).aten.graph.nodes)
+
+    def signature(n: Any) -> tuple:
+        val = n.meta.get("val")
+        return (n.op, str(n.target), tuple(val.shape) if isinstance(val, torch.Tensor) else None)
+
+    assert [signature(n) for n in recorded] == [signature(n) for n in fresh]
+    assert any(signature(n) != signature(m) for n, m in zip(recorded, builder.shadow.aten.graph.nodes, strict=True))
 
 
 def test_a_static_graph_marks_no_dim_symbolic() -> None:
