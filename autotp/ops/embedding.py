@@ -8,13 +8,14 @@
   parameter placements (:func:`vocabulary_tables`, below), not this rule's;
 * weight S(0) (vocab split), indices R -> Partial with ``local="vocab_parallel"``: each rank looks
   up the rows it holds and returns zeros for tokens outside its range, so the rank results add up;
-* weight P, indices R -> P (the lookup is linear in the weight).
+* weight P, indices R -> P (the lookup is linear in the weight);
+* a strided, head or grouped split of the weight: rejected (the lookup has no local form for them).
 
 Indices are integers and are never Partial.
 
 Which tables are split by columns. A *vocabulary* - a table :func:`vocabulary_tables` finds looked
 up by the graph's own inputs (token ids as given, viewed or copied; BERT's position ids, a buffer,
-count too) - is offered row splits only (``backend._solve``). Its column split would be correct,
+count too) - is offered row splits only (:func:`rows_only`, in ``backend._solve``). Its column split would be correct,
 and its all-gather moves half the bytes of the vocab-parallel all-reduce, but it does not compose
 with a tied lm_head (whose contraction over split columns leaves the logits partial) or with
 vocab-parallel cross-entropy (which reads the head's vocab-split logits), and it would make the plan
