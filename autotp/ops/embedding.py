@@ -15,11 +15,11 @@ Indices are integers and are never Partial.
 
 Which tables are split by columns. A *vocabulary* - a table :func:`vocabulary_tables` finds looked
 up by the graph's own inputs (token ids as given, viewed or copied; BERT's position ids, a buffer,
-count too) - is offered row splits only (:func:`rows_only`, in ``backend._solve``). Its column split would be correct,
-and its all-gather moves half the bytes of the vocab-parallel all-reduce, but it does not compose
-with a tied lm_head (whose contraction over split columns leaves the logits partial) or with
-vocab-parallel cross-entropy (which reads the head's vocab-split logits), and it would make the plan
-of a tied and an untied model differ. Every other table - T5's relative-attention bias, a
+count too) - is offered row splits only (:func:`rows_only`, in ``backend._solve``). Its column
+split would be correct, and its all-gather moves half the bytes of the vocab-parallel all-reduce,
+but it does not compose with a tied lm_head (whose contraction over split columns leaves the logits
+partial) or with vocab-parallel cross-entropy (which reads the head's vocab-split logits), and it
+would make the plan of a tied and an untied model differ. Every other table - T5's relative-attention bias, a
 (32 buckets, heads) table looked up by buckets the graph computes from positions - may take either
 split: the solver prices both. For T5's table the column split is what attention wants (its output
 ``(q, k, heads)`` is permuted onto the scores' heads dim), so block 0 of each stack issues no
