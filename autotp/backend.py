@@ -34,7 +34,7 @@ from autotp.errors import AutoTPError, SolverError
 from autotp.inner import inner_compile
 from autotp.memory import collecting_new_objects_only, release_free_memory
 from autotp.mesh import check_layout
-from autotp.ops.embedding import vocabulary_sizes
+from autotp.ops.embedding import rows_only, vocabulary_sizes, vocabulary_tables
 from autotp.ops.fused import fused_segmentations, strided_candidates
 from autotp.ops.heads import head_candidates, head_splits
 from autotp.ops.kv_heads import kv_projections
@@ -608,6 +608,7 @@ def _solve(gm: torch.fx.GraphModule, example_inputs: list[Any], param_inputs: di
     backward = gradient_node(gm) is not None
     kv_heads = kv_projections(shadow.aten.graph, world)
     vocabularies = vocabulary_sizes(shadow.aten.graph, world)  # dims that may be split unevenly
+    vocabulary = vocabulary_tables(shadow.aten.graph)  # token embeddings: split by rows only
     splits = head_splits(shadow.aten.graph, world)  # heads no tp divides
     fixed, free = {}, {}
     aten_params: dict[torch.fx.Node, tuple] = {}
@@ -634,6 +635,8 @@ def _solve(gm: torch.fx.GraphModule, example_inputs: list[Any], param_inputs: di
                         if s.dim not in whole_heads]
             options += [(s, nbytes * s.whole_share(world)) for s in strided]
             options += [(s, 0.0) for s in in_heads]
+            if aten_of[ph] in vocabulary:  # autotp/ops/embedding.py: which tables are split by columns
+                options = rows_only(options)
             heads = kv_heads.get(aten_of[ph]) if not backward else None  # grouped shards: forward only
             if heads is not None:  # a k/v projection whose heads tp exceeds: kept whole, one head per rank
                 options = options[:1] + [(g, nbytes * (1 / g.groups - 1 / world))

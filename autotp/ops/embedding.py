@@ -3,16 +3,28 @@
 ``embedding(weight (V, H), indices (...)) -> (..., H)``:
 
 * weight R, indices R -> R; weight R, indices S(d) -> S(d) (each rank looks up its own tokens);
-* weight S(1) (hidden split) is *not* offered: a looked-up table is sharded by rows only. A
-  column split would be correct (each rank's columns of every row, output S(last)) and its
-  all-gather moves half the bytes of the vocab-parallel all-reduce, but it does not compose with a
-  tied lm_head or with vocab-parallel cross-entropy, and it makes the plan of a tied and an untied
-  model differ. This is the one place a rule withholds a valid candidate on purpose;
+* weight S(1) (column split), indices R -> S(last): each rank looks up its own columns of every
+  row. The rule offers it for every table; which tables may *take* it is the backend's choice of
+  parameter placements (:func:`vocabulary_tables`, below), not this rule's;
 * weight S(0) (vocab split), indices R -> Partial with ``local="vocab_parallel"``: each rank looks
   up the rows it holds and returns zeros for tokens outside its range, so the rank results add up;
-* weight P, indices R -> P (the lookup is linear in the weight).
+* weight P, indices R -> P (the lookup is linear in the weight);
+* a strided, head or grouped split of the weight: rejected (the lookup has no local form for them).
 
 Indices are integers and are never Partial.
+
+Which tables are split by columns. A *vocabulary* - a table :func:`vocabulary_tables` finds looked
+up by the graph's own inputs (token ids as given, viewed or copied; BERT's position ids, a buffer,
+count too) - is offered row splits only (:func:`rows_only`, in ``backend._solve``). Its column
+split would be correct, and its all-gather moves half the bytes of the vocab-parallel all-reduce,
+but it does not compose with a tied lm_head (whose contraction over split columns leaves the logits
+partial) or with vocab-parallel cross-entropy (which reads the head's vocab-split logits), and it
+would make the plan of a tied and an untied model differ. Every other table - T5's relative-attention bias, a
+(32 buckets, heads) table looked up by buckets the graph computes from positions - may take either
+split: the solver prices both. For T5's table the column split is what attention wants (its output
+``(q, k, heads)`` is permuted onto the scores' heads dim), so block 0 of each stack issues no
+collective for it; a row split would leave a partial lookup that a reduce-scatter puts onto the
+heads.
 
 A vocabulary that the world size does not divide (GPT-2's 50257 at tp=2) is still split by rows:
 :func:`vocabulary_sizes` names the table sizes found in a graph, and the backend offers parameters
@@ -31,6 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from autotp.ops._common import P, R, aten_ops, out_is_float, same
+from autotp.ops.fused import behind_brackets
 from autotp.ops.registry import Candidate, OpCall, register, register_local, reject
 from autotp.placement import Partial, Placement, Replicate, Shard
 
@@ -70,6 +83,45 @@ def vocab_parallel_embedding(indices: torch.Tensor, weight_local: torch.Tensor, 
     return out.masked_fill(outside.unsqueeze(-1), 0)
 
 
+#: ops that hand their first argument's values on unchanged (views and copies): token ids keep
+#: being token ids through them
+_ID_PRESERVING = set(aten_ops(
+    "view.default", "view_copy.default", "_unsafe_view.default", "reshape.default", "clone.default",
+    "alias.default", "alias_copy.default", "unsqueeze.default", "unsqueeze_copy.default", "squeeze.dim",
+    "squeeze_copy.dim", "expand.default", "expand_copy.default", "slice.Tensor", "slice_copy.Tensor",
+    "_to_copy.default"))
+
+
+def vocabulary_tables(graph: torch.fx.Graph) -> frozenset[torch.fx.Node]:
+    """The tables (placeholders) that ``aten.embedding`` looks up in ``graph`` by one of the graph's
+    inputs, as given or through views and copies: the token (and input position) embeddings, which
+    are split by rows only (see the module docstring). A table looked up by indices the graph
+    computes (T5's relative-position buckets) is not one."""
+
+    def is_input(x: Any) -> bool:
+        while isinstance(x, torch.fx.Node):
+            x = behind_brackets(x)
+            if x.op == "placeholder":
+                return True
+            if x.op != "call_function" or x.target not in _ID_PRESERVING or not x.args:
+                return False
+            x = x.args[0]
+        return False
+
+    found = set()
+    for n in graph.nodes:
+        if n.op == "call_function" and n.target is torch.ops.aten.embedding.default and len(n.args) > 1 \
+                and isinstance(n.args[0], torch.fx.Node) and is_input(n.args[1]):
+            found.add(behind_brackets(n.args[0]))
+    return frozenset(found)
+
+
+def rows_only(options: list[tuple[Placement, float]]) -> list[tuple[Placement, float]]:
+    """A vocabulary's placement options (:func:`vocabulary_tables`): of ``options`` (placement,
+    memory cost), the replica and the row splits."""
+    return [(p, cost) for p, cost in options if isinstance(p, Replicate) or p.dim == 0]
+
+
 @register_local(VOCAB_PARALLEL)
 def vocab_parallel_local(target: Any, args: tuple, kwargs: dict, in_placements: Sequence[Any],
                          out_placement: Any, rank: int, world_size: int) -> torch.Tensor:
@@ -94,8 +146,12 @@ def embedding_rule(op: OpCall, inputs: Sequence[Placement | None]) -> list[Candi
         return same(R)
     if isinstance(pw, Partial):
         return same(P)
+    if type(pw) is not Shard:  # a strided, head or grouped split of a table: the lookup has no local form
+        return reject(f"an embedding table is split by plain rows or columns only, got {pw}")
     if pw.dim == 1:
-        return reject("embedding tables are sharded by rows (vocab) only; see the module docstring")
+        if op.tensor_inputs[0].shape[1] % op.world_size:
+            return reject("an uneven column split of an embedding table is not offered")
+        return same(Shard(op.out.ndim - 1))  # each rank's columns of the rows looked up
     if not out_is_float(op):
         return reject("a vocab-parallel lookup must be floating to be Partial")
     return [Candidate(P, local=VOCAB_PARALLEL)]

@@ -69,9 +69,10 @@ def _shape(node: object) -> tuple[int | None, ...] | None:
     return None
 
 
-def _root(node: torch.fx.Node) -> torch.fx.Node:
-    """The value behind identity brackets (``autotp.edge``), so slices taken by different Dynamo
-    nodes of one tensor are grouped together."""
+def behind_brackets(node: torch.fx.Node) -> torch.fx.Node:
+    """The value behind identity brackets (``autotp.edge`` / ``autotp.mark``, which decompose puts
+    around every value a Dynamo node reads or makes), so slices taken by different Dynamo nodes of
+    one tensor are grouped together."""
     while node.op == "call_function" and "autotp" in str(node.target) and node.args \
             and isinstance(node.args[0], torch.fx.Node):
         node = node.args[0]
@@ -112,13 +113,13 @@ def fused_segmentations(graph: torch.fx.Graph, world_size: int) -> Segmentations
             start = 0 if start is None else (start + size if start < 0 else start)
             end = size if end is None else min(end + size if end < 0 else end, size)
             if 0 <= start < end:
-                slices[(_root(n.args[0]), dim)].add((start, end))
+                slices[(behind_brackets(n.args[0]), dim)].add((start, end))
         elif n.target in _INDEX:
             at = _constant_index(n, len(shape))
             if at is not None and shape[at[0]] is not None:  # x[..., [i], :]: one row of dim ``at``
                 dim, index = at
                 index = index + shape[dim] if index < 0 else index
-                slices[(_root(n.args[0]), dim)].add((index, index + 1))
+                slices[(behind_brackets(n.args[0]), dim)].add((index, index + 1))
     for (node, dim), bounds in slices.items():
         shape = _shape(node)
         ordered = sorted(bounds)

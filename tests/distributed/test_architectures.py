@@ -192,6 +192,10 @@ def test_architecture_matches_one_process(tmp_path: Path, case: Case, world: int
     assert sharded, f"{case.id}: no parameter is sharded"
     if case.arch == "mixtral":
         assert_moe_is_tensor_parallel(result["plan"]["parameters"], num_layers=2)
+    if case.arch == "t5":  # block 0's position bias split by heads, its lookup moving nothing (the plan tests)
+        bias = {k: e["placement"] for k, e in result["plan"]["parameters"].items() if "relative_attention_bias" in k}
+        assert set(bias.values()) == {"S(1)"} and len(bias) == 2, bias
+        assert "reduce_scatter" not in result["plan"]["collectives"], result["plan"]["collectives"]
     if case.arch == "falcon":  # q heads split, the one k and v head whole on every rank (8 heads of 8)
         for layer in range(2):
             qkv = result["plan"]["parameters"][f"transformer.h.{layer}.self_attention.query_key_value.weight"]
@@ -231,25 +235,46 @@ def test_decoder_forward_has_the_minimum_all_reduces_per_block(arch: str) -> Non
 T5_ALL_REDUCES = {"encoder.block": 2, "decoder.block": 3}
 
 
-def test_t5_encoder_blocks_reduce_twice_and_decoder_blocks_three_times() -> None:
+@pytest.mark.parametrize("tp", [2, 4])  # tiny T5's 8 heads divide by both
+def test_t5_encoder_blocks_reduce_twice_and_decoder_blocks_three_times(tp: int) -> None:
     """An encoder-decoder is planned on both stacks in one forward (the decoder reads its own ids),
-    and each block issues Megatron's all-reduces: one per row-parallel matmul, nothing gathered.
+    and each block issues Megatron's all-reduces, one per row-parallel matmul, nothing gathered or
+    scattered.
 
-    Block 0 of each stack also looks up the relative-position bias, a (32 buckets, heads) table. At
-    hidden 64 its 8 rows make it a large parameter (``passes/solve.py``: objective), split by rows
-    like a vocabulary (the embedding rule offers no column split), so its lookup is a partial sum
-    reduce-scattered onto the heads: 800 bytes per rank. At T5-base's widths the table is small and
-    replicated, and the block issues its all-reduces alone (``test_plans_at_real_widths.py``)."""
-    report = _plan("t5")
+    Block 0 of each stack also looks up the relative-position bias, a (buckets, heads) table. At
+    hidden 64 it is a large parameter (``passes/solve.py``: objective), and it is no vocabulary (the
+    graph computes its buckets), so it may be split by columns (``autotp/ops/embedding.py``): each
+    rank looks up its own heads' biases, which is what attention wants, and the lookup issues no
+    collective. The least-communication plan is proved (certificate gap 0)."""
+    report = _plan("t5") if tp == 2 else tiny_plan("t5", tp, pad_token_id=PAD_ID)
 
     assert report.block_collectives() == _t5_blocks()
+    assert {name: p["placement"] for name, p in report.parameters.items() if "relative_attention_bias" in name} \
+        == {f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias.weight": "S(1)"
+            for stack in ("encoder", "decoder")}
+    assert report.forward.gap == 0
+
+
+def test_t5_position_bias_split_by_heads_is_an_override_and_its_row_split_costs_a_reduce_scatter() -> None:
+    """``shard(1)`` on the bias table (each rank its heads' columns) is the free plan, and accepted
+    as an override; ``shard(0)`` (rows, like a vocabulary) is honoured too, and its partial lookup
+    is reduce-scattered onto the heads in block 0 of each stack: the split the solver avoids."""
+    from autotp.planner import plan_model
+
+    by_heads = tiny_plan("t5", overrides={"*relative_attention_bias*": "shard(1)"}, pad_token_id=PAD_ID)
+    by_rows = plan_model(tiny_config("t5", pad_token_id=PAD_ID), 2, decode=False,
+                         overrides={"*relative_attention_bias*": "shard(0)"})
+
+    assert by_heads.block_collectives() == _t5_blocks()
+    assert by_heads.forward.collectives == _plan("t5").forward.collectives
+    bias = {"reduce_scatter": 1}
+    assert by_rows.block_collectives() == {stack: {0: blocks[0] | bias, 1: blocks[1]}
+                                           for stack, blocks in _t5_blocks().items()}
 
 
 def _t5_blocks() -> dict[str, dict[int, dict[str, int]]]:
-    """Tiny T5's collectives per stack and block (see the test above)."""
-    bias = {"reduce_scatter": 1}  # block 0's relative-position bias
-    return {stack: {block: {"all_reduce": n} | (bias if block == 0 else {}) for block in range(2)}
-            for stack, n in sorted(T5_ALL_REDUCES.items())}
+    """Tiny T5's collectives per stack and block (see the tests above)."""
+    return {stack: {block: {"all_reduce": n} for block in range(2)} for stack, n in sorted(T5_ALL_REDUCES.items())}
 
 
 def test_t5_at_batch_2_keeps_its_blocks_plan_where_the_certificate_widens_the_beam() -> None:

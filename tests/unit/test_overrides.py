@@ -122,8 +122,15 @@ def test_feeding_back_an_exported_packed_plan_reproduces_the_plan() -> None:
 
 
 def test_an_override_with_no_valid_plan_is_refused_by_name() -> None:
-    # embeddings are vocab-parallel only (docs/architecture.md): a column split has no rule
-    with pytest.raises(AutoTPError, match=r"overrides 'model.embed_tokens': 'shard\(1\)' leave no valid placement plan"):
+    # a LayerNorm over a sharded dim is infeasible (docs/architecture.md): its weight split leaves no plan
+    with pytest.raises(AutoTPError, match=r"overrides 'transformer.ln_f': 'shard\(0\)' leave no valid placement plan"):
+        plan_model(tiny_config("gpt2"), 2, decode=False, overrides={"transformer.ln_f": "shard(0)"})
+
+
+def test_an_override_splitting_a_vocabulary_by_columns_is_refused_by_name() -> None:
+    # a token embedding is offered row splits only (autotp/ops/embedding.py: which tables are split by columns)
+    with pytest.raises(AutoTPError, match=r"override 'model.embed_tokens': 'shard\(1\)' cannot be honoured .* "
+                                          r"it may be replicate \(R\), vocab \(S\(0\)\)\."):
         plan_model(tiny_config("llama"), 2, decode=False, overrides={"model.embed_tokens": "shard(1)"})
 
 

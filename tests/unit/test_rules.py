@@ -763,8 +763,9 @@ def test_the_rules_find_the_tensor_parallel_layouts() -> None:
     assert outputs(ask(aten.view.default, (f(2, 4, 2, 5, 3), [2, 8, 5, 3]), [Shard(1)])) == [(Shard(1), "shape")]
     assert outputs(ask(aten.embedding.default, (f(12, 6), ints(12, 2, 5)), [Shard(0), R])) \
         == [(P, "vocab_parallel")]
-    # tables are sharded by rows only (see autotp/ops/embedding.py): the column split is withheld
-    assert outputs(ask(aten.embedding.default, (f(12, 6), ints(12, 2, 5)), [Shard(1), R])) == []
+    # a column split looks up each rank's columns: the output is split on its last dim (which tables
+    # may take it is the backend's choice: autotp/ops/embedding.py)
+    assert outputs(ask(aten.embedding.default, (f(12, 6), ints(12, 2, 5)), [Shard(1), R])) == [(Shard(2), None)]
     q, kv = f(2, 8, 5, 4), f(2, 4, 5, 4)
     heads = ask(aten._scaled_dot_product_flash_attention_for_cpu.default, (q, kv, kv, 0.0, True),
                 [Shard(1)] * 3)
@@ -816,6 +817,8 @@ def test_vocab_parallel_cross_entropy_keeps_the_logits_sharded() -> None:
     (aten.slice.Tensor, (f(6, 4), 0, 0, 2), [Shard(0)], {}),
     (aten.split_copy.Tensor, (f(6, 12), 4, -1), [Shard(1)], {}),
     (aten.embedding.default, (f(12, 6), ints(12, 6)), [Shard(0), Shard(0)], {}),
+    (aten.embedding.default, (f(12, 5), ints(12, 6)), [Shard(1), R], {}),  # columns no rank count divides
+    (aten.embedding.default, (f(12, 6), ints(12, 6)), [StridedShard(0, (6, 6)), R], {}),  # plain splits only
     (aten._scaled_dot_product_flash_attention_for_cpu.default, (f(2, 6, 4, 4),) * 3 + (0.0, True),
      [Shard(2)] * 3, {}),
     (aten.scaled_dot_product_attention.default, (f(2, 6, 4, 4),) * 3 + (f(2, 6, 4, 4),),

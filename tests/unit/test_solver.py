@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from autotp.collectives import kind_of
+from autotp.ops.embedding import rows_only, vocabulary_tables
 from autotp.passes.annotate import annotate
 from autotp.passes.decompose import decompose
 from autotp.passes.solve import ParamChoice, SolverOptions, solve
@@ -47,15 +48,15 @@ def _plan(model: torch.nn.Module, world: int, recursion_limit: int | None = None
     gm, example = _capture(model, first, **inputs)
     shadow = decompose(gm, example)
     fixed, free, param_nodes = {}, {}, set()
+    vocabulary = vocabulary_tables(shadow.aten.graph)  # split by rows only, as the backend offers them
     for (aten, dyn), value in zip(shadow.placeholders, example, strict=True):
         if isinstance(value, torch.nn.Parameter) and pinned is not None:
             fixed[aten] = pinned[dyn.name]
             param_nodes.add(aten)
         elif isinstance(value, torch.nn.Parameter):
             nbytes = value.numel() * value.element_size()
-            free[aten] = ParamChoice([(R, nbytes * (world - 1) / world)]
-                                     + [(s, 0.0) for s in shard_candidates(tuple(value.shape), world)],
-                                     tuple(value.shape))
+            choices = [(R, nbytes * (world - 1) / world)] + [(s, 0.0) for s in shard_candidates(tuple(value.shape), world)]
+            free[aten] = ParamChoice(rows_only(choices) if aten in vocabulary else choices, tuple(value.shape))
         else:
             fixed[aten] = R
     tokens = inputs["input_ids"].numel()
