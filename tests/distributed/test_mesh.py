@@ -9,10 +9,17 @@ per step). With FSDP2 each rank holds a quarter of the parameter bytes between s
 trains a model with one kv head (k/v replicated beside split q heads, their partial gradients
 reduced over the tp group); gradient subgroups of grouped kv heads under a mesh are checked in
 tests/distributed/test_chunk_groups_on_mesh.py.
+
+Each engine's mesh is launched once (:func:`trained`): the same run saves a checkpoint after its first
+step, and after its checks loads it and takes the second step again (then, under DDP, exports the
+model): the checkpoint tests read that run. (A launch of its own compiled the same training graphs
+again on all 4 ranks.)
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -50,7 +57,13 @@ def _param_bytes(model: torch.nn.Module) -> int:
     return sum(storages.values())
 
 
-def _rank_train(rank: int, world: int, folder: str, kind: str) -> dict:
+def _rank_train(rank: int, world: int, folder: str, kind: str, ckpt: str, export: str | None) -> dict:
+    """``kind`` (DDP or FSDP2) on the 2x2 mesh: :data:`STEPS` clipped AdamW steps, saving a checkpoint
+    after the first; the trained model's forward and greedy tokens; then the checkpoint loaded (back
+    to after the first step) and the second step taken again, and given ``export``, the model (now
+    two steps trained) written there by ``save_pretrained``."""
+    import json
+
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -62,23 +75,38 @@ def _rank_train(rank: int, world: int, folder: str, kind: str) -> dict:
     dp_rank = mesh.get_local_rank("dp")
     ids = IDS[2 * dp_rank: 2 * dp_rank + 2]
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-    curve, norms = [], []
-    for _ in range(STEPS):
+
+    def step() -> tuple[torch.Tensor, float]:
         optimizer.zero_grad()
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
-        norms.append(float(autotp.clip_grad_norm_(model, max_norm=MAX_NORM)))
+        norm = float(autotp.clip_grad_norm_(model, max_norm=MAX_NORM))
         optimizer.step()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean, group=mesh["dp"].get_group())  # the dp-mean loss
-        curve.append(float(mean) / 2)
+        return loss.detach().clone(), norm
+
+    curve, norms, losses = [], [], []
+    for i in range(STEPS):
+        loss, norm = step()
+        if i == 0:
+            autotp.save_checkpoint(model, ckpt, optimizer)
+        norms.append(norm)
+        losses.append(float(loss))  # this dp rank's half of the batch
+        dist.all_reduce(loss, group=mesh["dp"].get_group())  # the dp-mean loss
+        curve.append(float(loss) / 2)
     held = _param_bytes(model)
     model.eval()  # the trained model serves: a forward on the whole batch, and greedy generation
     with torch.no_grad():
         logits = model(input_ids=WHOLE_BATCH_AS_ONE).logits
         tokens = model.generate(IDS[:1], max_new_tokens=3, do_sample=False)
+    model.train()
+    autotp.load_checkpoint(model, ckpt, optimizer)  # back to after the first step
+    again = float(step()[0])
+    if export is not None:
+        autotp.save_pretrained(model, export)  # two steps, gathered over tp, written once
+    saved_at = json.loads((Path(ckpt) / "autotp_checkpoint.json").read_text())["saved_at"]
     return {"curve": curve, "norms": norms, "bytes": held, "logits": logits, "tokens": tokens,
-            "tp_rank": mesh.get_local_rank("tp"), "dp_rank": dp_rank, "plan": model.autotp.plan}
+            "tp_rank": mesh.get_local_rank("tp"), "dp_rank": dp_rank, "plan": model.autotp.plan,
+            "second": losses[1], "again": again, "saved_at": saved_at}
 
 
 def _reference(folder: Path) -> dict:
@@ -119,12 +147,46 @@ def one_kv_head(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     return folder, _reference(folder)
 
 
-# DDP trains the one-kv-head model (replicated k/v, split q heads), FSDP2 the 4-kv-head one
-@pytest.mark.parametrize("kind, model", [("ddp", "one_kv_head"), ("fsdp", "tiny")])
-def test_a_2x2_mesh_trains_like_one_process_on_the_whole_batch(request: pytest.FixtureRequest, kind: str,
-                                                              model: str) -> None:
-    folder, ref = request.getfixturevalue(model)
-    results = run_ranks(_rank_train, 4, str(folder), kind)
+#: engine -> the model it trains: DDP the one-kv-head model (replicated k/v, split q heads), FSDP2 the
+#: 4-kv-head one
+MODEL_OF = {"ddp": "one_kv_head", "fsdp": "tiny"}
+
+
+@pytest.fixture(scope="module")
+def trained(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Trained]:
+    """``trained(kind)`` -> :class:`Trained`: :func:`_rank_train` of ``kind``'s model on the 2x2
+    mesh, launched once per module (the DDP run exports its model)."""
+    runs: dict[str, Trained] = {}
+
+    def run(kind: str) -> Trained:
+        if kind not in runs:
+            folder, ref = request.getfixturevalue(MODEL_OF[kind])
+            root = tmp_path_factory.mktemp(f"{kind}-run")
+            export = root / "export" if kind == "ddp" else None
+            results = run_ranks(_rank_train, 4, str(folder), kind, str(root / "ckpt"),
+                                None if export is None else str(export))
+            runs[kind] = Trained(folder, ref, root / "ckpt", export, results)
+        return runs[kind]
+
+    return run
+
+
+@dataclass(frozen=True)
+class Trained:
+    """A :func:`_rank_train` launch: its checkpoint folder, one process's reference, the checkpoint
+    saved after the first step, the export (DDP) and the ranks' results."""
+
+    folder: Path
+    ref: dict
+    ckpt: Path
+    export: Path | None
+    results: list[dict]
+
+
+@pytest.mark.parametrize("kind, model", list(MODEL_OF.items()))
+def test_a_2x2_mesh_trains_like_one_process_on_the_whole_batch(trained, kind: str, model: str) -> None:
+    run = trained(kind)
+    ref, results = run.ref, run.results
     assert sorted((r["dp_rank"], r["tp_rank"]) for r in results) == [(0, 0), (0, 1), (1, 0), (1, 1)]
     for r in results:
         assert r["curve"] == pytest.approx(ref["curve"], rel=1e-4)
@@ -223,40 +285,6 @@ def test_torch_compile_with_a_mesh_runs_tensor_parallel_on_its_tp_dim(tmp_path: 
         assert r["q_local"] == (r["q_global"][0] // 2, r["q_global"][1])  # split over tp=2, not the 4 ranks
 
 
-def _rank_checkpoint(rank: int, world: int, folder: str, ckpt: str, export: str | None,
-                     data_parallel: str = "ddp") -> dict:
-    """``data_parallel`` on the 2x2 mesh: one step, a save, the second step, a load (back to after
-    the first step) and the second step again; then, given ``export``, ``save_pretrained`` there."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    import autotp
-
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    model = autotp.parallelize_model(folder, mesh=mesh, data_parallel=data_parallel)
-    model.train()
-    ids = IDS[2 * mesh.get_local_rank("dp"): 2 * mesh.get_local_rank("dp") + 2]
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-
-    def step() -> float:
-        optimizer.zero_grad()
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        optimizer.step()
-        return float(loss.detach())
-
-    step()
-    autotp.save_checkpoint(model, ckpt, optimizer)
-    second = step()
-    autotp.load_checkpoint(model, ckpt, optimizer)  # back to after the first step
-    again = step()
-    if export is not None:
-        autotp.save_pretrained(model, export)  # two steps, gathered over tp, written once
-    import json
-
-    saved_at = json.loads((Path(ckpt) / "autotp_checkpoint.json").read_text())["saved_at"]
-    return {"second": second, "again": again, "saved_at": saved_at}
-
-
 def _rank_resume_whole_batch(rank: int, world: int, folder: str, ckpt: str) -> float:
     import autotp
 
@@ -271,31 +299,36 @@ def _rank_resume_whole_batch(rank: int, world: int, folder: str, ckpt: str) -> f
     return float(loss.detach())
 
 
-def test_checkpoints_on_a_ddp_mesh_resume_and_export_what_one_process_trains(tmp_path: Path) -> None:
+def _assert_resumes_on_its_mesh_and_at_tp2(run: Trained) -> None:
+    """The checkpoint saved after the first step: loaded on its mesh, the second step is the same
+    step; saved at dp=2 x tp=2, resumed at tp=2 without data parallelism on the whole batch, its step
+    is the mean of the dp replicas' second steps (equal token counts), within rtol 1e-4 (another
+    reduction order)."""
+    for r in run.results:
+        assert r["again"] == pytest.approx(r["second"], rel=1e-6)  # the resumed step is the same step
+    (saved_at,) = {tuple(r["saved_at"].items()) for r in run.results}
+    assert dict(saved_at) == {"tp": 2, "dp": 2}
+    dp_mean = sum(r["second"] for r in run.results) / len(run.results)
+    for loss in run_ranks(_rank_resume_whole_batch, 2, str(run.folder), str(run.ckpt)):
+        assert loss == pytest.approx(dp_mean, rel=1e-4)
+
+
+def test_checkpoints_on_a_ddp_mesh_resume_and_export_what_one_process_trains(trained) -> None:
+    """The DDP run (one kv head) resumes its checkpoint, and its export after the second step again
+    is what one process trains in two clipped steps on the whole batch."""
     from transformers import AutoModelForCausalLM
 
-    folder = save_tiny("llama", tmp_path / "llama", seed=0)
-    ckpt, export = tmp_path / "ckpt", tmp_path / "export"
-    results = run_ranks(_rank_checkpoint, 4, str(folder), str(ckpt), str(export))
-    for r in results:
-        assert r["again"] == pytest.approx(r["second"], rel=1e-6)  # the resumed step is the same step
-    # saved at dp=2 x tp=2 after one step, resumed at tp=2 without data parallelism on the whole batch:
-    # its step is the mean of the dp replicas' second steps (equal token counts), within rtol 1e-4
-    # (another reduction order)
-    (saved_at,) = {tuple(r["saved_at"].items()) for r in results}
-    assert dict(saved_at) == {"tp": 2, "dp": 2}
-    resumed = run_ranks(_rank_resume_whole_batch, 2, str(folder), str(ckpt))
-    dp_mean = sum(r["second"] for r in results) / len(results)
-    for loss in resumed:
-        assert loss == pytest.approx(dp_mean, rel=1e-4)
-    reference = AutoModelForCausalLM.from_pretrained(folder)
+    run = trained("ddp")
+    _assert_resumes_on_its_mesh_and_at_tp2(run)
+    reference = AutoModelForCausalLM.from_pretrained(run.folder)
     reference.train()
     optimizer = torch.optim.AdamW(reference.parameters(), lr=LR)
-    for _ in range(2):  # what the mesh trained: two steps on the whole batch
+    for _ in range(2):  # what the mesh trained: two clipped steps on the whole batch
         optimizer.zero_grad()
         reference(input_ids=IDS, labels=IDS).loss.backward()
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm=MAX_NORM)
         optimizer.step()
-    exported_model = AutoModelForCausalLM.from_pretrained(export)
+    exported_model = AutoModelForCausalLM.from_pretrained(run.export)
     with torch.no_grad():  # the export is the trained model: its loss on the whole batch is one process's
         assert float(exported_model(input_ids=IDS, labels=IDS).loss) == pytest.approx(
             float(reference(input_ids=IDS, labels=IDS).loss), rel=1e-4)
@@ -306,14 +339,7 @@ def test_checkpoints_on_a_ddp_mesh_resume_and_export_what_one_process_trains(tmp
         torch.testing.assert_close(exported[name], p.detach(), atol=5e-4, rtol=1e-4, msg=name)
 
 
-def test_an_fsdp2_checkpoint_resumes_on_its_mesh_and_at_tp2_without_data_parallelism(tmp_path: Path) -> None:
+def test_an_fsdp2_checkpoint_resumes_on_its_mesh_and_at_tp2_without_data_parallelism(trained) -> None:
     """Each FSDP2 tensor is gathered over dp and tp into the one-process layout; a load keeps each
-    rank's dp chunk of its tp piece. Losses within rtol 1e-4 (another reduction order at tp=2)."""
-    folder = save_tiny("llama", tmp_path / "llama", seed=0)
-    ckpt = tmp_path / "ckpt"
-    results = run_ranks(_rank_checkpoint, 4, str(folder), str(ckpt), None, "fsdp")
-    for r in results:
-        assert r["again"] == pytest.approx(r["second"], rel=1e-6)  # the resumed step is the same step
-    dp_mean = sum(r["second"] for r in results) / len(results)
-    for loss in run_ranks(_rank_resume_whole_batch, 2, str(folder), str(ckpt)):
-        assert loss == pytest.approx(dp_mean, rel=1e-4)
+    rank's dp chunk of its tp piece."""
+    _assert_resumes_on_its_mesh_and_at_tp2(trained("fsdp"))
