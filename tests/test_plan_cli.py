@@ -94,7 +94,9 @@ def test_a_decode_step_gives_collectives_per_token_and_the_kv_cache_per_rank(rep
     assert report.kv_cache_bytes_per_rank == report.kv_cache_bytes_total // 2
 
 
-def test_an_encoder_decoder_reports_each_stacks_blocks_in_its_forward_and_its_decode_steps() -> None:
+def test_an_encoder_decoder_reports_each_stacks_blocks_in_its_forward_and_its_decode_steps(
+    monkeypatch: pytest.MonkeyPatch
+) -> None:
     """T5 at tp=2: the forward runs both stacks, the decode steps the decoder alone: the first
     (``generate``'s first decoder call: an empty cache, the cross-attention's keys and values
     projected from the encoder's output and stored) and every later one (reading them from the
@@ -103,6 +105,10 @@ def test_an_encoder_decoder_reports_each_stacks_blocks_in_its_forward_and_its_de
     :meth:`PlanReport.block_collectives` counts them. Block 0 of each stack also looks up its
     relative-position bias, split by heads with no collective of its own
     (tests/distributed/test_architectures.py)."""
+    from autotp import planner
+
+    runs, trace = [], planner._trace
+    monkeypatch.setattr(planner, "_trace", lambda *a, **k: runs.append(trace(*a, **k)) or runs[-1])
     report = plan_model(tiny_config("t5", pad_token_id=PAD_ID), 2)
 
     assert report.decode is not None and report.first_decode is not None, report.decode_note
@@ -114,6 +120,13 @@ def test_an_encoder_decoder_reports_each_stacks_blocks_in_its_forward_and_its_de
         assert report.block_collectives(graph) == {"decoder.block": decoder}, graph
         assert [(s["kind"], s["origin"]) for s in step.outside_blocks()] == outside, graph
     assert report.timings["first_decode_s"] > 0.0
+    # two graphs: only the first step projects the cross-attention's keys and values (the later reads them)
+    (run,) = runs
+    cross_kv = {key: sorted({module for c in run.compiled[key] for *_, module in c.traced
+                             if module.endswith(("EncDecAttention.k", "EncDecAttention.v"))})
+                for key in (FIRST_DECODE, "decode")}
+    assert cross_kv == {FIRST_DECODE: [f"decoder.block.{i}.layer.1.EncDecAttention.{p}" for i in (0, 1) for p in "kv"],
+                        "decode": []}
     assert report.block_collectives() == {"encoder.block": {0: {"all_reduce": 2}, 1: {"all_reduce": 2}},
                                           "decoder.block": decoder}
     text = render_text(report).splitlines()
