@@ -73,7 +73,7 @@ class GraphReport:
         """Collectives by stack of blocks and block: stack -> block index -> kind -> count, each
         site in the block :func:`block_of` names; a kind moving one value per token is suffixed
         :data:`STATISTIC`; stacks in program order. One stack for a decoder or an encoder, two for
-        an encoder-decoder's forward (its decode step runs the decoder's alone)."""
+        an encoder-decoder's forward (its decode steps run the decoder's alone)."""
         out: dict[str, dict[int, Counter]] = {}
         for site in self.sites:
             block = block_of(site)
