@@ -17,13 +17,15 @@ from autotp.errors import AutoTPError
 if TYPE_CHECKING:
     from autotp.backend import SolveRecord
 
-__all__ = ["STATISTIC", "GraphReport", "PlanReport", "block_in", "block_of"]
+__all__ = ["FIRST_DECODE", "STATISTIC", "GraphReport", "PlanReport", "block_in", "block_of"]
 
 #: a module path inside a block: (the stack's path, the block's index), e.g. ``model.layers.3.mlp``
 _BLOCK_PATH = re.compile(r"^(.*?)\.(\d+)(?:\.|$)")
 #: suffix of a collective's kind in :meth:`GraphReport.block_collectives` when it moves one value
 #: per token: a norm over a sharded dim reduces its statistic instead of gathering its input
 STATISTIC = " of a statistic"
+#: the name of an encoder-decoder's first decode step (:attr:`PlanReport.first_decode`)
+FIRST_DECODE = "first-decode"
 
 
 def block_in(path: str) -> tuple[str, int] | None:
@@ -71,7 +73,7 @@ class GraphReport:
         """Collectives by stack of blocks and block: stack -> block index -> kind -> count, each
         site in the block :func:`block_of` names; a kind moving one value per token is suffixed
         :data:`STATISTIC`; stacks in program order. One stack for a decoder or an encoder, two for
-        an encoder-decoder's forward (its decode step runs the decoder's alone)."""
+        an encoder-decoder's forward (its decode steps run the decoder's alone)."""
         out: dict[str, dict[int, Counter]] = {}
         for site in self.sites:
             block = block_of(site)
@@ -121,6 +123,12 @@ class PlanReport:
     #: ``(1, 2*tp+1)``: its free solve fixed the plan, so it is the ``forward`` that a plan at
     #: batch 1 and the default length reports (None when ``forward`` is that graph itself)
     warmup: GraphReport | None = None
+    #: an encoder-decoder's first decode step, ``generate``'s first decoder call: one token per
+    #: sequence into a fresh, empty cache, so each decoder block computes the cross-attention's keys
+    #: and values from the encoder's output and stores them, a graph of its own (``decode`` is every
+    #: later step). None for a decoder-only model (its first decode step is ``forward``, the
+    #: prefill) and where no decode step was planned (``decode_note`` says why)
+    first_decode: GraphReport | None = None
 
     @property
     def collectives(self) -> dict[str, int]:
@@ -128,9 +136,10 @@ class PlanReport:
         return self.forward.collectives
 
     def graph(self, name: str) -> GraphReport | None:
-        """The graph called ``name``: ``forward``, ``decode`` or ``warm-up`` (None where it was not
-        compiled)."""
-        graphs = {"forward": self.forward, "decode": self.decode, "warm-up": self.warmup}
+        """The graph called ``name``: ``forward``, ``decode``, ``warm-up`` or :data:`FIRST_DECODE`
+        (None where it was not compiled)."""
+        graphs = {"forward": self.forward, "decode": self.decode, "warm-up": self.warmup,
+                  FIRST_DECODE: self.first_decode}
         if name not in graphs:
             raise AutoTPError(f"no graph {name!r} in a plan report: choose one of {sorted(graphs)}")
         return graphs[name]
@@ -154,12 +163,17 @@ class PlanReport:
             "collectives_per_block_per_token": self.block_collectives("decode") if self.decode else None,
             "collective_bytes_per_token_per_rank": self.decode.collective_bytes if self.decode else None,
             "decode_note": self.decode_note,
+            "first_decode_step": None if self.first_decode is None else {
+                "input_shape": list(self.first_decode.input_shape),
+                "collectives": self.first_decode.collectives,
+                "collectives_per_block": self.block_collectives(FIRST_DECODE),
+                "collective_bytes_per_rank": self.first_decode.collective_bytes},
             "param_bytes_per_rank": self.param_bytes_per_rank,
             "param_bytes_total": self.param_bytes_total,
             "kv_cache_bytes_per_rank": self.kv_cache_bytes_per_rank,
             "kv_cache_bytes_total": self.kv_cache_bytes_total,
             "timings": self.timings,
-            "graphs": [asdict(g) for g in (self.forward, self.decode) if g is not None],
+            "graphs": [asdict(g) for g in (self.forward, self.first_decode, self.decode) if g is not None],
             "overrides": self.overrides,
             "tp_plan": self.tp_plan,
             "tp_plan_refusal": self.tp_plan_refusal,
@@ -172,12 +186,13 @@ class PlanReport:
         state["forward"] = asdict(self.forward)
         state["decode"] = asdict(self.decode) if self.decode is not None else None
         state["warmup"] = asdict(self.warmup) if self.warmup is not None else None
+        state["first_decode"] = asdict(self.first_decode) if self.first_decode is not None else None
         return state
 
     @classmethod
     def from_state(cls, state: Mapping[str, Any]) -> PlanReport:
         graphs = {key: GraphReport.from_state(state[key]) if state.get(key) is not None else None
-                  for key in ("decode", "warmup")}
+                  for key in ("decode", "warmup", "first_decode")}
         return cls(**{**state, "forward": GraphReport.from_state(state["forward"]), **graphs})
 
     #: what :meth:`to_json` holds about how the plan was computed rather than what it is

@@ -9,7 +9,8 @@ solve -> annotate -> materialize -> rewrite as on ``tp`` ranks, in one process. 
 runs on meta tensors; its collectives are counted exactly (count and payload bytes per rank) and
 return shape-correct stand-ins.
 
-Two calls, as in generation (three when ``(B, S)`` is not the warm-up shape):
+Two calls, as in generation (three when ``(B, S)`` is not the warm-up shape; one more for an
+encoder-decoder's first decode step):
 
 0. **warm-up** (only when ``(B, S)`` differs from ``(1, 2N+1)``): ``parallelize_model``'s warm-up
    shape. Its free solve fixes every parameter's placement (the plan), as the warm-up does on
@@ -19,7 +20,14 @@ Two calls, as in generation (three when ``(B, S)`` is not the warm-up shape):
    follows). At the default shape ``(1, 2N+1)`` this graph is the warm-up and fixes the plan;
    otherwise it is solved with the parameters pinned, as a long prefill is on the ranks, so the
    collectives it reports are the ones they issue.
-2. **decode** (``decode=True``): one new token per sequence with a KV cache of ``S`` positions,
+2. **first decode step** (an encoder-decoder with ``decode=True``; traced before the decode step,
+   as ``generate`` runs them): ``generate``'s first decoder call, another graph than the later steps'.
+   One start token per sequence, the encoder's output, and a fresh, empty ``EncoderDecoderCache``:
+   each decoder block projects the cross-attention's keys and values from the encoder's output and
+   stores them (sharded, as the later steps read them), so this graph runs the cross-attention's
+   key and value matmuls the later steps skip. ``PlanReport.first_decode``; None for a decoder-only
+   model, whose first decode step is its prefill (the forward). Solved with every parameter pinned.
+3. **decode** (``decode=True``): one new token per sequence with a KV cache of ``S`` positions,
    solved with every parameter pinned, as a real decode step is: the collectives per generated
    token and the KV-cache bytes each rank holds. An encoder-decoder's prefill runs both stacks
    (``decoder_input_ids`` of shape ``(B, S)`` too) into an empty ``EncoderDecoderCache``; its step
@@ -85,7 +93,7 @@ from autotp.placement import (
     uneven_rows,
 )
 from autotp.plan import style_of
-from autotp.plan_report import GraphReport, PlanReport, block_in
+from autotp.plan_report import FIRST_DECODE, GraphReport, PlanReport, block_in
 
 __all__ = ["GraphReport", "PlanReport", "check_names", "explain", "explain_matching", "load_config", "plan_model",
            "to_tp_plan"]
@@ -357,6 +365,7 @@ def _plan(config: Any, module: torch.nn.Module, name: str, options: AutoTPConfig
         kv_cache_bytes_per_rank=kv_rank, kv_cache_bytes_total=kv_total,
         timings=_timings(run, build_s, t_start, cpu_start), tp_plan=tp_plan, tp_plan_refusal=refusal,
         overrides=overrides, record=run.record, depth=f"planned at full depth: {why}", warmup=run.warmup,
+        first_decode=run.first_decode,
     )
 
 
@@ -369,20 +378,23 @@ class _Run:
     forward: GraphReport
     decode: GraphReport | None
     decode_note: str | None
+    #: an encoder-decoder's first decode step (empty cache, cross-attention keys and values computed)
+    first_decode: GraphReport | None
     #: the solve that fixed the plan (the first graph's)
     record: SolveRecord | None
     #: cache layer -> KV-cache bytes (per rank, global) of the decode graph; None without one
     kv_by_layer: dict[int | None, tuple[int, int]] | None
     #: parameter name -> style, as the compiled plans report it
     styles: dict[str, str]
-    #: graph name ("forward", "decode") -> the Dynamo graphs its call compiled
+    #: graph name ("warm-up", "forward", "first-decode", "decode") -> the Dynamo graphs its call compiled
     compiled: dict[str, list[_Compiled]]
 
 
 def _trace(config: Any, module: torch.nn.Module, options: AutoTPConfig, shape: tuple[int, int], decode: bool
            ) -> _Run:
     """Compile ``module``'s forward with the autotp backend over a simulated group: the warm-up
-    (when ``shape`` is not its shape), the prefill and the decode step (module docstring)."""
+    (when ``shape`` is not its shape), the prefill, an encoder-decoder's first decode step and the
+    decode step (module docstring)."""
     tp = options.tp_size
     comm = Comm.simulated_group(tp)
     ctx = TPContext(comm=comm, config=options,
@@ -431,13 +443,18 @@ def _trace(config: Any, module: torch.nn.Module, options: AutoTPConfig, shape: t
     compiled = {"forward": seen[first:], **({"warm-up": seen[:first]} if warmup is not None else {})}
     record = seen[0].graph.solve if seen else None  # the free solve
 
-    dec, note, kv = None, None, None
+    dec, first_dec, note, kv = None, None, None, None
     if decode:
         try:
             cache = returned_cache(prefill)
             if cache is None or keyword is None:
                 raise AutoTPError(f"{type(module).__name__}'s forward returned no KV cache")
             new = torch.zeros((shape[0], 1), dtype=torch.long, device="meta")  # (B, 1)
+            if seq2seq:  # generate's first decoder call: a fresh cache, which it fills with cross k/v
+                first = len(seen)
+                inputs = _decode_inputs(new, keyword, _empty_cache(config, dtype), prefill, seq2seq)
+                first_dec, _ = _run_graph(FIRST_DECODE, forward, inputs, comm, seen)
+                compiled[FIRST_DECODE] = seen[first:]
             first = len(seen)
             dec, _ = _run_graph("decode", forward, _decode_inputs(new, keyword, cache, prefill, seq2seq), comm, seen)
             compiled["decode"] = seen[first:]
@@ -446,7 +463,7 @@ def _trace(config: Any, module: torch.nn.Module, options: AutoTPConfig, shape: t
             raise
         except Exception as e:  # a model whose decode step does not trace on meta: say so, don't guess
             note = f"decode step not planned ({type(e).__name__}: {str(e).splitlines()[0][:300]})"
-            dec = None
+            dec = first_dec = None
     else:
         note = "decode step not planned (decode=False)"
 
@@ -454,18 +471,19 @@ def _trace(config: Any, module: torch.nn.Module, options: AutoTPConfig, shape: t
     for c in seen:
         for fqn, e in c.graph.plan.get("parameters", {}).items():
             styles.setdefault(fqn, e["style"])
-    return _Run(warmup=warmup, forward=fwd, decode=dec, decode_note=note, record=record, kv_by_layer=kv,
-                styles=styles, compiled=compiled)
+    return _Run(warmup=warmup, forward=fwd, decode=dec, decode_note=note, first_decode=first_dec, record=record,
+                kv_by_layer=kv, styles=styles, compiled=compiled)
 
 
 def _decode_inputs(new: torch.Tensor, keyword: str, cache: Any, prefill: Any, seq2seq: bool) -> dict[str, Any]:
-    """The keywords of one decode step as ``generate`` passes them after its first token: ``new``
-    token ids (B, 1) and the KV cache the prefill filled. An encoder-decoder's step runs its decoder
-    alone: ``generate`` ran the encoder once (under ``parallelize_model`` through ``get_encoder()``,
-    its output gathered at that call's boundary, so the step reads it replicated) and passes its
-    output as ``encoder_outputs``; the cache holds the self-attention's S positions and the
-    cross-attention's keys and values of the S encoder positions, which the step reads instead of
-    projecting the encoder's output again."""
+    """The keywords of one decode step as ``generate`` passes them: ``new`` token ids (B, 1) and a
+    KV ``cache``. An encoder-decoder's step runs its decoder alone: ``generate`` ran the encoder
+    once (under ``parallelize_model`` through ``get_encoder()``, its output gathered at that call's
+    boundary, so the step reads it replicated) and passes its output as ``encoder_outputs``. After
+    the first token the cache (the one the prefill filled) holds the self-attention's S positions
+    and the cross-attention's keys and values of the S encoder positions, which the step reads
+    instead of projecting the encoder's output again; the first step gets a fresh, empty cache and
+    projects and stores them."""
     if not seq2seq:
         return {"input_ids": new, keyword: cache, "use_cache": True}
     encoded = prefill.encoder_last_hidden_state  # (B, S, hidden), as the encoder returned it
@@ -482,7 +500,8 @@ def _expanded(name: str, config: Any, module: torch.nn.Module, stand_in: torch.n
 
     tp = options.tp_size
     graphs = {}
-    for key, g in (("warm-up", run.warmup), ("forward", run.forward), ("decode", run.decode)):
+    for key, g in (("warm-up", run.warmup), ("forward", run.forward), (FIRST_DECODE, run.first_decode),
+                   ("decode", run.decode)):
         if g is None:
             continue
         compiled = run.compiled[key]
@@ -513,6 +532,7 @@ def _expanded(name: str, config: Any, module: torch.nn.Module, stand_in: torch.n
         decode_note=run.decode_note, kv_cache_bytes_per_rank=kv_rank, kv_cache_bytes_total=kv_total,
         timings=_timings(run, build_s, t_start, cpu_start), tp_plan=tp_plan, tp_plan_refusal=refusal,
         overrides=dict(options.overrides), record=None, depth=short.describe(), warmup=graphs.get("warm-up"),
+        first_decode=graphs.get(FIRST_DECODE),
     )
 
 
@@ -534,12 +554,14 @@ def _dtype_name(module: torch.nn.Module) -> str:
 def _timings(run: _Run, build_s: float, t_start: float, cpu_start: float) -> dict[str, float]:
     """Wall seconds per phase summed over the graphs (and CPU seconds of trace, decompose, solve)."""
     timings = {"build_s": build_s}
-    graphs = [g for g in (run.warmup, run.forward, run.decode) if g is not None]
+    graphs = [g for g in (run.warmup, run.forward, run.first_decode, run.decode) if g is not None]
     for key in ("trace_s", "decompose_s", "solve_s", "annotate_s", "rewrite_s"):
         timings[key] = sum(g.timings.get(key, 0.0) for g in graphs)
     if run.warmup is not None:
         timings["warmup_s"] = run.warmup.timings["total_s"]
     timings["forward_s"] = run.forward.timings["total_s"]
+    if run.first_decode is not None:
+        timings["first_decode_s"] = run.first_decode.timings["total_s"]
     if run.decode is not None:
         timings["decode_s"] = run.decode.timings["total_s"]
     timings["total_s"] = time.perf_counter() - t_start

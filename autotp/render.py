@@ -10,7 +10,7 @@ whose collectives are the same are drawn once, as "layers 0-31"), then the rest.
 each parameter is a bar coloured by its style (column-parallel, row-parallel, vocab-parallel,
 replicated), with its global and local shapes; each collective of the solution is drawn as a
 red marker right after the module whose output it moves. A summary table gives collectives per
-forward and per generated token, and bytes per rank.
+forward, of an encoder-decoder's first decode step, and per generated token, and bytes per rank.
 """
 
 from __future__ import annotations
@@ -28,6 +28,9 @@ from autotp.plan_report import GraphReport, PlanReport, block_in, block_of
 
 __all__ = ["Block", "CollectiveRow", "ParamRow", "plan_blocks", "render_html", "render_png", "render_text"]
 
+#: how both renderings name ``PlanReport.first_decode``, and what sets it apart from later steps
+_FIRST_DECODE_TITLE = "collectives of the first decode step"
+_FIRST_DECODE_NOTE = "an empty KV cache: cross-attention keys/values computed from the encoder output"
 _COLORS = {"colwise": "#2b7bb9", "rowwise": "#e08b1f", "vocab": "#6a3d9a", "replicate": "#9e9e9e"}
 
 _CSS = """
@@ -229,6 +232,8 @@ def _summary(report: PlanReport) -> list[tuple[str, Any]]:
             "collectives per forward",
             f"{counts(report.forward.collectives)} (input {tuple(report.forward.input_shape)})",
         ),
+        *([(_FIRST_DECODE_TITLE, f"{counts(report.first_decode.collectives)} ({_FIRST_DECODE_NOTE})")]
+          if report.first_decode else []),
         ("collectives per generated token", counts(dec.collectives) if dec else report.decode_note),
         (
             "parameter bytes per rank",
@@ -502,6 +507,13 @@ def render_text(report: PlanReport) -> str:
                 "lose; neither the beam nor the certificate's linear program, autotp/passes/ilp.py, proved more)"
             )
         )
+    first = report.first_decode
+    if first is not None:
+        lines.append(
+            f"{_FIRST_DECODE_TITLE} (input {tuple(first.input_shape)}, {_FIRST_DECODE_NOTE}; bytes per rank): "
+            f"{_counts_bytes(first.collectives, first.collective_bytes)}"
+        )
+        lines += _per_block(first)
     if d is not None:
         lines.append(
             f"collectives per generated token (input {tuple(d.input_shape)}, KV cache of {report.seq_len} "

@@ -44,7 +44,7 @@ from autotp.checkpoint_files import holds_weights
 __all__ = ["FORMAT", "ReportCache", "config_file"]
 
 #: bump when the entry layout or the meaning of a key field changes
-FORMAT = 2
+FORMAT = 3
 
 
 def _canonical(obj: Any) -> str:

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from autotp.cli import main
+from autotp.plan_report import FIRST_DECODE
 from autotp.planner import PlanReport, explain, plan_model
 from autotp.render import render_html, render_text
 from tests._tiny import tiny_config, tiny_plan
@@ -93,28 +94,90 @@ def test_a_decode_step_gives_collectives_per_token_and_the_kv_cache_per_rank(rep
     assert report.kv_cache_bytes_per_rank == report.kv_cache_bytes_total // 2
 
 
-def test_an_encoder_decoder_reports_each_stacks_blocks_in_its_forward_and_its_decode_step() -> None:
-    """T5 at tp=2: the forward runs both stacks, the decode step (``generate``'s after its first
-    token) the decoder alone; the text and the JSON give each graph's collectives per block of each
-    stack, as :meth:`PlanReport.block_collectives` counts them. Block 0 of each stack also looks up
-    its relative-position bias, split by heads with no collective of its own
+def test_an_encoder_decoder_reports_each_stacks_blocks_in_its_forward_and_its_decode_steps(
+    monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """T5 at tp=2: the forward runs both stacks, the decode steps the decoder alone: the first
+    (``generate``'s first decoder call: an empty cache, the cross-attention's keys and values
+    projected from the encoder's output and stored) and every later one (reading them from the
+    cache) are two graphs, each with Megatron's 3 all-reduces per decoder block and no gather inside
+    a block; the text and the JSON give each graph's collectives per block of each stack, as
+    :meth:`PlanReport.block_collectives` counts them. Block 0 of each stack also looks up its
+    relative-position bias, split by heads with no collective of its own
     (tests/distributed/test_architectures.py)."""
+    from autotp import planner
+
+    runs, trace = [], planner._trace
+    monkeypatch.setattr(planner, "_trace", lambda *a, **k: runs.append(trace(*a, **k)) or runs[-1])
     report = plan_model(tiny_config("t5", pad_token_id=PAD_ID), 2)
 
-    assert report.decode is not None, report.decode_note
+    assert report.decode is not None and report.first_decode is not None, report.decode_note
     decoder = {0: {"all_reduce": 3}, 1: {"all_reduce": 3}}
-    assert report.block_collectives("decode") == {"decoder.block": decoder}
+    outside = [("all_reduce", "decoder.embed_tokens"), ("all_gather", "lm_head")]
+    for graph in (FIRST_DECODE, "decode"):
+        step = report.graph(graph)
+        assert step.input_shape == (1, 1), graph
+        assert report.block_collectives(graph) == {"decoder.block": decoder}, graph
+        assert [(s["kind"], s["origin"]) for s in step.outside_blocks()] == outside, graph
+    assert report.timings["first_decode_s"] > 0.0
+    # two graphs: only the first step projects the cross-attention's keys and values (the later reads them)
+    (run,) = runs
+    cross_kv = {key: sorted({module for c in run.compiled[key] for *_, module in c.traced
+                             if module.endswith(("EncDecAttention.k", "EncDecAttention.v"))})
+                for key in (FIRST_DECODE, "decode")}
+    assert cross_kv == {FIRST_DECODE: [f"decoder.block.{i}.layer.1.EncDecAttention.{p}" for i in (0, 1) for p in "kv"],
+                        "decode": []}
     assert report.block_collectives() == {"encoder.block": {0: {"all_reduce": 2}, 1: {"all_reduce": 2}},
                                           "decoder.block": decoder}
     text = render_text(report).splitlines()
-    per_token = text.index(next(line for line in text if line.startswith("collectives per generated token")))
-    assert text[per_token + 1:per_token + 3] == [
-        "  per block of decoder.block: {'all_reduce': 3}",
-        "  outside blocks: all_reduce after decoder.embed_tokens, all_gather after lm_head"]
+    for title in ("collectives of the first decode step", "collectives per generated token"):
+        at = text.index(next(line for line in text if line.startswith(title)))
+        assert text[at + 1:at + 3] == [
+            "  per block of decoder.block: {'all_reduce': 3}",
+            "  outside blocks: all_reduce after decoder.embed_tokens, all_gather after lm_head"], title
     data = json.loads(json.dumps(report.to_json()))  # what autotp plan --json prints
     for key, graph in (("collectives_per_block", "forward"), ("collectives_per_block_per_token", "decode")):
         assert data[key] == {stack: {str(i): kinds for i, kinds in blocks.items()}
                              for stack, blocks in report.block_collectives(graph).items()}
+    assert data["first_decode_step"]["collectives_per_block"] == {"decoder.block": {"0": {"all_reduce": 3},
+                                                                                    "1": {"all_reduce": 3}}}
+    assert data["first_decode_step"]["collectives"] == report.first_decode.collectives
+    assert [g["name"] for g in data["graphs"]] == ["forward", FIRST_DECODE, "decode"]
+    kept = PlanReport.from_state(json.loads(json.dumps(report.to_state())))  # a report cache entry, read back
+    assert kept.first_decode == report.first_decode
+
+
+def test_a_decoder_only_model_has_no_first_decode_step_of_its_own(report: PlanReport) -> None:
+    """A decoder-only model's first decode step is its prefill (the forward)."""
+    assert report.first_decode is None and report.decode is not None
+    assert report.to_json()["first_decode_step"] is None
+    assert not any(line.startswith("collectives of the first decode step") for line in render_text(report).splitlines())
+
+
+def test_autotp_plan_prints_an_encoder_decoders_first_decode_step_and_its_cache_keeps_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The command's text names the first decode step; the report cache (autotp/report_cache.py)
+    serves the same report again, first decode step included, in text and JSON."""
+    monkeypatch.setenv("AUTOTP_CACHE_DIR", str(tmp_path / "cache"))
+    folder = tmp_path / "t5"
+    tiny_config("t5", pad_token_id=PAD_ID).save_pretrained(folder)
+
+    assert main(["plan", str(folder), "--tp", "2"]) == 0
+    planned = capsys.readouterr().out
+    assert main(["plan", str(folder), "--tp", "2"]) == 0
+    again = capsys.readouterr().out
+    assert main(["plan", str(folder), "--tp", "2", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+
+    first = [line for line in planned.splitlines() if line.startswith("collectives of the first decode step")]
+    assert len(first) == 1 and "cross-attention keys/values computed" in first[0]
+    assert "timings: read from the report cache" in again
+    assert [line for line in again.splitlines() if not line.startswith("timings")] == \
+        [line for line in planned.splitlines() if not line.startswith("timings")]
+    assert list(data["timings"]) == ["report_cache_read_s"]  # served from the cache too
+    assert data["first_decode_step"]["collectives_per_block"] == {"decoder.block": {"0": {"all_reduce": 3},
+                                                                                    "1": {"all_reduce": 3}}}
 
 
 def test_a_long_prefill_is_planned_with_the_placements_the_warm_up_fixed() -> None:

@@ -190,22 +190,25 @@ def test_a_batch_2_plan_keeps_its_warm_up_which_is_the_batch_1_plan() -> None:
 
 
 @pytest.mark.parametrize("tp", _valid_tps("t5"))
-def test_t5_decode_step_reduces_three_times_per_decoder_block_and_gathers_only_the_logits(tp: int) -> None:
-    """T5-base's decode step as ``generate`` runs it under ``parallelize_model`` after its first
-    token: the decoder alone, one new token per sequence, reading the encoder's output (gathered when
-    the encoder's call returned) and the KV cache the prefill filled. Each decoder block issues
+def test_t5_decode_steps_reduce_three_times_per_decoder_block_and_gather_only_the_logits(tp: int) -> None:
+    """T5-base's decode steps as ``generate`` runs them under ``parallelize_model``, the first and
+    every later one: the decoder alone, one new token per sequence, reading the encoder's output
+    (gathered when the encoder's call returned) and a KV cache, empty on the first step and filled
+    by the prefill on the later one. Each decoder block issues
     Megatron's all-reduces, one after each row-parallel matmul (self-attention, cross-attention,
     MLP); the encoder does not run; outside the blocks the vocab-parallel lookup of the new token
     is reduced and the logits are gathered. The cache each rank holds is its share of the
     self-attention's and the cross-attention's keys and values."""
     report = plan_model(_config("t5"), tp)
-    step = report.decode
 
-    assert step is not None, report.decode_note
-    assert step.input_shape == (1, 1)
-    assert step.block_collectives() == {"decoder.block": {layer: {"all_reduce": 3} for layer in range(2)}}
-    outside = [(s["kind"], s["origin"]) for s in step.outside_blocks()]
-    assert outside == [("all_reduce", "decoder.embed_tokens"), ("all_gather", "lm_head")]
+    assert report.decode is not None, report.decode_note
+    # generate's first decoder call (an empty cache: each block projects the cross-attention's keys
+    # and values from the encoder's output and stores them) is a graph of its own, and communicates alike
+    for step in (report.first_decode, report.decode):
+        assert step is not None and step.input_shape == (1, 1)
+        assert step.block_collectives() == {"decoder.block": {layer: {"all_reduce": 3} for layer in range(2)}}
+        outside = [(s["kind"], s["origin"]) for s in step.outside_blocks()]
+        assert outside == [("all_reduce", "decoder.embed_tokens"), ("all_gather", "lm_head")]
     # the prefill before it (with the cache it fills) is the matrix's forward
     assert report.block_collectives() == {
         stack: {layer: {"all_reduce": n} for layer in range(2)} for stack, n in T5_ALL_REDUCES.items()}
