@@ -747,7 +747,7 @@ def _add_plan_parser(sub: Any) -> None:
         metavar="FILE",
         help="also draw the plan into this PNG file (needs matplotlib: the [plot] extra)",
     )
-    plan.add_argument("--no-decode", action="store_true", help="plan the forward only (skip the decode step)")
+    plan.add_argument("--no-decode", action="store_true", help="plan the forward only (skip the decode steps)")
     plan.add_argument(
         "--full-depth",
         action="store_true",
