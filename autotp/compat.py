@@ -50,8 +50,11 @@ saved by one process and installed by another) and closes three gaps of torch 2.
 its docstring); :func:`pickle_graph` / :func:`unpickle_graph` use ``torch.fx._graph_pickler`` (its
 ``GraphPickler``, with a cheap form of its own for plain fake tensors, and its unpickle state's fake mode);
 the guard filter reads ``CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES``; the
-uninstaller calls ``torch._C._dynamo.eval_frame._reset_precompile_entries``. Probed when first used
-(``autotp/stored_graphs.py``).
+uninstaller calls ``torch._C._dynamo.eval_frame._reset_precompile_entries``; a loading guard state's
+tensors are rebuilt in one fake mode (``GuardsStatePickler._unpickle_tensor``, see
+:func:`_guard_tensors_in_one_fake_mode`), and :func:`_optimize` swaps ``eval_frame.get_compiler_fn``
+while ``torch._dynamo.optimize`` runs (its minifier wrapper's imports, see :class:`_DirectCompiler`).
+Probed when first used (``autotp/stored_graphs.py``).
 
 **Data-parallel composition (2-D mesh).** DDP's graph splitting and FSDP2's parameter objects,
 which the 2-D mesh reaches into (``tests/distributed/test_mesh.py`` notices a change).

@@ -38,7 +38,7 @@ says why (``no entry``, ``corrupt entry (...)``, ``stale entry (...)``, ``entry 
 ``entry does not install (...)``), and the entry is rewritten. The payload is a pickle (Dynamo's
 package is pickled by torch too): only a cache folder the user trusts should be used, as for any
 pickle. Writes go to a unique temporary file in the same folder and ``os.replace`` it, so readers
-see whole entries and concurrent writers all succeed. Rank 0 writes, after each call that
+see whole entries and concurrent writers all succeed. One rank (the last) writes, after each call that
 compiled a new graph. ``AUTOTP_CACHE=0`` turns stored graphs off with the plan cache.
 """
 
