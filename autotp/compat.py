@@ -51,8 +51,11 @@ saved by one process and installed by another) and closes three gaps of torch 2.
 its docstring); :func:`pickle_graph` / :func:`unpickle_graph` use ``torch.fx._graph_pickler`` (its
 ``GraphPickler``, with a cheap form of its own for plain fake tensors, and its unpickle state's fake mode);
 the guard filter reads ``CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES``; the
-uninstaller calls ``torch._C._dynamo.eval_frame._reset_precompile_entries``. Probed when first used
-(``autotp/stored_graphs.py``).
+uninstaller calls ``torch._C._dynamo.eval_frame._reset_precompile_entries``; a loading guard state's
+tensors are rebuilt in one fake mode (``GuardsStatePickler._unpickle_tensor``, see
+:func:`_guard_tensors_in_one_fake_mode`), and :func:`_optimize` swaps ``eval_frame.get_compiler_fn``
+while ``torch._dynamo.optimize`` runs (its minifier wrapper's imports, see :class:`_DirectCompiler`).
+Probed when first used (``autotp/stored_graphs.py``).
 
 **Data-parallel composition (2-D mesh).** DDP's graph splitting and FSDP2's parameter objects,
 which the 2-D mesh reaches into (``tests/distributed/test_mesh.py`` notices a change).
@@ -566,7 +569,7 @@ class DynamoPackage:
         else:
             try:
                 self.package = package_module.CompilePackage(fn, stored[0])
-                with _guard_markings(package_module, markings or {}):
+                with _guard_markings(package_module, markings or {}), _guard_tensors_in_one_fake_mode():
                     self.package.install({name: _Backend(run) for name, run in (graphs or {}).items()})
                 for module, names in self.package._installed_globals.items():
                     for name in names:
@@ -580,8 +583,7 @@ class DynamoPackage:
         self._note_unnamed_frames()
         self._token = object()
         _LAST_PACKAGE_ON[getattr(fn, "__func__", fn).__code__] = self._token
-        self.compiled = torch._dynamo.optimize(backend, package=self.package, dynamic=None,
-                                               guard_filter_fn=_serializable_guards)(fn)
+        self.compiled = _optimize(fn, backend, package=self.package)
 
     def _note_unnamed_frames(self) -> None:
         """A frame Dynamo compiles after a graph break is recorded by its qualified name, and torch
@@ -694,7 +696,7 @@ class DynamoCompiled:
     compiled frames stay on the code, as for any ``torch.compile``)."""
 
     def __init__(self, fn: Callable[..., Any], backend: Callable[..., Any]) -> None:
-        self.compiled = torch._dynamo.optimize(backend, dynamic=None, guard_filter_fn=_serializable_guards)(fn)
+        self.compiled = _optimize(fn, backend)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.compiled(*args, **kwargs)
@@ -704,6 +706,38 @@ class DynamoCompiled:
 
     def uninstaller(self) -> Callable[[], None]:
         return lambda: None
+
+
+class _DirectCompiler:
+    """A backend as ``torch._dynamo.optimize`` calls it, without its minifier wrapper
+    (``repro.after_dynamo.WrapBackendDebug``, whose import brings ``aot_autograd``, its partitioner
+    and networkx: ~0.37 CPU s, on a warm launch that compiles nothing). Without a minifier setting
+    that wrapper only calls the backend; the attribute Dynamo unwraps backends by is kept."""
+
+    def __init__(self, backend: Callable[..., Any]) -> None:
+        self._torchdynamo_orig_backend = backend
+        self.__name__ = getattr(backend, "__name__", type(backend).__name__)
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any], **kwargs: Any) -> Any:
+        return self._torchdynamo_orig_backend(gm, example_inputs, **kwargs)
+
+
+def _optimize(fn: Callable[..., Any], backend: Callable[..., Any], **options: Any) -> Callable[..., Any]:
+    """``fn`` under ``torch._dynamo.optimize`` with the package guard filter (and ``options``), the
+    backend reached through :class:`_DirectCompiler` unless a minifier setting
+    (``torch._dynamo.config.repro_after``) asks for torch's own wrapper."""
+    eval_frame = require_module("torch._dynamo.eval_frame")
+    optimize = functools.partial(torch._dynamo.optimize, backend, dynamic=None, guard_filter_fn=_serializable_guards,
+                                 **options)
+    if torch._dynamo.config.repro_after is not None:
+        return optimize()(fn)
+    original = eval_frame.get_compiler_fn
+    eval_frame.get_compiler_fn = _DirectCompiler
+    try:
+        context = optimize()
+    finally:
+        eval_frame.get_compiler_fn = original
+    return context(fn)
 
 
 #: what :func:`_storable_guards` stores for a guard state Dynamo could not pickle
@@ -761,6 +795,36 @@ def _guard_markings(package_module: Any, markings: dict[str, dict[str, Any]]) ->
         yield
     finally:
         package_module.load_guards_state = original
+
+
+@contextlib.contextmanager
+def _guard_tensors_in_one_fake_mode() -> Iterator[None]:
+    """While the block runs, the tensors of the guard states a package loads are rebuilt in one
+    fake mode: torch 2.13's ``GuardsStatePickler._unpickle_tensor`` makes a ``FakeTensorMode`` per
+    tensor (~1 ms each, ~145 guarded tensors per frame of a Llama-family model: parameters and
+    inputs). The guards read only each tensor's own sizes, strides, dtype, device and dispatch keys,
+    which the rebuild (torch's own converter, as the original) keeps; Dynamo's trace has all its
+    guarded tensors in one mode too. A torch whose unpickler takes other arguments keeps its own."""
+    pickler = require("torch._dynamo.guards", "GuardsStatePickler")
+    original = pickler.__dict__.get("_unpickle_tensor")
+    expected = ["cls", "meta_tensor", "device", "pytype", "dispatch_keys_raw", "grad"]
+    if not isinstance(original, classmethod) or list(inspect.signature(original.__func__).parameters) != expected:
+        yield
+        return
+    fake_mode, converter = FakeTensorMode(), require("torch._subclasses.fake_tensor", "FakeTensorConverter")()
+
+    def unpickle_tensor(cls: type, meta_tensor: torch.Tensor, device: torch.device, pytype: type,
+                        dispatch_keys_raw: int, grad: torch.Tensor | None) -> torch.Tensor:
+        out = converter.from_meta_and_device(fake_mode, meta_tensor, device, pytype,
+                                             torch._C.DispatchKeySet.from_raw_repr(dispatch_keys_raw))
+        out.grad = grad
+        return out
+
+    pickler._unpickle_tensor = classmethod(unpickle_tensor)
+    try:
+        yield
+    finally:
+        pickler._unpickle_tensor = original
 
 
 # -- scipy's HiGHS bindings (used when present, see the module docstring) -------------------

@@ -4,6 +4,7 @@ writers, the cache switched off; and a Dynamo graph pickled and read back keys a
 
 from __future__ import annotations
 
+import gc
 import pickle
 import threading
 from pathlib import Path
@@ -13,7 +14,7 @@ import torch
 
 from autotp.compat import DynamoPackage, PackageError, maybe_mark_dynamic, pickle_graph, unpickle_graph
 from autotp.plan_cache import graph_fingerprint
-from autotp.stored_graphs import FORMAT, GraphStore, StoredGraph
+from autotp.stored_graphs import FORMAT, GraphStore, StoredGraph, collector_paused
 
 KEY = {"format": FORMAT, "model": "LlamaForCausalLM", "world_size": 2}
 PAYLOAD = {"entry": "dynamo entry", "aliases": {}, "graphs": {"__compiled_fn_1": (b"graph", {})}}
@@ -135,3 +136,47 @@ def test_a_model_whose_guards_cannot_be_stored_still_compiles_and_runs_and_is_no
     torch.testing.assert_close(package(x), model(x), atol=0, rtol=0)
     with pytest.raises(PackageError, match="this attribute does not pickle"):
         package.entry()
+
+
+def _linear_forward(model: torch.nn.Linear) -> object:
+    return type(model).forward.__get__(model)
+
+
+def test_an_installed_package_runs_its_stored_graph_and_a_changed_parameter_shape_fails_its_guards() -> None:
+    """The guard states are rebuilt in one fake mode (``compat._guard_tensors_in_one_fake_mode``), not
+    torch's one per tensor: the parameters' sizes are still guarded, so another weight shape compiles anew."""
+    torch._dynamo.reset()
+    compiled: list[tuple[int, ...]] = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list) -> object:
+        compiled.append(tuple(next(t.shape for t in example_inputs if t.dim() == 2 and t.shape[0] == 2)))
+        return gm.forward
+
+    first, x = torch.nn.Linear(3, 2), torch.randn(4, 3)
+    package = DynamoPackage(_linear_forward(first), backend)
+    package(x)
+    stored = pickle.loads(pickle.dumps(package.entry()))
+    graphs = package.graphs()
+    package.uninstall()
+    torch._dynamo.reset()
+    compiled.clear()
+
+    same, wider = torch.nn.Linear(3, 2), torch.nn.Linear(5, 2)
+    installed = DynamoPackage(_linear_forward(same), backend, stored, graphs)
+    torch.testing.assert_close(installed(x), same(x), atol=0, rtol=0)
+    assert compiled == []  # the stored graph ran: nothing traced
+    y = torch.randn(4, 5)
+    torch.testing.assert_close(torch.compile(_linear_forward(wider), backend=backend)(y), wider(y), atol=0, rtol=0)
+    assert compiled == [(2, 5)]  # the stored frame's guards refused the other weight shape
+    installed.uninstall()
+    torch._dynamo.reset()
+
+
+def test_the_collector_pauses_for_the_outermost_block_and_resumes_after_an_error() -> None:
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError, match="lowering failed"), collector_paused():
+        with collector_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()  # the inner block leaves it to the outer one
+        raise RuntimeError("lowering failed")
+    assert gc.isenabled()

@@ -17,6 +17,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from autotp import weight_files
 from autotp.checkpoint_keys import Concatenated, Stored
 from autotp.errors import AutoTPError, CheckpointError, ShardingError
 from autotp.placement import P, R, Shard, StridedShard
@@ -229,10 +230,13 @@ def test_sharded_index_maps_keys_to_the_right_files(llama_sharded, llama_dir):
             assert torch.equal(ck.read(key), single.read(key))  # same seed -> same bytes
 
 
+@pytest.mark.parametrize("block_bytes", [weight_files.BLOCK_BYTES, 1], ids=["short-runs-in-one-block", "a-block-per-run"])
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("dim", [0, 1])
 @pytest.mark.parametrize("name", ["even", "awkward", "five"])
-def test_read_slice_is_exactly_torch_chunk_and_reads_only_its_bytes(awkward_file, name, dim, world_size):
+def test_read_slice_is_exactly_torch_chunk_and_reads_only_its_bytes(awkward_file, name, dim, world_size, block_bytes,
+                                                                     monkeypatch):
+    monkeypatch.setattr(weight_files, "BLOCK_BYTES", block_bytes)  # dim 1's short runs: blocks of rows
     folder, tensors = awkward_file
     full = tensors[name]
     chunks = torch.chunk(full, world_size, dim)
