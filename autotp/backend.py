@@ -579,8 +579,8 @@ def _apply_overrides(free: dict[torch.fx.Node, ParamChoice], aten_params: dict[t
                 offered = ", ".join(f"{style_of(p, consumer, len(shape))} ({p})" for p, _ in free[node].options)
                 raise AutoTPError(
                     f"override {pat!r}: {overrides[pat]!r} cannot be honoured for {names[0]} (shape "
-                    f"{tuple(shape)}, consumed by {getattr(consumer, 'target', None)}): it may be {offered}. "
-                    "Use one of those styles, 'replicate', or 'shard(d)' for a dim that divides by the tp size."
+                    f"{tuple(shape)}, consumed by {getattr(consumer, 'target', None)}): it may be {offered}, no other. "
+                    "Use one of those, or drop the override and let the solver choose."
                 )
             options = allowed
         free[node] = free[node].narrowed(options)

@@ -130,7 +130,7 @@ def test_an_override_with_no_valid_plan_is_refused_by_name() -> None:
 def test_an_override_splitting_a_vocabulary_by_columns_is_refused_by_name() -> None:
     # a token embedding is offered row splits only (autotp/ops/embedding.py: which tables are split by columns)
     with pytest.raises(AutoTPError, match=r"override 'model.embed_tokens': 'shard\(1\)' cannot be honoured .* "
-                                          r"it may be replicate \(R\), vocab \(S\(0\)\)\."):
+                                          r"it may be replicate \(R\), vocab \(S\(0\)\), no other\. Use one of those"):
         plan_model(tiny_config("llama"), 2, decode=False, overrides={"model.embed_tokens": "shard(1)"})
 
 
