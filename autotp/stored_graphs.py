@@ -44,14 +44,12 @@ compiled a new graph. ``AUTOTP_CACHE=0`` turns stored graphs off with the plan c
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import hashlib
 import json
 import pickle
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -69,6 +67,7 @@ from autotp.compat import (
     unpickle_graph,
 )
 from autotp.errors import AutoTPError
+from autotp.memory import cycle_collection_paused
 from autotp.trace import write_json
 
 __all__ = ["FORMAT", "GraphStore", "StoredForward", "StoredGraph", "graph_key", "storing_backend"]
@@ -154,28 +153,10 @@ class StoredGraph:
         if found is None:
             from autotp.backend import compile_graph
 
-            with collector_paused():
+            with cycle_collection_paused():
                 run = compile_graph(unpickle_graph(self.data), list(args), session)
             found = self._runs[id(session)] = (session, run)
         return found[1](*args)
-
-
-@contextlib.contextmanager
-def collector_paused() -> Iterator[None]:
-    """Within the block Python's cyclic garbage collector does not run. Installing a stored package
-    (its guard states) and unpickling and lowering a stored graph allocate ~10^5 objects that live
-    on, no garbage cycles, in a process that has just imported torch, transformers and Dynamo
-    (~400,000 tracked objects): each full collection they triggered scanned the whole heap for
-    nothing (on the 150m benchmark model, one in the guard states and one in the plan-cache entry's
-    decoding, ~0.25 CPU s each). Collection resumes after the block (where it was on), so cycles
-    made inside are collected later; nested blocks leave it to the outermost."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def _session_of(args: tuple[Any, ...], owner: Any) -> Any:
@@ -280,7 +261,7 @@ class StoredForward:
                 for g in graphs.values():
                     for source, marks in g.markings.items():
                         markings.setdefault(source, {}).update(marks)
-                with collector_paused():
+                with cycle_collection_paused():
                     package = DynamoPackage(fn, backend, (payload["entry"], payload["aliases"]), graphs, markings)
                 self.loaded = graphs
                 store.outcome.status, store.outcome.reason, store.outcome.graphs = "hit", None, len(graphs)

@@ -156,13 +156,10 @@ after the frontier has settled (typically the first two or three).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import gc
 import itertools
 import operator
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -171,6 +168,7 @@ import torch.fx
 
 from autotp.collectives import backward_kind_of, cost_bytes, kind_of
 from autotp.errors import SolverError
+from autotp.memory import cycle_collection_paused
 from autotp.ops.registry import CONSTANT_VALUE, Candidate, OpCall, TensorSpec, lookup, reject
 from autotp.passes.decompose import EDGE, MARK, SYMBOLIC_DIMS, ShadowGraph
 from autotp.passes.hosts import hosted_tags, needs_host
@@ -571,7 +569,7 @@ def solve(shadow: ShadowGraph, opts: SolverOptions, fixed: dict[torch.fx.Node, P
         if n.op in ("placeholder", "get_attr") and index[n] not in fixed_idx and index[n] not in free_idx:
             fixed_idx[index[n]] = R
 
-    with _without_cycle_collection():
+    with cycle_collection_paused():  # the states form no garbage cycles (autotp/memory.py)
         states = _search_widening(steps, position, last_use, fixed_idx, free_idx, param_idx, opts, trace,
                                   pinned_edges)
 
@@ -597,22 +595,6 @@ def solve(shadow: ShadowGraph, opts: SolverOptions, fixed: dict[torch.fx.Node, P
                      if params.get(nodes[j]) == R)
     return Solution(placements, local, params, best_cost, best_comm, best_mem, trace,
                     lower_bound=min(best_cost, trace.pruned_min), replicated_bytes=replicated)
-
-
-@contextlib.contextmanager
-def _without_cycle_collection() -> Iterator[None]:
-    """Pause Python's cyclic garbage collector (restored after, if it was on). The search allocates
-    millions of small tuples, dicts and back-pointers that form no reference cycle (each state
-    points back to its parents only), so the collector's passes over the heap, the whole torch
-    and transformers object graph included, free nothing: they took ~25% of the solve time on
-    8 layers of Gemma-2-9B's widths. Reference counting still frees every dropped state."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def _search_widening(steps: list[_Step], position: dict[int, int], last_use: dict[int, int],

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import gc
 
+import pytest
 import torch
 import torch._dynamo.guards as dynamo_guards
 
 from autotp.compat import no_guard_latency_profile
-from autotp.memory import release_free_memory
+from autotp.memory import cycle_collection_paused, release_free_memory
 
 
 class _Node:
@@ -70,3 +71,13 @@ def test_guard_latency_profile_is_skipped_inside_the_block_and_restored_after() 
     finally:
         dynamo_guards.profile_guard_manager = original
         torch._dynamo.reset()
+
+
+def test_the_collector_pauses_for_the_outermost_block_and_resumes_after_an_error() -> None:
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError, match="lowering failed"), cycle_collection_paused():
+        with cycle_collection_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()  # the inner block leaves it to the outer one
+        raise RuntimeError("lowering failed")
+    assert gc.isenabled()

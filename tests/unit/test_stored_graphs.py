@@ -4,7 +4,6 @@ writers, the cache switched off; and a Dynamo graph pickled and read back keys a
 
 from __future__ import annotations
 
-import gc
 import pickle
 import threading
 from pathlib import Path
@@ -14,7 +13,7 @@ import torch
 
 from autotp.compat import DynamoPackage, PackageError, maybe_mark_dynamic, pickle_graph, unpickle_graph
 from autotp.plan_cache import graph_fingerprint
-from autotp.stored_graphs import FORMAT, GraphStore, StoredGraph, collector_paused
+from autotp.stored_graphs import FORMAT, GraphStore, StoredGraph
 
 KEY = {"format": FORMAT, "model": "LlamaForCausalLM", "world_size": 2}
 PAYLOAD = {"entry": "dynamo entry", "aliases": {}, "graphs": {"__compiled_fn_1": (b"graph", {})}}
@@ -170,13 +169,3 @@ def test_an_installed_package_runs_its_stored_graph_and_a_changed_parameter_shap
     assert compiled == [(2, 5)]  # the stored frame's guards refused the other weight shape
     installed.uninstall()
     torch._dynamo.reset()
-
-
-def test_the_collector_pauses_for_the_outermost_block_and_resumes_after_an_error() -> None:
-    assert gc.isenabled()
-    with pytest.raises(RuntimeError, match="lowering failed"), collector_paused():
-        with collector_paused():
-            assert not gc.isenabled()
-        assert not gc.isenabled()  # the inner block leaves it to the outer one
-        raise RuntimeError("lowering failed")
-    assert gc.isenabled()
