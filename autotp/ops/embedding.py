@@ -45,6 +45,7 @@ import torch.nn.functional as F
 from autotp.ops._common import P, R, aten_ops, out_is_float, same
 from autotp.ops.fused import behind_brackets
 from autotp.ops.registry import Candidate, OpCall, register, register_local, reject
+from autotp.ops.shape import VIEW_OPS
 from autotp.placement import Partial, Placement, Replicate, Shard
 
 VOCAB_PARALLEL = "vocab_parallel"
@@ -85,11 +86,10 @@ def vocab_parallel_embedding(indices: torch.Tensor, weight_local: torch.Tensor, 
 
 #: ops that hand their first argument's values on unchanged (views and copies): token ids keep
 #: being token ids through them
-_ID_PRESERVING = set(aten_ops(
-    "view.default", "view_copy.default", "_unsafe_view.default", "reshape.default", "clone.default",
-    "alias.default", "alias_copy.default", "unsqueeze.default", "unsqueeze_copy.default", "squeeze.dim",
+_ID_PRESERVING = {*VIEW_OPS, *aten_ops(
+    "clone.default", "alias.default", "alias_copy.default", "unsqueeze.default", "unsqueeze_copy.default", "squeeze.dim",
     "squeeze_copy.dim", "expand.default", "expand_copy.default", "slice.Tensor", "slice_copy.Tensor",
-    "_to_copy.default"))
+    "_to_copy.default")}
 
 
 def vocabulary_tables(graph: torch.fx.Graph) -> frozenset[torch.fx.Node]:

@@ -316,7 +316,7 @@ def _trace_node(n: torch.fx.Node, flat: list[Any], spec: Any, fake_mode: FakeTen
 
 
 def decompose_by_node(gm: torch.fx.GraphModule, example_inputs: list[Any],
-                      resized: dict[int, Any] | None = None, memo: dict[tuple, Any] | None = None) -> ShadowGraph:
+                      resized: dict[int, Any] | None = None) -> ShadowGraph:
     """Build the shadow graph by decomposing each Dynamo node on its own and copying the result.
 
     Each node's decomposition depends only on its target, its constants and its inputs' metadata
@@ -327,9 +327,9 @@ def decompose_by_node(gm: torch.fx.GraphModule, example_inputs: list[Any],
     so the local write lands in the very tensor later readers of that value see, with the
     placement they expect. A node that mutates otherwise, or changes global state, raises
     :class:`NotNodeLocal` and :func:`decompose` falls back to the whole-graph trace. ``resized``:
-    see :func:`_fake_input`. ``memo``: traces by node key, to share with another decomposition
-    (a trace depends on nothing but its key; only its values' metadata is read)."""
-    return _NodeByNode(gm, example_inputs, resized or {}, {} if memo is None else memo).build()
+    see :func:`_fake_input`. (:func:`decompose` keeps the builder, whose traces by node key its
+    shifted-size second pass shares: :meth:`_NodeByNode.nodes_at`.)"""
+    return _NodeByNode(gm, example_inputs, resized or {}, {}).build()
 
 
 class _NodeByNode:
