@@ -415,17 +415,60 @@ def _plain_fake(value: Any) -> Any:
 
 
 def _fake_from_layout(shape: tuple[Any, ...], stride: tuple[Any, ...], dtype: torch.dtype, device: torch.device,
-                      requires_grad: bool, state: Any) -> torch.Tensor:
+                      requires_grad: bool, nbytes: Any, state: Any) -> torch.Tensor:
     """A fake tensor of this layout in the unpickling graph's fake mode (``state``: GraphPickler's
     unpickle state), built as ``GraphPickler``'s own path builds one (a meta tensor wrapped as a
-    ``FakeTensor``, outside the mode's dispatch) without its general describe-and-rebuild machinery."""
-    from torch.utils._mode_utils import no_dispatch
-
-    with no_dispatch():
-        t = FakeTensor(state.fake_mode, torch.empty_strided(shape, stride, dtype=dtype, device="meta"), device)
+    ``FakeTensor``, outside the mode's dispatch) without its general describe-and-rebuild machinery.
+    ``nbytes`` is the traced tensor's storage size (a SymInt where its sizes are symbolic): the meta
+    tensor is made with that storage (:func:`_meta_of_layout`), not by ``torch.empty_strided``, whose
+    storage size on symbolic sizes is sympy arithmetic per tensor (~150 us each: most of the
+    unpickling of a graph with a dynamic sequence length)."""
+    with _no_dispatch():
+        t = FakeTensor(state.fake_mode, _meta_of_layout(shape, stride, dtype, nbytes), device)
     if requires_grad:
         t.requires_grad_(True)
     return t
+
+
+class _MetaLayout(torch.Tensor):
+    """The type ``torch.Tensor._make_wrapper_subclass`` needs to make a meta tensor of a given
+    layout and storage size; :func:`_fake_from_layout` wraps it as a ``FakeTensor`` at once, under
+    ``no_dispatch``, so nothing dispatches to it."""
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        raise NotImplementedError(f"autotp: {func} on a layout-only meta tensor")
+
+
+def _meta_of_layout(shape: tuple[Any, ...], stride: tuple[Any, ...], dtype: torch.dtype, nbytes: Any) -> torch.Tensor:
+    """A meta tensor of this layout (offset 0) over a storage of ``nbytes``: the sizes, strides,
+    storage size, dtype and dispatch keys ``torch.empty_strided`` would give it (a ``FakeTensor``
+    made over it has the same keys: it adds the Python ones either way), without recomputing the
+    storage size. A torch whose ``_make_wrapper_subclass`` takes no ``storage_size`` gets
+    ``torch.empty_strided``."""
+    if _wrapper_takes_storage_size():
+        return torch.Tensor._make_wrapper_subclass(_MetaLayout, shape, stride, 0, dtype=dtype, device="meta",
+                                                   storage_size=nbytes)
+    return torch.empty_strided(shape, stride, dtype=dtype, device="meta")
+
+
+@functools.cache
+def _wrapper_takes_storage_size() -> bool:
+    """Whether this torch's ``_make_wrapper_subclass`` takes ``storage_size`` (torch >= 2.1)."""
+    try:
+        with _no_dispatch():
+            torch.Tensor._make_wrapper_subclass(_MetaLayout, (1,), (1,), 0, dtype=torch.float32, device="meta",
+                                                storage_size=4)
+    except TypeError:
+        return False
+    return True
+
+
+def _no_dispatch() -> Any:
+    """``torch.utils._mode_utils.no_dispatch``: no ``__torch_dispatch__`` (modes, subclasses) runs."""
+    from torch.utils._mode_utils import no_dispatch
+
+    return no_dispatch()
 
 
 def _plain_layout(t: Any) -> bool:
@@ -446,10 +489,18 @@ def _graph_pickler() -> type:
     from torch.fx._graph_pickler import GraphPickler
 
     class LayoutPickler(GraphPickler):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            #: one SymInt per distinct symbolic storage size, so that each is pickled (and read back) once
+            self.storage_sizes: dict[Any, Any] = {}
+
         def reducer_override(self, obj: object) -> Any:
             if _plain_layout(obj):
+                nbytes = obj.untyped_storage().nbytes()
+                if isinstance(nbytes, torch.SymInt):
+                    nbytes = self.storage_sizes.setdefault(nbytes.node.expr, nbytes)
                 return _fake_from_layout, (tuple(obj.shape), tuple(obj.stride()), obj.dtype, obj.device,
-                                           obj.requires_grad, self._unpickle_state)
+                                           obj.requires_grad, nbytes, self._unpickle_state)
             return super().reducer_override(obj)
 
     return LayoutPickler
