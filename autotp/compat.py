@@ -49,7 +49,10 @@ at run time instead of at trace time.
 ``torch._dynamo.package.CompilePackage`` (a compiled function's bytecode, guards and graph names,
 saved by one process and installed by another) and closes three gaps of torch 2.13's package (see
 its docstring); :func:`pickle_graph` / :func:`unpickle_graph` use ``torch.fx._graph_pickler`` (its
-``GraphPickler``, with a cheap form of its own for plain fake tensors, and its unpickle state's fake mode);
+``GraphPickler``, with a cheap form of its own for plain fake tensors, rebuilt over a storage of the
+traced size by ``torch.Tensor._make_wrapper_subclass(storage_size=)``; its unpickle state's fake mode;
+its graph and node records, whose classes are swapped for :class:`_GraphRecord` / :class:`_NodeRecord`,
+which read them back faster and keep the graph's used names, and a graph's ``_Namespace`` fields);
 the guard filter reads ``CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES``; the
 uninstaller calls ``torch._C._dynamo.eval_frame._reset_precompile_entries``; a loading guard state's
 tensors are rebuilt in one fake mode (``GuardsStatePickler._unpickle_tensor``, see
@@ -506,11 +509,33 @@ def _graph_pickler() -> type:
                                            obj.requires_grad, nbytes, self._unpickle_state)
             reduced = super().reducer_override(obj)
             if isinstance(obj, torch.fx.GraphModule):
-                for record in reduced[1][0].graph.nodes:  # GraphPickler's _NodePickleData
+                graph = reduced[1][0].graph  # GraphPickler's _GraphPickleData, its nodes' _NodePickleData
+                graph.__class__ = _GraphRecord
+                namespace = obj.graph._graph_namespace
+                graph.names = (set(namespace._used_names), dict(namespace._base_count))
+                for record in graph.nodes:
                     record.__class__ = _NodeRecord
             return reduced
 
     return LayoutPickler
+
+
+class _GraphRecord:
+    """``GraphPickler``'s record of a graph (its ``_GraphPickleData``: the same fields, the class
+    swapped when pickled) plus the names its namespace had used (``names``), which GraphPickler
+    does not keep: a node the passes add to the graph read back is named as in the traced graph
+    (``linear_15``, not ``linear_13``: the trace had used and dropped names), so the lowered code is
+    the traced graph's, name for name."""
+
+    def unpickle(self, gm: torch.fx.GraphModule, unpickle_state: Any) -> torch.fx.Graph:
+        graph = torch.fx.Graph(gm, self.tracer_cls, self.tracer_extras)
+        nodes: dict[Any, torch.fx.Node] = {}
+        for record in self.nodes:
+            nodes[record] = record.unpickle(graph, nodes, unpickle_state)
+        if hasattr(self, "_codegen"):
+            graph._codegen = self._codegen
+        graph._graph_namespace._used_names, graph._graph_namespace._base_count = self.names
+        return graph
 
 
 class _NodeRecord:

@@ -151,6 +151,29 @@ def test_a_fake_value_read_back_has_the_traced_layout_storage_size_and_dispatch_
     assert any("s" in storage for *_, storage, _dtype, _device, _grad, _leaf, _keys in traced)  # a symbolic size
 
 
+def test_a_node_added_to_a_graph_read_back_is_named_as_in_the_traced_graph() -> None:
+    """The names a traced graph used and dropped are kept: a node a pass adds to the graph read
+    back gets the name it gets in the traced graph, so the lowered code is the same, name for name."""
+    names: list[tuple[str, str]] = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list) -> object:
+        x = next(n for n in gm.graph.nodes if n.op == "placeholder")
+        with gm.graph.inserting_after(x):
+            gm.graph.erase_node(gm.graph.call_function(torch.relu, (x,)))  # a name used, then dropped
+        read_back = unpickle_graph(pickle_graph(gm))
+        added = []
+        for graph in (gm.graph, read_back.graph):
+            first = next(n for n in graph.nodes if n.op == "placeholder")
+            with graph.inserting_after(first):
+                added.append(graph.call_function(torch.relu, (first,)).name)
+        names.append(tuple(added))
+        return gm.forward
+
+    torch.compile(lambda x: x.relu() + 1, backend=backend)(torch.randn(3))
+    ((traced, read_back),) = names
+    assert read_back == traced != "relu"
+
+
 class _NoPickle:
     """A callable module attribute no pickle holds (as a process group is)."""
 
