@@ -49,7 +49,10 @@ at run time instead of at trace time.
 ``torch._dynamo.package.CompilePackage`` (a compiled function's bytecode, guards and graph names,
 saved by one process and installed by another) and closes three gaps of torch 2.13's package (see
 its docstring); :func:`pickle_graph` / :func:`unpickle_graph` use ``torch.fx._graph_pickler`` (its
-``GraphPickler``, with a cheap form of its own for plain fake tensors, and its unpickle state's fake mode);
+``GraphPickler``, with a cheap form of its own for plain fake tensors, rebuilt over a storage of the
+traced size by ``torch.Tensor._make_wrapper_subclass(storage_size=)``; its unpickle state's fake mode;
+its graph and node records, whose classes are swapped for :class:`_GraphRecord` / :class:`_NodeRecord`,
+which read them back faster and keep the graph's used names, and a graph's ``_Namespace`` fields);
 the guard filter reads ``CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES``; the
 uninstaller calls ``torch._C._dynamo.eval_frame._reset_precompile_entries``; a loading guard state's
 tensors are rebuilt in one fake mode (``GuardsStatePickler._unpickle_tensor``, see
@@ -183,6 +186,9 @@ linear_builtin: Callable[..., torch.Tensor] = require("torch._C._nn", "linear")
 legacy_get_string: Callable[..., str] = require("torch.nn._reduction", "legacy_get_string")
 #: torch's pytree utilities (flatten / unflatten of nested containers of tensors)
 pytree: Any = require_module("torch.utils._pytree")
+#: the list and dict types FX keeps node arguments in
+immutable_list: type = require("torch.fx.immutable_collections", "immutable_list")
+immutable_dict: type = require("torch.fx.immutable_collections", "immutable_dict")
 
 
 def functional_collectives() -> Any:
@@ -415,17 +421,60 @@ def _plain_fake(value: Any) -> Any:
 
 
 def _fake_from_layout(shape: tuple[Any, ...], stride: tuple[Any, ...], dtype: torch.dtype, device: torch.device,
-                      requires_grad: bool, state: Any) -> torch.Tensor:
+                      requires_grad: bool, nbytes: Any, state: Any) -> torch.Tensor:
     """A fake tensor of this layout in the unpickling graph's fake mode (``state``: GraphPickler's
     unpickle state), built as ``GraphPickler``'s own path builds one (a meta tensor wrapped as a
-    ``FakeTensor``, outside the mode's dispatch) without its general describe-and-rebuild machinery."""
-    from torch.utils._mode_utils import no_dispatch
-
-    with no_dispatch():
-        t = FakeTensor(state.fake_mode, torch.empty_strided(shape, stride, dtype=dtype, device="meta"), device)
+    ``FakeTensor``, outside the mode's dispatch) without its general describe-and-rebuild machinery.
+    ``nbytes`` is the traced tensor's storage size (a SymInt where its sizes are symbolic): the meta
+    tensor is made with that storage (:func:`_meta_of_layout`), not by ``torch.empty_strided``, whose
+    storage size on symbolic sizes is sympy arithmetic per tensor (~150 us each: most of the
+    unpickling of a graph with a dynamic sequence length)."""
+    with _no_dispatch():
+        t = FakeTensor(state.fake_mode, _meta_of_layout(shape, stride, dtype, nbytes), device)
     if requires_grad:
         t.requires_grad_(True)
     return t
+
+
+class _MetaLayout(torch.Tensor):
+    """The type ``torch.Tensor._make_wrapper_subclass`` needs to make a meta tensor of a given
+    layout and storage size; :func:`_fake_from_layout` wraps it as a ``FakeTensor`` at once, under
+    ``no_dispatch``, so nothing dispatches to it."""
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        raise NotImplementedError(f"autotp: {func} on a layout-only meta tensor")
+
+
+def _meta_of_layout(shape: tuple[Any, ...], stride: tuple[Any, ...], dtype: torch.dtype, nbytes: Any) -> torch.Tensor:
+    """A meta tensor of this layout (offset 0) over a storage of ``nbytes``: the sizes, strides,
+    storage size, dtype and dispatch keys ``torch.empty_strided`` would give it (a ``FakeTensor``
+    made over it has the same keys: it adds the Python ones either way), without recomputing the
+    storage size. A torch whose ``_make_wrapper_subclass`` takes no ``storage_size`` gets
+    ``torch.empty_strided``."""
+    if _wrapper_takes_storage_size():
+        return torch.Tensor._make_wrapper_subclass(_MetaLayout, shape, stride, 0, dtype=dtype, device="meta",
+                                                   storage_size=nbytes)
+    return torch.empty_strided(shape, stride, dtype=dtype, device="meta")
+
+
+@functools.cache
+def _wrapper_takes_storage_size() -> bool:
+    """Whether this torch's ``_make_wrapper_subclass`` takes ``storage_size`` (torch >= 2.1)."""
+    try:
+        with _no_dispatch():
+            torch.Tensor._make_wrapper_subclass(_MetaLayout, (1,), (1,), 0, dtype=torch.float32, device="meta",
+                                                storage_size=4)
+    except TypeError:
+        return False
+    return True
+
+
+def _no_dispatch() -> Any:
+    """``torch.utils._mode_utils.no_dispatch``: no ``__torch_dispatch__`` (modes, subclasses) runs."""
+    from torch.utils._mode_utils import no_dispatch
+
+    return no_dispatch()
 
 
 def _plain_layout(t: Any) -> bool:
@@ -446,13 +495,87 @@ def _graph_pickler() -> type:
     from torch.fx._graph_pickler import GraphPickler
 
     class LayoutPickler(GraphPickler):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            #: one SymInt per distinct symbolic storage size, so that each is pickled (and read back) once
+            self.storage_sizes: dict[Any, Any] = {}
+
         def reducer_override(self, obj: object) -> Any:
             if _plain_layout(obj):
+                nbytes = obj.untyped_storage().nbytes()
+                if isinstance(nbytes, torch.SymInt):
+                    nbytes = self.storage_sizes.setdefault(nbytes.node.expr, nbytes)
                 return _fake_from_layout, (tuple(obj.shape), tuple(obj.stride()), obj.dtype, obj.device,
-                                           obj.requires_grad, self._unpickle_state)
-            return super().reducer_override(obj)
+                                           obj.requires_grad, nbytes, self._unpickle_state)
+            reduced = super().reducer_override(obj)
+            if isinstance(obj, torch.fx.GraphModule):
+                graph = reduced[1][0].graph  # GraphPickler's _GraphPickleData, its nodes' _NodePickleData
+                graph.__class__ = _GraphRecord
+                namespace = obj.graph._graph_namespace
+                graph.names = (set(namespace._used_names), dict(namespace._base_count))
+                for record in graph.nodes:
+                    record.__class__ = _NodeRecord
+            return reduced
 
     return LayoutPickler
+
+
+class _GraphRecord:
+    """``GraphPickler``'s record of a graph (its ``_GraphPickleData``: the same fields, the class
+    swapped when pickled) plus the names its namespace had used (``names``), which GraphPickler
+    does not keep: a node the passes add to the graph read back is named as in the traced graph
+    (``linear_15``, not ``linear_13``: the trace had used and dropped names), so the lowered code is
+    the traced graph's, name for name."""
+
+    def unpickle(self, gm: torch.fx.GraphModule, unpickle_state: Any) -> torch.fx.Graph:
+        graph = torch.fx.Graph(gm, self.tracer_cls, self.tracer_extras)
+        nodes: dict[Any, torch.fx.Node] = {}
+        for record in self.nodes:
+            nodes[record] = record.unpickle(graph, nodes, unpickle_state)
+        if hasattr(self, "_codegen"):
+            graph._codegen = self._codegen
+        graph._graph_namespace._used_names, graph._graph_namespace._base_count = self.names
+        return graph
+
+
+class _NodeRecord:
+    """``GraphPickler``'s record of one node (its ``_NodePickleData``: the same fields, the class
+    swapped when pickled) read back with a plain walk of the node's arguments
+    (:func:`_nodes_of_records`) where GraphPickler walks them with pytree, which was ~60% of rebuilding
+    a graph's nodes (profiled)."""
+
+    def unpickle(self, graph: torch.fx.Graph, mapping: dict[Any, torch.fx.Node], unpickle_state: Any) -> torch.fx.Node:
+        target = self.target.unpickle(unpickle_state)
+        if not (callable(target) or isinstance(target, str)):
+            raise TypeError(f"a stored graph's node {self.name} has the target {target!r}")
+        node = graph.create_node(self.op, target, _nodes_of_records(self.args, mapping),
+                                 _nodes_of_records(self.kwargs, mapping), self.name, self.type)
+        node.meta = self.meta
+        return node
+
+
+#: argument values that hold no node record
+_ATOMS = frozenset({int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format,
+                    torch.SymInt, FakeTensor})
+
+
+def _nodes_of_records(value: Any, mapping: dict[Any, torch.fx.Node]) -> Any:
+    """``value`` (node arguments) with each :class:`_NodeRecord` replaced by its node: what
+    ``pytree.tree_map_only(_NodeRecord, mapping.__getitem__, value)`` gives, walking the plain
+    containers (tuple, list, dict, their immutable FX forms, slice) and atoms itself and handing
+    anything else (a named tuple, ``torch.Size``, ...) to pytree."""
+    kind = type(value)
+    if kind is _NodeRecord:
+        return mapping[value]
+    if kind in _ATOMS:
+        return value
+    if kind is tuple or kind is list or kind is immutable_list:
+        return kind(_nodes_of_records(v, mapping) for v in value)
+    if kind is dict or kind is immutable_dict:
+        return kind((k, _nodes_of_records(v, mapping)) for k, v in value.items())
+    if kind is slice:
+        return slice(*(_nodes_of_records(v, mapping) for v in (value.start, value.stop, value.step)))
+    return pytree.tree_map_only(_NodeRecord, mapping.__getitem__, value)
 
 
 def pickle_graph(gm: torch.fx.GraphModule) -> bytes:
@@ -478,13 +601,29 @@ def pickle_graph(gm: torch.fx.GraphModule) -> bytes:
 
 
 def unpickle_graph(data: bytes) -> torch.fx.GraphModule:
-    """:func:`pickle_graph`'s graph, its fake values in a fresh fake mode and shape environment."""
+    """:func:`pickle_graph`'s graph, its fake values in a fresh fake mode and shape environment.
+
+    Its Python code (``.code``, as pickled) is compiled into ``forward`` when first called
+    (:func:`_compile_on_first_call`), not here: lowering edits the graph and recompiles it before
+    anything calls it, so compiling the unedited graph was wasted (~25 ms per graph of the 150m
+    benchmark model)."""
     from torch.fx._graph_pickler import GraphPickler
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
     gm = GraphPickler.loads(data, FakeTensorMode(shape_env=ShapeEnv()))
-    gm.recompile()
+    cls = type(gm)
+    if cls.__name__ == "GraphModuleImpl" and "forward" not in vars(cls) and "__call__" not in vars(cls):
+        cls.forward = _compile_on_first_call  # GraphModule.__new__ made this class for this module alone
+    else:
+        gm.recompile()
     return gm
+
+
+def _compile_on_first_call(self: torch.fx.GraphModule, *args: Any, **kwargs: Any) -> Any:
+    """The ``forward`` of an unpickled graph module until its first recompile: recompile (which
+    replaces it, as on any ``GraphModule``), then run."""
+    self.recompile()
+    return self(*args, **kwargs)
 
 
 def source_of(node: torch.fx.Node) -> str | None:

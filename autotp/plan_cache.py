@@ -116,7 +116,7 @@ def _encode_arg(a: Any, index: Mapping[torch.fx.Node, int]) -> Any:
     if isinstance(a, complex):
         return ["complex", repr(a)]
     if isinstance(a, (torch.SymInt, torch.SymFloat, torch.SymBool)):
-        return ["sym", str(a.node.expr)]
+        return ["sym", _expression(a.node.expr)]
     if isinstance(a, (tuple, list)):
         return [type(a).__name__, [_encode_arg(x, index) for x in a]]
     if isinstance(a, dict):
@@ -138,8 +138,21 @@ def _encode_arg(a: Any, index: Mapping[torch.fx.Node, int]) -> Any:
 
 
 def _tensor_fields(t: torch.Tensor) -> list[Any]:
-    return [[str(s) for s in t.shape], [str(s) for s in t.stride()], str(t.dtype), t.device.type,
+    return [[_size(s) for s in t.shape], [_size(s) for s in t.stride()], str(t.dtype), t.device.type,
             bool(t.requires_grad), type(t).__qualname__]
+
+
+def _size(s: Any) -> str:
+    """A size or stride as ``str`` writes it (a SymInt as its expression)."""
+    return _expression(s.node.expr) if isinstance(s, torch.SymInt) else str(s)
+
+
+@functools.lru_cache(maxsize=4096)
+def _expression(expr: Any) -> str:
+    """``str`` of a sympy expression, once per expression: printing is most of keying a graph whose
+    values have symbolic sizes (the benchmark model's prefill graph: ~2000 sizes over a few dozen
+    expressions)."""
+    return str(expr)
 
 
 def _tensor_content(t: torch.Tensor) -> str:
@@ -154,7 +167,7 @@ def _encode_value(v: Any) -> Any:
     if isinstance(v, torch.Tensor):
         return ["T", *_tensor_fields(v)]
     if isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)):
-        return ["sym", str(v.node.expr)]
+        return ["sym", _expression(v.node.expr)]
     if v is None or isinstance(v, (bool, int, str)):
         return v
     if isinstance(v, float):

@@ -72,7 +72,7 @@ from autotp.trace import write_json
 
 __all__ = ["FORMAT", "GraphStore", "StoredForward", "StoredGraph", "graph_key", "storing_backend"]
 
-FORMAT = 1
+FORMAT = 2
 
 
 @dataclass

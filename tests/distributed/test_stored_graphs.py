@@ -128,13 +128,16 @@ def test_a_second_job_hits_every_graph_in_the_plan_cache_and_matches_the_first_a
 
 def test_a_truncated_entry_is_ignored_with_its_reason_and_rewritten(first_job: tuple[Path, Path, list[dict]],
                                                                      tmp_path: Path) -> None:
+    """A truncated entry: the second job traces (and says why), rewrites the entry, and the third
+    runs it; the graphs the third read back are the ones the second traced, and with the same
+    (cached) plans they lower to the same code."""
     folder = first_job[0]
     _, ref_tokens = one_process_reference(folder, PROMPT, 4, PAD_ID)
     cache = cache_after(first_job, tmp_path)  # the entry a job wrote
     (entry,) = (cache / "graphs").glob("*.pkl")
     entry.write_bytes(entry.read_bytes()[: entry.stat().st_size // 2])
     second = run_ranks(_job, 2, str(folder), str(cache), 4, False, str(tmp_path / "trace"))
-    third = run_ranks(_job, 2, str(folder), str(cache), 4, False)
+    third = run_ranks(_job, 2, str(folder), str(cache), 4, False, str(tmp_path / "trace3"))
 
     for rank in range(2):
         assert second[rank]["stored"]["status"] == "miss"
@@ -144,6 +147,12 @@ def test_a_truncated_entry_is_ignored_with_its_reason_and_rewritten(first_job: t
         assert second[rank]["traced"] >= 2
         assert third[rank]["stored"]["status"] == "hit" and third[rank]["traced"] == 0
         assert second[rank]["tokens"] == third[rank]["tokens"] == ref_tokens
+        # each graph read back is the one the second job traced, and lowers to the same code and plan
+        for name in ("dynamo_graph.py", "rewritten_graph.py", "plan.json"):
+            traced = sorted((tmp_path / "trace" / f"rank{rank}").glob(f"graph*/{name}"))
+            stored = sorted((tmp_path / "trace3" / f"rank{rank}").glob(f"graph*/{name}"))
+            assert len(stored) == len(traced) >= 2
+            assert [p.read_text() for p in stored] == [p.read_text() for p in traced], name
 
 
 

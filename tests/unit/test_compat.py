@@ -92,3 +92,35 @@ def test_the_probed_internals_are_the_real_ones() -> None:
     assert compat.causal_lm_class_name("no-such-type") is None
     assert callable(compat.rope_init_functions()["llama3"])
     assert compat.weight_conversions().WeightConverter.__name__ == "WeightConverter"
+
+
+def test_a_stored_graph_s_node_arguments_are_read_back_as_pytree_reads_them() -> None:
+    """``compat._nodes_of_records`` walks a node's arguments itself where GraphPickler uses pytree
+    (with slices mapped over, as while it unpickles): for every container FX keeps in arguments (and
+    ones it hands to pytree: a named tuple, ``torch.Size``) the result equals pytree's, value and
+    type, at every level."""
+    from collections import namedtuple
+
+    from torch.fx._graph_pickler import patch_pytree_map_over_slice
+
+    a, b = compat._NodeRecord(), compat._NodeRecord()
+    mapping = {a: "node a", b: "node b"}
+    pair = namedtuple("pair", "first second")
+    value = (a, [b, 1, 2.5, None, "s", torch.float32], compat.immutable_list([a, (b,)]),
+             {"k": a, "j": [b]}, compat.immutable_dict(k=b), slice(a, None, 2), pair(a, 3), torch.Size([2, 3]),
+             torch.device("cpu"), True)
+
+    def typed(v: object) -> object:  # the value with every container's type spelled out
+        if isinstance(v, (tuple, list)):
+            return type(v), [typed(x) for x in v]
+        if isinstance(v, dict):
+            return type(v), [(k, typed(x)) for k, x in v.items()]
+        if isinstance(v, slice):
+            return slice, [typed(x) for x in (v.start, v.stop, v.step)]
+        return type(v), v
+
+    ours = compat._nodes_of_records(value, mapping)
+    with patch_pytree_map_over_slice():
+        theirs = compat.pytree.tree_map_only(compat._NodeRecord, mapping.__getitem__, value)
+    assert typed(ours) == typed(theirs)
+    assert ours[0] == "node a" and ours[5] == slice("node a", None, 2) and ours[6] == pair("node a", 3)

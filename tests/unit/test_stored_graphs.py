@@ -117,6 +117,63 @@ def test_a_dynamo_graph_read_back_keys_as_the_traced_one(grad: bool) -> None:
     assert any(value[5] for *_, value, _source in traced if value and value[0] == "T") == grad  # requires_grad
 
 
+def _layouts(gm: torch.fx.GraphModule) -> list[tuple]:
+    """Every tensor example value of ``gm``: its type, sizes, strides, offset, storage size, dtype,
+    device, ``requires_grad``, leaf-ness and dispatch keys (symbolic sizes as their expressions)."""
+    out = []
+    for n in gm.graph.nodes:
+        for t in torch.utils._pytree.tree_leaves(n.meta.get("example_value")):
+            if isinstance(t, torch.Tensor):
+                out.append((n.name, type(t).__qualname__, [str(s) for s in t.shape], [str(s) for s in t.stride()],
+                            t.storage_offset(), str(t.untyped_storage().nbytes()), t.dtype, t.device,
+                            t.requires_grad, t.is_leaf, repr(torch._C._dispatch_keys(t))))
+    return out
+
+
+def test_a_fake_value_read_back_has_the_traced_layout_storage_size_and_dispatch_keys() -> None:
+    """pickle_graph's cheap form rebuilds a plain fake value over a storage of the traced size
+    (symbolic where a size is), not by torch.empty_strided: the value read back has the traced
+    one's layout, storage size and dispatch keys, node for node."""
+    seen: list[tuple[list, list]] = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list) -> object:
+        seen.append((_layouts(gm), _layouts(unpickle_graph(pickle_graph(gm)))))
+        return gm.forward
+
+    def f(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return ((x @ w).relu() + 1).to(torch.float64)
+
+    x = torch.randn(3, 5)
+    maybe_mark_dynamic(x, 0)
+    torch.compile(f, backend=backend)(x, torch.randn(5, 4, requires_grad=True))
+    (traced, read_back), = seen
+    assert read_back == traced
+    assert any("s" in storage for *_, storage, _dtype, _device, _grad, _leaf, _keys in traced)  # a symbolic size
+
+
+def test_a_node_added_to_a_graph_read_back_is_named_as_in_the_traced_graph() -> None:
+    """The names a traced graph used and dropped are kept: a node a pass adds to the graph read
+    back gets the name it gets in the traced graph, so the lowered code is the same, name for name."""
+    names: list[tuple[str, str]] = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list) -> object:
+        x = next(n for n in gm.graph.nodes if n.op == "placeholder")
+        with gm.graph.inserting_after(x):
+            gm.graph.erase_node(gm.graph.call_function(torch.relu, (x,)))  # a name used, then dropped
+        read_back = unpickle_graph(pickle_graph(gm))
+        added = []
+        for graph in (gm.graph, read_back.graph):
+            first = next(n for n in graph.nodes if n.op == "placeholder")
+            with graph.inserting_after(first):
+                added.append(graph.call_function(torch.relu, (first,)).name)
+        names.append(tuple(added))
+        return gm.forward
+
+    torch.compile(lambda x: x.relu() + 1, backend=backend)(torch.randn(3))
+    ((traced, read_back),) = names
+    assert read_back == traced != "relu"
+
+
 class _NoPickle:
     """A callable module attribute no pickle holds (as a process group is)."""
 
