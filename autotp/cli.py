@@ -11,8 +11,10 @@
 
 Both launch ``--tp`` ranks on this machine's CPUs (gloo) with torch's elastic launcher, in
 process (``torch.distributed.launcher.api.elastic_launch``: the same agent ``torchrun`` uses, with
-a c10d rendezvous on a port the OS picks). Every rank calls :func:`autotp.parallelize_model` and
-generates greedily; rank 0's results come back to this process, which prints them.
+a c10d rendezvous on a port the OS picks), each forked from a server that imported torch, Dynamo,
+transformers and autotp once (:func:`_start_rank_server`). Every rank calls
+:func:`autotp.parallelize_model` and generates greedily; rank 0's results come back to this
+process, which prints them.
 
 ``demo`` builds a small seeded Llama-family checkpoint (:mod:`autotp.demo`), generates with one
 plain transformers process first, and exits 0 only if the tensor-parallel tokens are identical.
@@ -67,6 +69,21 @@ def _environ(defaults: dict[str, str]) -> Iterator[None]:
     finally:
         for k in added:
             os.environ.pop(k, None)
+
+
+@contextlib.contextmanager
+def _imports_uncollected() -> Iterator[None]:
+    """For the block's imports: importing torch, Dynamo and transformers allocates millions of objects
+    that live until exit; the collector would walk them again and again, in the imports and in every
+    full collection after them (0.6 + 0.5 CPU seconds of a Llama-3-70B-shaped plan). So no collection
+    during the block, and what it built is frozen out of later ones. For commands, not for a library
+    call (``gc.freeze`` is the whole process's)."""
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.freeze()
+        gc.enable()
 
 
 def _quiet_transformers() -> None:
@@ -256,6 +273,48 @@ class _Streamer:
         print(flush=True)
 
 
+#: What every rank imports before it loads a model: the compile stack (with what a first compile
+#: imports lazily: a demo rank forked from this list imports 0.1 CPU-s more), transformers'
+#: generation code, autotp. The ranks' forkserver imports them once.
+RANK_PRELOAD = (
+    "torch", "torch.distributed", "torch._dynamo", "torch._dynamo.backends.debugging", "torch._functorch.aot_autograd",
+    "torch._functorch.compilers", "torch.fx.experimental.proxy_tensor", "torch._subclasses.fake_tensor",
+    "torch.export", "torch.export._trace", "torch.distributed.tensor.experimental", "sympy.combinatorics",
+    "transformers", "transformers.generation.utils", "autotp.api", "autotp.passes.ilp", "autotp.cli",
+)
+
+
+def _start_rank_server(modeling: str | None) -> None:
+    """Start the process this machine's ranks are forked from (if it is not running yet): a
+    ``forkserver`` that imports :data:`RANK_PRELOAD` and the model's ``modeling`` module once.
+
+    Measured with ``autotp demo --tp 2`` on 2 cores: a ``spawn``-ed rank is a fresh interpreter
+    that spends ~5 CPU-s importing torch, Dynamo, transformers and autotp before it reads a weight,
+    every rank again; forked from the preloaded server a rank starts with them imported, and the
+    imports are paid once however many ranks the machine runs. CPU seconds of the whole process
+    tree on 2 shared cores, ``spawn`` -> this: ``autotp demo --tp 2`` 33 -> 21 with an empty cache
+    (3 runs each), 18 -> 10 warm; ``autotp generate`` of a 2-layer Llama at ``--tp 2`` 30 -> 18
+    cold, 20 -> 10 warm. Calling this before the launching process's own work (``demo`` does,
+    before it builds the checkpoint) lets the server import while that work runs.
+
+    Not ``fork`` from this process: by the time the elastic agent starts the ranks it runs the
+    rendezvous store's threads (forking a multi-threaded process may deadlock the child), and
+    ``generate --device cuda`` asked the CUDA driver for its GPU count (a forked child of a process
+    that initialized the driver cannot use CUDA). The server is a fresh interpreter that only
+    imports, and importing torch initializes no CUDA, so each rank still creates its own CUDA
+    context. The ranks inherit the server's environment, which is this process's when it starts
+    the server (inside the command's environment block; the elastic agent adds ``RANK``,
+    ``MASTER_ADDR`` ... on top). The server lives until this process exits: a second launch from
+    the same process (``main`` called twice from Python) reuses it, environment and all. How it
+    collects garbage and exits: :mod:`autotp._rank_server`."""
+    import multiprocessing.forkserver
+
+    # autotp._rank_server first: it turns the collector off for the imports that follow
+    preload = ["autotp._rank_server", *RANK_PRELOAD, *([modeling] if modeling else [])]
+    multiprocessing.forkserver.set_forkserver_preload(preload)
+    multiprocessing.forkserver.ensure_running()
+
+
 def _launch(
     tp: int,
     args: tuple[Any, ...],
@@ -264,13 +323,17 @@ def _launch(
     rdzv_backend: str = "c10d",
     rdzv_endpoint: str = "127.0.0.1:0",
     rdzv_id: str | None = None,
+    modeling: str | None = None,
 ) -> dict[int, dict[str, Any]]:
-    """Run :func:`_rank_generate` on ``tp`` ranks (``tp / nnodes`` on this machine); return each
-    rank's result. The rendezvous flags are torchrun's, passed through for multi-node runs."""
+    """Run :func:`_rank_generate` on ``tp`` ranks (``tp / nnodes`` on this machine), forked from
+    the preloaded server of :func:`_start_rank_server` (``modeling``: the model's modeling module,
+    imported there too); return each rank's result. The rendezvous flags are torchrun's, passed
+    through for multi-node runs."""
     if tp % nnodes:
         raise AutoTPError(
             f"--tp {tp} is not divisible by --nnodes {nnodes}; each node runs tp / nnodes ranks"
         )
+    _start_rank_server(modeling)
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -284,7 +347,7 @@ def _launch(
         rdzv_endpoint=rdzv_endpoint,  # default: the agent hosts the store on a port the OS picks
         max_restarts=0,
         monitor_interval=0.1,
-        start_method="spawn",
+        start_method="forkserver",
         logs_specs=DefaultLogsSpecs(log_dir=os.fspath(log_dir)),
     )
     try:
@@ -420,15 +483,17 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         else:
             workdir = Path(args.workdir).expanduser().resolve()
             workdir.mkdir(parents=True, exist_ok=True)
-        _quiet_transformers()
-        import torch
-        from transformers import AutoModelForCausalLM
+        with _imports_uncollected():
+            _quiet_transformers()
+            import torch
+            from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
-        from autotp.api import check_divisible
-        from autotp.demo import DEMO_PROMPT, build_demo_checkpoint, demo_config
+            from autotp.api import check_divisible
+            from autotp.demo import DEMO_PROMPT, build_demo_checkpoint, demo_config
 
         config = demo_config()
         check_divisible(config, args.tp)  # refuse a bad --tp before building or launching anything
+        _start_rank_server(_modeling(LlamaForCausalLM))  # imports while the checkpoint is built and run
         folder = build_demo_checkpoint(workdir / "checkpoint")
         full_bytes = _safetensors_bytes(folder)
         print(
@@ -456,6 +521,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
             args.tp,
             (os.fspath(folder), prompt, args.new_tokens, args.tp, args.trace_dir, None),
             workdir / "logs",
+            modeling=_modeling(LlamaForCausalLM),
         )
         summary = _rank_summary(results, args.tp)
         _print_plan(summary["plan"], summary["param_bytes"], full_bytes, args.tp)
@@ -482,12 +548,20 @@ def _parse_ids(text: str) -> list[int]:
     return ids
 
 
-def _check_before_launch(folder: Path, tp: int, dtype: str | None, prompt: list[int] | str) -> None:
+def _modeling(model_class: type) -> str | None:
+    """The module defining ``model_class``, for the ranks' server to import (see
+    :func:`_start_rank_server`); None for code outside transformers (a checkpoint's remote code,
+    which each rank imports itself)."""
+    module = model_class.__module__
+    return module if module.startswith("transformers.models.") else None
+
+
+def _check_before_launch(folder: Path, tp: int, dtype: str | None, prompt: list[int] | str) -> str | None:
     """Everything about the checkpoint and the prompt that would fail on the ranks, checked in this
     process before any rank starts (seconds, against minutes of launching and compiling): the config
     reads and divides by ``tp``, the weights' headers hold every parameter in a shape and dtype that
     fit (:mod:`autotp.checkpoint_match`), the prompt ids lie inside the vocabulary and a text
-    prompt has a tokenizer."""
+    prompt has a tokenizer. Returns the model's modeling module (:func:`_modeling`)."""
     import torch
 
     from autotp.api import check_divisible
@@ -509,6 +583,7 @@ def _check_before_launch(folder: Path, tp: int, dtype: str | None, prompt: list[
         rows = int(embeddings.weight.shape[0]) if embeddings is not None else None
         if rows is not None:
             check_token_ids("--prompt-ids", torch.tensor(prompt), rows)
+    return _modeling(type(module))
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
@@ -543,14 +618,15 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     with contextlib.ExitStack() as stack:
         stack.enter_context(_environ(_QUIET_ENV))  # threads: parallelize_model gives cores / local ranks
         logs = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="autotp-logs-")))
-        _quiet_transformers()
-        from autotp.weights import resolve_checkpoint
+        with _imports_uncollected():
+            _quiet_transformers()
+            from autotp.weights import resolve_checkpoint
 
         # Resolve (download) once here, not once per rank; the ranks get the local folder.
         folder = resolve_checkpoint(
             args.model, revision=args.revision, local_files_only=args.local_files_only
         )
-        _check_before_launch(folder, args.tp, args.dtype, prompt)
+        modeling = _check_before_launch(folder, args.tp, args.dtype, prompt)
         print(f"launching {args.tp} rank(s) ({args.device}) ...", flush=True)
         results = _launch(
             args.tp,
@@ -570,6 +646,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             rdzv_backend=args.rdzv_backend,
             rdzv_endpoint=args.rdzv_endpoint,
             rdzv_id=args.rdzv_id,
+            modeling=modeling,
         )
         summary = _rank_summary(results, args.tp)
         _print_plan(summary["plan"], summary["param_bytes"], _safetensors_bytes(folder), args.tp)
@@ -615,17 +692,9 @@ def _plan_report(args: argparse.Namespace, overrides: dict[str, str]) -> tuple[P
         report.timings = {"report_cache_read_s": time.perf_counter() - started}
         return report, []
     with _environ(_QUIET_ENV):
-        # Importing torch, Dynamo and transformers allocates millions of objects that live until
-        # exit; the collector would walk them again and again, in the imports and in every full
-        # collection while planning (0.6 + 0.5 CPU seconds of a Llama-3-70B-shaped plan). So no
-        # collection during the imports, and what they built is frozen out of later ones.
-        gc.disable()
-        try:
+        with _imports_uncollected():
             _quiet_transformers()
             from autotp.planner import explain_matching, plan_model
-        finally:
-            gc.freeze()
-            gc.enable()
         report = plan_model(args.model, explain_names=args.explain, **request)
         explanations = [e for name in args.explain for e in explain_matching(report, name)]
     cache.store(key, report.to_state())

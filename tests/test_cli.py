@@ -204,3 +204,27 @@ def test_more_cuda_ranks_than_gpus_exit_2_before_launching(capsys: pytest.Captur
     assert main(["generate", str(tmp_path), "--tp", "2", "--device", "cuda", "--prompt-ids", "1,2"]) == 2
     err = capsys.readouterr().err
     assert "--tp 2 --device cuda runs 2 ranks on this machine" in err and "has 1 GPU" in err
+
+
+# --- the ranks' launch: forked from a server that imported the heavy modules once ---
+
+
+def test_every_module_the_rank_server_preloads_exists() -> None:
+    # the forkserver skips a preload module that does not import, silently: each rank would then import it
+    import importlib.util
+
+    from autotp.cli import RANK_PRELOAD
+
+    assert [name for name in RANK_PRELOAD if importlib.util.find_spec(name) is None] == []
+
+
+def test_the_rank_server_preloads_transformers_modeling_code_and_no_remote_code() -> None:
+    from transformers import LlamaForCausalLM
+
+    from autotp.cli import _modeling
+
+    class RemoteCode:  # a checkpoint's own modeling code: each rank imports it itself
+        pass
+
+    assert _modeling(LlamaForCausalLM) == "transformers.models.llama.modeling_llama"
+    assert _modeling(RemoteCode) is None
