@@ -28,6 +28,8 @@ from collections import defaultdict
 
 import pytest
 
+from tests._probe import log_test
+
 _CACHE_DIR = pytest.StashKey[str]()
 
 
@@ -106,6 +108,7 @@ class CpuPerFile:
         report = yield
         if call.when == "teardown" and item.nodeid in self.at_setup:
             report.user_properties.append(("cpu_s", self.cpu_s() - self.at_setup.pop(item.nodeid)))
+            log_test(item.nodeid, report.user_properties[-1][1])  # AUTOTP_TEST_PROBE_LOG (tests/_probe.py)
         return report
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
