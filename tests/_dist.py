@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tests._probe import PROBE_LOG, RankProbe
 from tests._tiny import ARCHS
 
 __all__ = ["RANK_CPU", "RankCpu", "RankError", "run_ranks"]
@@ -117,6 +118,7 @@ def _child(
     try:
         _apply_environment(env)
         torch.set_num_threads(1)
+        probe = RankProbe(env[PROBE_LOG], fn, rank, world_size) if env.get(PROBE_LOG) else None
         store = dist.TCPStore(
             _HOST, port, world_size, is_master=False, timeout=datetime.timedelta(seconds=timeout)
         )
@@ -131,6 +133,8 @@ def _child(
             raise
         finally:
             dist.destroy_process_group()
+        if probe is not None:
+            probe.write()
         payload = pickle.dumps(("ok", _cpu_s(), result))
     except BaseException as exc:  # noqa: BLE001 - everything goes back to the parent
         failed_at = failed_at or time.time()

@@ -28,6 +28,8 @@ from collections import defaultdict
 
 import pytest
 
+from tests._probe import log_test
+
 _CACHE_DIR = pytest.StashKey[str]()
 
 
@@ -39,14 +41,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 #: the heaviest test files, costliest first (CPU seconds, ranks included; the first seven measured one
 #: file at a time with --cpu-per-file at 01a6d89 on the 2-core machine under load 5-16: test_architectures
-#: 322, test_uneven_heads 249, the real-width matrix 169, test_parallelize 144, test_mesh 133,
-#: test_kv_head_groups 100, test_cli 76; the others listed keep their order of the full run at 5cdfee0,
-#: down to ~35); files not listed follow in collection order. Only the order changes: a file missing
-#: here still runs, and a stale ranking costs some balance, never a test
+#: 322, test_uneven_heads 249, the real-width matrix 169, test_mesh 133, test_kv_head_groups 100,
+#: test_cli 76; test_parallelize 98 at its five launches (was 144 at nine); the others listed keep their
+#: order of the full run at 5cdfee0, down to ~35); files not listed follow in collection order. Only the
+#: order changes: a file missing here still runs, and a stale ranking costs some balance, never a test
 SLOWEST_FIRST = [
     "tests/distributed/test_architectures.py", "tests/distributed/test_uneven_heads.py",
-    "tests/unit/test_plans_at_real_widths.py", "tests/distributed/test_parallelize.py",
-    "tests/distributed/test_mesh.py", "tests/distributed/test_kv_head_groups.py",
+    "tests/unit/test_plans_at_real_widths.py", "tests/distributed/test_mesh.py",
+    "tests/distributed/test_kv_head_groups.py", "tests/distributed/test_parallelize.py",
     "tests/distributed/test_stored_graphs.py", "tests/distributed/test_checkpoints.py", "tests/test_cli.py",
     "tests/unit/test_plan_depth.py", "tests/distributed/test_dropout.py", "tests/distributed/test_fusion.py",
     "tests/distributed/test_rank_failure.py", "tests/distributed/test_batched_attention.py",
@@ -106,6 +108,7 @@ class CpuPerFile:
         report = yield
         if call.when == "teardown" and item.nodeid in self.at_setup:
             report.user_properties.append(("cpu_s", self.cpu_s() - self.at_setup.pop(item.nodeid)))
+            log_test(item.nodeid, report.user_properties[-1][1])  # AUTOTP_TEST_PROBE_LOG (tests/_probe.py)
         return report
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
