@@ -74,7 +74,7 @@ def test_a_rank_that_hangs_or_dies_while_loading_makes_the_run_fail_instead_of_h
 # `autotp generate` with a fault injected: the launcher's entry function is swapped (in the parent,
 # before `main` runs) for one that, on rank 1 only, SIGKILLs its own process (or raises) at the
 # start of the given forward call (call 1 is parallelize_model's warm-up, 2 generate's prefill, 3 the first decode
-# step). The spawned ranks import the swapped function from this module by name.
+# step). The ranks (forked from the CLI's forkserver) import the swapped function from this module by name.
 _KILLER = textwrap.dedent('''
     import os, signal
     import autotp.cli
@@ -103,7 +103,7 @@ _KILLER = textwrap.dedent('''
 _GENERATE = textwrap.dedent('''
     import sys
 
-    if __name__ == "__main__":  # spawned ranks import this file again
+    if __name__ == "__main__":  # not when a rank process imports this file
         import autotp.cli
         import killer
         autotp.cli._rank_generate = killer.rank_generate
