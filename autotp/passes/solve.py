@@ -431,10 +431,24 @@ def _shards_symbolic_dim(out: Any, spec: Any) -> bool:
     return isinstance(out, Shard) and isinstance(spec, TensorSpec) and not spec.shardable(out.dim, out)
 
 
-def _arg_specs(arg: Any) -> Any:
+def _tensor_spec(value: Any, specs: dict[int, Any]) -> Any:
+    """``_spec(value)``, once per value object (``specs``, by id): decompose copies one trace per
+    repeated Dynamo node, whose copies share their fake values."""
+    if not isinstance(value, torch.Tensor):
+        return _spec(value)
+    spec = specs.get(id(value))
+    if spec is None:
+        spec = specs[id(value)] = _spec(value)
+    return spec
+
+
+def _arg_specs(arg: Any, specs: dict[int, Any]) -> Any:
+    """``arg`` with each Node replaced by its value's spec (``specs``: see :func:`_tensor_spec`)."""
     def conv(a: Any) -> Any:
         if isinstance(a, torch.fx.Node):
-            return _spec(a.meta.get("val"), constant=a.meta.get(CONSTANT_VALUE))
+            constant = a.meta.get(CONSTANT_VALUE)
+            val = a.meta.get("val")
+            return _spec(val, constant=constant) if constant is not None else _tensor_spec(val, specs)
         return a
 
     return torch.fx.node.map_aggregate(arg, conv)
@@ -552,6 +566,7 @@ def solve(shadow: ShadowGraph, opts: SolverOptions, fixed: dict[torch.fx.Node, P
     last_use: dict[int, int] = {}
     calls: dict[tuple, int] = {}  # an op's rule call -> the first op making it (``_Step.twin``)
     hosting: dict[int, frozenset[str]] = {}  # Dynamo node index -> its hosted_tags
+    specs: dict[int, Any] = {}  # id of a node's value -> its TensorSpec (:func:`_tensor_spec`)
     for n in nodes:
         if n.op != "call_function":
             continue
@@ -559,7 +574,8 @@ def solve(shadow: ShadowGraph, opts: SolverOptions, fixed: dict[torch.fx.Node, P
         ins = [index[a] for a in _tensor_input_nodes(n)]
         if n.target is operator.getitem:
             ins = [index[n.args[0]]]
-        spec = _spec(n.meta.get("val"), None if opts.shard_symbolic_dims else n.meta.get(SYMBOLIC_DIMS))
+        symbolic = None if opts.shard_symbolic_dims else n.meta.get(SYMBOLIC_DIMS)
+        spec = _tensor_spec(n.meta.get("val"), specs) if symbolic is None else _spec(n.meta.get("val"), symbolic)
         owner = dyn_names[shadow.owner[n]] if n in shadow.owner else "?"
         dyn = shadow.owner.get(n)
         if dyn is None:
@@ -575,7 +591,7 @@ def solve(shadow: ShadowGraph, opts: SolverOptions, fixed: dict[torch.fx.Node, P
             kind, opcall, rule = "getitem", None, None
         else:
             kind = "op"
-            opcall = OpCall(n.target, _arg_specs(n.args), _arg_specs(n.kwargs), spec, opts.world_size)
+            opcall = OpCall(n.target, _arg_specs(n.args, specs), _arg_specs(n.kwargs, specs), spec, opts.world_size)
             rule = lookup(n.target)
             if rule is None:
                 trace.unknown_ops[str(n.target)] = trace.unknown_ops.get(str(n.target), 0) + 1
@@ -1019,6 +1035,9 @@ class _Search:
             rivals = index.get(project(fixed, pending), ())
             # where a rival can differ: the values this state may move, and its pending edges
             loose = [i for i, (j, p) in enumerate(key[0]) if j in self.movable or j in pending]
+            ready = key[1]
+            if ready and not self.pinned:  # (dominates' first test, without a call per rival: most fail it)
+                rivals = [(k, v) for k, v in rivals if ready <= k[1]]
             if not any(self.dominates(k, v[0], key, value[0], loose) for k, v in rivals):
                 survivors.append((key, value))
                 for other, other_index in indexes.items():
