@@ -144,6 +144,11 @@ transitions instead of running the rules again (``reused_nodes`` in the trace); 
 same as solving it afresh. Values live across a block that it never reads (Gemma-2's mask of the
 other attention kind, which alternates with the layer; a tied embedding waiting for the head) are
 numbered by position, like the block's inputs, so blocks that carry different such values match.
+A block that meets other incoming states (or the same at other relative costs: a prefill's first
+blocks, until the costs of the states that lose settle, 5 of 14 on the startup benchmark's model,
+the last block, where the values it leaves live die) is searched afresh, but every op asks its rule
+once per distinct call (``_Step.twin``: the same target, arguments' specs and constants and output
+spec, all the rule reads), so such a block reruns the search and not the rules.
 The cyclic garbage collector is paused during the search (it creates no reference cycles, and the
 collector's passes over the whole heap took a quarter of the time).
 
