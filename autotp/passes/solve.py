@@ -144,6 +144,11 @@ transitions instead of running the rules again (``reused_nodes`` in the trace); 
 same as solving it afresh. Values live across a block that it never reads (Gemma-2's mask of the
 other attention kind, which alternates with the layer; a tied embedding waiting for the head) are
 numbered by position, like the block's inputs, so blocks that carry different such values match.
+A block that meets other incoming states (or the same at other relative costs: a prefill's first
+blocks, until the costs of the states that lose settle, 5 of 14 on the startup benchmark's model,
+the last block, where the values it leaves live die) is searched afresh, but every op asks its rule
+once per distinct call (``_Step.twin``: the same target, arguments' specs and constants and output
+spec, all the rule reads), so such a block reruns the search and not the rules.
 The cyclic garbage collector is paused during the search (it creates no reference cycles, and the
 collector's passes over the whole heap took a quarter of the time).
 
@@ -157,12 +162,15 @@ after the frontier has settled (typically the first two or three).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import operator
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 import torch.fx
 
@@ -345,7 +353,6 @@ class Decision:
 
 @dataclass
 class SolveTrace:
-    decisions: list[Decision] = field(default_factory=list)
     backtracks: list[dict] = field(default_factory=list)
     backtrack_count: int = 0
     pruned_states: int = 0
@@ -365,6 +372,18 @@ class SolveTrace:
     certificate: dict[str, Any] | None = None
     unknown_ops: dict[str, int] = field(default_factory=dict)
     seconds: float = 0.0
+    #: what writes :attr:`decisions` when first read (None: written, or nothing to write)
+    decide: Callable[[], list[Decision]] | None = field(default=None, repr=False, compare=False)
+    _decisions: list[Decision] = field(default_factory=list, repr=False)
+
+    @property
+    def decisions(self) -> list[Decision]:
+        """Each op's inputs, candidates and chosen placement, in schedule order: written on first
+        read (a trace folder, an explanation), since most solves are never asked (a cold launch's
+        backend keeps no solver record), and writing them was ~4% of a solve."""
+        if self.decide is not None:
+            self._decisions, self.decide = self.decide(), None
+        return self._decisions
 
 
 @dataclass
@@ -417,10 +436,24 @@ def _shards_symbolic_dim(out: Any, spec: Any) -> bool:
     return isinstance(out, Shard) and isinstance(spec, TensorSpec) and not spec.shardable(out.dim, out)
 
 
-def _arg_specs(arg: Any) -> Any:
+def _tensor_spec(value: Any, specs: dict[int, Any]) -> Any:
+    """``_spec(value)``, once per value object (``specs``, by id): decompose copies one trace per
+    repeated Dynamo node, whose copies share their fake values."""
+    if not isinstance(value, torch.Tensor):
+        return _spec(value)
+    spec = specs.get(id(value))
+    if spec is None:
+        spec = specs[id(value)] = _spec(value)
+    return spec
+
+
+def _arg_specs(arg: Any, specs: dict[int, Any]) -> Any:
+    """``arg`` with each Node replaced by its value's spec (``specs``: see :func:`_tensor_spec`)."""
     def conv(a: Any) -> Any:
         if isinstance(a, torch.fx.Node):
-            return _spec(a.meta.get("val"), constant=a.meta.get(CONSTANT_VALUE))
+            constant = a.meta.get(CONSTANT_VALUE)
+            val = a.meta.get("val")
+            return _spec(val, constant=constant) if constant is not None else _tensor_spec(val, specs)
         return a
 
     return torch.fx.node.map_aggregate(arg, conv)
@@ -503,14 +536,20 @@ def collective_cost(nbytes: float, opts: SolverOptions) -> float:
 class _Step:
     """Static facts about one ATen node, computed once."""
 
-    __slots__ = ("index", "node", "kind", "inputs", "opcall", "rule", "spec", "is_output_edge", "owner", "hosts")
+    __slots__ = ("index", "node", "kind", "inputs", "opcall", "rule", "spec", "is_output_edge", "owner", "hosts",
+                 "twin")
 
     def __init__(self, index: int, node: torch.fx.Node, kind: str, inputs: list[int], opcall: OpCall | None,
-                 rule: Any, spec: Any, is_output_edge: bool, owner: str, hosts: frozenset[str] = frozenset()) -> None:
+                 rule: Any, spec: Any, is_output_edge: bool, owner: str, hosts: frozenset[str] = frozenset(),
+                 twin: int | None = None) -> None:
         self.index, self.node, self.kind, self.inputs = index, node, kind, inputs
         self.opcall, self.rule, self.spec, self.is_output_edge, self.owner = opcall, rule, spec, is_output_edge, owner
         #: the function-replacing local rewrites the owning Dynamo node can carry out (passes/hosts.py)
         self.hosts = hosts
+        #: an op: the index of the first op whose rule sees the same call (target, arguments' specs and
+        #: constants, output spec: the ``OpCall``, all a rule reads), so repeated blocks share their
+        #: rule calls (:meth:`_Search.rule`) and compare their ops by it (:meth:`_Search.signature`)
+        self.twin = index if twin is None else twin
 
 
 def solve(shadow: ShadowGraph, opts: SolverOptions, fixed: dict[torch.fx.Node, Placement],
@@ -530,6 +569,9 @@ def solve(shadow: ShadowGraph, opts: SolverOptions, fixed: dict[torch.fx.Node, P
 
     steps: list[_Step] = []
     last_use: dict[int, int] = {}
+    calls: dict[tuple, int] = {}  # an op's rule call -> the first op making it (``_Step.twin``)
+    hosting: dict[int, frozenset[str]] = {}  # Dynamo node index -> its hosted_tags
+    specs: dict[int, Any] = {}  # id of a node's value -> its TensorSpec (:func:`_tensor_spec`)
     for n in nodes:
         if n.op != "call_function":
             continue
@@ -537,9 +579,15 @@ def solve(shadow: ShadowGraph, opts: SolverOptions, fixed: dict[torch.fx.Node, P
         ins = [index[a] for a in _tensor_input_nodes(n)]
         if n.target is operator.getitem:
             ins = [index[n.args[0]]]
-        spec = _spec(n.meta.get("val"), None if opts.shard_symbolic_dims else n.meta.get(SYMBOLIC_DIMS))
+        symbolic = None if opts.shard_symbolic_dims else n.meta.get(SYMBOLIC_DIMS)
+        spec = _tensor_spec(n.meta.get("val"), specs) if symbolic is None else _spec(n.meta.get("val"), symbolic)
         owner = dyn_names[shadow.owner[n]] if n in shadow.owner else "?"
-        hosts = hosted_tags(shadow.dynamo_nodes[shadow.owner[n]]) if n in shadow.owner else frozenset()
+        dyn = shadow.owner.get(n)
+        if dyn is None:
+            hosts = frozenset()
+        elif (hosts := hosting.get(dyn)) is None:
+            hosts = hosting[dyn] = hosted_tags(shadow.dynamo_nodes[dyn])
+        twin = None
         if n.target is EDGE:
             kind, opcall, rule = "edge", None, None
         elif n.target is MARK:
@@ -548,12 +596,13 @@ def solve(shadow: ShadowGraph, opts: SolverOptions, fixed: dict[torch.fx.Node, P
             kind, opcall, rule = "getitem", None, None
         else:
             kind = "op"
-            opcall = OpCall(n.target, _arg_specs(n.args), _arg_specs(n.kwargs), spec, opts.world_size)
+            opcall = OpCall(n.target, _arg_specs(n.args, specs), _arg_specs(n.kwargs, specs), spec, opts.world_size)
             rule = lookup(n.target)
             if rule is None:
                 trace.unknown_ops[str(n.target)] = trace.unknown_ops.get(str(n.target), 0) + 1
+            twin = calls.setdefault((n.target, repr(opcall.args), repr(opcall.kwargs), repr(spec)), i)
         is_out = kind == "edge" and n.args[1] == output_dyn
-        steps.append(_Step(i, n, kind, ins, opcall, rule, spec, is_out, owner, hosts))
+        steps.append(_Step(i, n, kind, ins, opcall, rule, spec, is_out, owner, hosts, twin))
 
     steps = _schedule(steps)
     position = {s.index: k for k, s in enumerate(steps)}
@@ -570,8 +619,8 @@ def solve(shadow: ShadowGraph, opts: SolverOptions, fixed: dict[torch.fx.Node, P
             fixed_idx[index[n]] = R
 
     with cycle_collection_paused():  # the states form no garbage cycles (autotp/memory.py)
-        states = _search_widening(steps, position, last_use, fixed_idx, free_idx, param_idx, opts, trace,
-                                  pinned_edges)
+        search, states = _search_widening(steps, position, last_use, fixed_idx, free_idx, param_idx, opts, trace,
+                                          pinned_edges)
 
     best_cost, best_comm, best_mem, hist = min(states.values(), key=lambda v: v[0])
     placements: dict[torch.fx.Node, Any] = {}
@@ -589,7 +638,8 @@ def solve(shadow: ShadowGraph, opts: SolverOptions, fixed: dict[torch.fx.Node, P
         placements[nodes[j]] = p
     for n, p in params.items():
         placements[n] = p
-    _record_decisions(steps, placements, local, trace, fixed_idx)
+    # (copies: written when first read, of the plan as solved)
+    trace.decide = functools.partial(_decisions, steps, dict(placements), dict(local), fixed_idx, search.rule)
     trace.seconds = time.perf_counter() - t0
     replicated = sum(dict(free_params[nodes[j]].options).get(R, 0.0) for j in free_idx
                      if params.get(nodes[j]) == R)
@@ -599,11 +649,11 @@ def solve(shadow: ShadowGraph, opts: SolverOptions, fixed: dict[torch.fx.Node, P
 
 def _search_widening(steps: list[_Step], position: dict[int, int], last_use: dict[int, int],
                      fixed_idx: dict[int, Placement], free_idx: dict[int, ParamChoice], param_idx: set[int],
-                     opts: SolverOptions, trace: SolveTrace, pinned_edges: set[int]) -> dict:
+                     opts: SolverOptions, trace: SolveTrace, pinned_edges: set[int]) -> tuple[_Search, dict]:
     """Run the search, widening the beam (x8, up to ``MAX_WIDENING``) where it lost every feasible
     plan, and (x4, up to ``GAP_WIDENING``) where the certificate leaves a gap, keeping the cheapest
     plan found; with ``SolverOptions.exact``, where a gap remains, search below its plan
-    (:func:`autotp.passes.bound.search_below`); the final states.
+    (:func:`autotp.passes.bound.search_below`); the search that found the plan and the final states.
 
     The gap widening is what makes the certificate change a plan, not only report on it: T5's
     hidden-64 forward at batch 2 (tp=2, pinned by its batch-1 warm-up) cost 64,592 at a beam of
@@ -663,7 +713,7 @@ def _search_widening(steps: list[_Step], position: dict[int, int], last_use: dic
         else:  # no plan is cheaper than the one it returns: proved optimal
             trace.pruned_min = float("inf")
             states = below.states or states
-    return states
+    return search, states
 
 
 def _certify(search: _Search, best: float, trace: SolveTrace) -> None:
@@ -728,6 +778,9 @@ class _Search:
         self.spec_of = {s.index: s.spec for s in steps}
         self.producer = {s.index: s.inputs[0] for s in steps if s.kind == "edge" and s.inputs}
         self.rule_cache: dict[tuple[int, tuple], list[Candidate]] = {}
+        #: (an op's ``_Step.twin``, its inputs' placements) -> what the rule returned: one call for
+        #: the same op in every repeated block
+        self.rule_calls: dict[tuple[int, tuple], list[Candidate]] = {}
         #: op nodes computed from a parameter (what sequence parallelism prices when replicated)
         self.activations = _downstream(steps, params) if opts.activation_weight else set()
         #: Dynamo-node outputs (marks) read only through edges that may redistribute them: a state
@@ -827,11 +880,10 @@ class _Search:
                     externals.append(j)
                 refs.append(("e", externals.index(j), j in self.params, repr(self.free[j].options) if j in self.free
                              else None, repr(self.fixed.get(j)), self.relative_use(j, k0, k1)))
-            body = (step.kind, str(step.node.target), repr(step.spec), step.is_output_edge,
-                    step.index in self.pinned_edges)
-            if step.kind == "op":
-                body += (repr(step.opcall.args), repr(step.opcall.kwargs))
-            elif step.kind == "getitem":
+            # an op by its rule call (``_Step.twin``: the same target, arguments and output spec)
+            body = (step.kind, step.twin) if step.kind == "op" else (step.kind, str(step.node.target), repr(step.spec))
+            body += (step.is_output_edge, step.index in self.pinned_edges)
+            if step.kind == "getitem":
                 body += (step.node.args[1],)
             parts.append((body, tuple(refs), self.relative_use(step.index, k0, k1)))
         return tuple(parts), externals
@@ -988,6 +1040,9 @@ class _Search:
             rivals = index.get(project(fixed, pending), ())
             # where a rival can differ: the values this state may move, and its pending edges
             loose = [i for i, (j, p) in enumerate(key[0]) if j in self.movable or j in pending]
+            ready = key[1]
+            if ready and not self.pinned:  # (dominates' first test, without a call per rival: most fail it)
+                rivals = [(k, v) for k, v in rivals if ready <= k[1]]
             if not any(self.dominates(k, v[0], key, value[0], loose) for k, v in rivals):
                 survivors.append((key, value))
                 for other, other_index in indexes.items():
@@ -1267,7 +1322,7 @@ class _Search:
         key = (step.index, ins)
         cands = self.rule_cache.get(key)
         if cands is None:
-            cands = _candidates(step, ins)
+            cands = _candidates(step, ins, self.rule_calls)
             self.rule_cache[key] = cands
         return cands
 
@@ -1310,10 +1365,11 @@ def find_segments(steps: list[_Step], last_use: dict[int, int], position: dict[i
     if n < 2 * min_length:
         return []
     codes: dict[tuple, int] = {}
-    seq = torch.tensor([codes.setdefault((s.kind, str(s.node.target), repr(s.spec)), len(codes)) for s in steps])
+    # (numpy, not torch: a comparison per shift, ~n/2 of them, where torch's per-op overhead was most of the cost)
+    seq = np.array([codes.setdefault((s.kind, str(s.node.target), repr(s.spec)), len(codes)) for s in steps])
     best_len, best_hits = 0, 0
     for shift in range(min_length, n // 2 + 1):
-        hits = int((seq[shift:] == seq[:-shift]).sum())
+        hits = int(np.count_nonzero(seq[shift:] == seq[:-shift]))
         if hits > best_hits * 1.05 or (best_len and hits > best_hits and shift % best_len):
             best_len, best_hits = shift, hits
     if best_len == 0 or best_hits < best_len:
@@ -1364,13 +1420,22 @@ def _schedule(steps: list[_Step]) -> list[_Step]:
     return order
 
 
-def _candidates(step: _Step, ins: tuple) -> list[Candidate]:
+def _candidates(step: _Step, ins: tuple, calls: dict[tuple[int, tuple], list[Candidate]] | None = None
+                ) -> list[Candidate]:
+    """The rule's candidates for ``step`` with inputs placed ``ins``, less those this step cannot
+    take (a symbolic dim sharded, a local rewrite its Dynamo node cannot carry out); ``calls``
+    caches the rule's own answers by ``(step.twin, ins)``."""
     if step.rule is None:
         if all(p is None or isinstance(p, Replicate) for p in ins):
             out = tuple(R if s is not None else None for s in step.spec) if isinstance(step.spec, tuple) else R
             return [Candidate(out)]
         return reject(f"no rule for {step.node.target}: replicated, so every input must be R")
-    cands = step.rule(step.opcall, ins)
+    key = (step.twin, ins)
+    cands = calls.get(key) if calls is not None else None
+    if cands is None:
+        cands = step.rule(step.opcall, ins)
+        if calls is not None:
+            calls[key] = cands
     if cands and any(_shards_symbolic_dim(c.output, step.spec) for c in cands):
         kept = [c for c in cands if not _shards_symbolic_dim(c.output, step.spec)]
         if not kept:
@@ -1386,20 +1451,23 @@ def _candidates(step: _Step, ins: tuple) -> list[Candidate]:
     return reject(f"needs the local rewrite {tags}, which Dynamo node {step.owner} cannot carry out")
 
 
-def _record_decisions(steps: list[_Step], placements: dict, local: dict, trace: SolveTrace,
-                      fixed_idx: dict[int, Placement]) -> None:
+def _decisions(steps: list[_Step], placements: dict, local: dict, fixed_idx: dict[int, Placement],
+               rule: Any) -> list[Decision]:
+    """Each op's decision (``SolveTrace.decisions``); ``rule``: the search's (cached) :meth:`_Search.rule`."""
     node_of = {s.index: s.node for s in steps}
+    out: list[Decision] = []
     for step in steps:
         if step.kind != "op":
             continue
         ins = tuple(placements.get(node_of.get(j)) if j in node_of else fixed_idx.get(j) for j in step.inputs)
-        cands = _candidates(step, ins)
-        trace.decisions.append(Decision(
+        cands = rule(step, ins)
+        out.append(Decision(
             node=step.node.name, target=str(step.node.target), owner=step.owner,
             inputs=tuple(str(p) for p in ins), chosen=str(placements.get(step.node)),
             local=local.get(step.node), candidates=[str(c.output) for c in cands],
             note="no rule: replicated" if step.rule is None else getattr(cands, "reason", ""),
         ))
+    return out
 
 
 def _no_plan(step: _Step, trace: SolveTrace) -> SolverError:
