@@ -245,7 +245,7 @@ class _TokenClock:
     """``generate``'s streamer on every rank: records, for each new token, the seconds since
     :meth:`start` at which it existed (``token_s``) and how many graphs this model had compiled by
     then (``compiled``, from ``graphs_compiled``), so the decode rate can be taken over the steps
-    after the last compile (:func:`_generate_timing`). With ``echo`` (rank 0 of ``--stream``) it
+    after the last compile (:func:`_generate_timing`). With ``echo`` (rank 0 of ``autotp generate``) it
     also prints each token as it comes: text when there is a ``tokenizer``, ids otherwise. The first
     ``put`` is the prompt, skipped."""
 
