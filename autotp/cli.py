@@ -40,7 +40,7 @@ import time
 import traceback
 import uuid
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -94,10 +94,6 @@ def _quiet_transformers() -> None:
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
 
-
-#: new tokens of the warm-up generate before the timed one: the prefill, then enough decode steps
-#: for Dynamo's recompile of the decode graph with a dynamic cache length
-WARMUP_TOKENS = 4
 
 # ---------------------------------------------------------------------------------------------
 # One rank (runs in a process the elastic agent spawned)
@@ -157,18 +153,16 @@ def _rank_generate(
         seed = options.pop("seed", 0)
         if not options.get("do_sample"):
             options = {"do_sample": False}
-        streamer = _Streamer(tokenizer) if stream and rank == 0 else None
         ctx = model.autotp.context
+        clock = _TokenClock(lambda: ctx.graphs_compiled, tokenizer, echo=stream and rank == 0)
         with torch.no_grad():
-            # Warm-up: a short generate from the same prompt compiles the prefill and decode graphs
-            # (Dynamo recompiles the decode step once its cache length changes), so the timed run
-            # below measures generation, not compilation.
-            torch.manual_seed(seed)  # the ranks must sample alike in the warm-up too (or one stops early)
-            model.generate(ids, max_new_tokens=min(new_tokens, WARMUP_TOKENS), **options)
-            warmed = time.perf_counter()
-            compiled_before = ctx.graphs_compiled
+            # One generate, as the user asked for it: its first steps compile the decode graph (and
+            # the prefill's, unless parallelize_model's warm-up graph serves it); the clock records
+            # when each token existed and how many graphs had compiled by then, so the report
+            # separates the time to the first token from the decode rate after the last compile.
             torch.manual_seed(seed)  # the same seed on every rank: sampled tokens agree across ranks
-            out = model.generate(ids, max_new_tokens=new_tokens, streamer=streamer, **options)
+            clock.start()
+            out = model.generate(ids, max_new_tokens=new_tokens, streamer=clock, **options)
         done = time.perf_counter()
         tokens = out[0, ids.shape[1] :].tolist()
         return {
@@ -178,9 +172,9 @@ def _rank_generate(
             "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
             "plan": model.autotp.plan,
             "load_s": loaded - start,
-            "warmup_s": warmed - loaded,
-            "generate_s": done - warmed,
-            "graphs_compiled_while_timed": ctx.graphs_compiled - compiled_before,
+            "generate_s": done - loaded,
+            "token_s": clock.token_s,
+            "graphs_compiled_by_token": clock.compiled,
         }
     except RankFailure as exc:
         # Another rank died: say which at once, before the launcher stops this rank too.
@@ -247,30 +241,51 @@ def _tokenizer(folder: str) -> Any:
         ) from None
 
 
-class _Streamer:
-    """``generate``'s streamer on rank 0: prints each new token as it comes (text when there is a
-    tokenizer, ids otherwise); the prompt (the first ``put``) is skipped."""
+class _TokenClock:
+    """``generate``'s streamer on every rank: records, for each new token, the seconds since
+    :meth:`start` at which it existed (``token_s``) and how many graphs this model had compiled by
+    then (``compiled``, from ``graphs_compiled``), so the decode rate can be taken over the steps
+    after the last compile (:func:`_generate_timing`). With ``echo`` (rank 0 of ``autotp generate``) it
+    also prints each token as it comes: text when there is a ``tokenizer``, ids otherwise. The first
+    ``put`` is the prompt, skipped."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, graphs_compiled: Callable[[], int], tokenizer: Any, *, echo: bool) -> None:
+        self.graphs_compiled = graphs_compiled
         self.tokenizer = tokenizer
+        self.echo = echo
+        self.started = time.perf_counter()
+        self.compiled_before = graphs_compiled()
         self.prompt_seen = False
         self.tokens: list[int] = []
+        self.token_s: list[float] = []
+        self.compiled: list[int] = []
         self.printed = 0
+
+    def start(self) -> None:
+        """Call just before ``generate``: the clock's zero."""
+        self.started = time.perf_counter()
+        self.compiled_before = self.graphs_compiled()
 
     def put(self, value: Any) -> None:
         if not self.prompt_seen:
             self.prompt_seen = True
             return
-        self.tokens.extend(int(t) for t in value.reshape(-1).tolist())
+        new = [int(t) for t in value.reshape(-1).tolist()]
+        self.token_s.extend([time.perf_counter() - self.started] * len(new))
+        self.compiled.extend([self.graphs_compiled() - self.compiled_before] * len(new))
+        self.tokens.extend(new)
+        if not self.echo:
+            return
         if self.tokenizer is None:
-            print(f"{self.tokens[-1]} ", end="", flush=True)
+            print(" ".join(str(t) for t in new), end=" ", flush=True)
             return
         text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
         print(text[self.printed :], end="", flush=True)
         self.printed = len(text)
 
     def end(self) -> None:
-        print(flush=True)
+        if self.echo:
+            print(flush=True)
 
 
 #: What every rank imports before it loads a model: the compile stack (with what a first compile
@@ -436,16 +451,46 @@ def _print_plan(plan: dict[str, Any] | None, param_bytes: int, full_bytes: int, 
         print(f"    ... and {len(params) - len(shown)} more in layers 1+ (same styles as layer 0)")
 
 
+def _generate_timing(token_s: list[float], compiled: list[int]) -> dict[str, Any]:
+    """What one generate's token clock (:class:`_TokenClock`) says: ``first_token_s`` (the prefill,
+    with whatever compiled for it), ``graphs_compiled`` during the generate and ``last_compile_token``
+    (1-based: the token whose step compiled last; 0 when none did), and the steady decode rate over the
+    tokens after both the first token and the last compile: ``decode_tokens`` in ``decode_s``
+    (no token there when a graph compiled up to the last step)."""
+    n = len(token_s)
+    last = max((i + 1 for i in range(n) if compiled[i] > (compiled[i - 1] if i else 0)), default=0)
+    begin = max(last, 1)  # the decode span starts at this token's time: the prefill is never in it
+    return {
+        "tokens": n,
+        "first_token_s": token_s[0] if n else None,
+        "graphs_compiled": compiled[-1] if n else 0,
+        "last_compile_token": last,
+        "decode_tokens": max(n - begin, 0),
+        "decode_s": token_s[-1] - token_s[begin - 1] if n > begin else 0.0,
+        "generate_s": token_s[-1] if n else 0.0,
+    }
+
+
 def _throughput(summary: dict[str, Any]) -> str:
-    """The tokens/s line: generation after the warm-up, with the warm-up (compilation) apart, and
-    a note when a graph still compiled inside the timed run (then the rate includes it)."""
-    n, seconds = len(summary["tokens"]), summary["generate_s"]
-    rate = f"{n / seconds:.2f} tokens/s" if seconds > 0 else "n/a tokens/s"
-    late = summary.get("graphs_compiled_while_timed", 0)
-    note = f"; {late} graph(s) compiled during it, included" if late else "; compilation excluded"
+    """The timing line of one generate on rank 0: the time to the first token, the graphs compiled
+    during the generate, and the decode rate over the tokens after the last compile (how many)."""
+    t = _generate_timing(summary["token_s"], summary["graphs_compiled_by_token"])
+    if not t["tokens"]:
+        return f"generated 0 tokens in {summary['generate_s']:.2f} s (rank 0)"
+    compiled = (
+        f"{t['graphs_compiled']} graph(s) compiled, the last in token {t['last_compile_token']}'s step "
+        f"(out after {summary['token_s'][t['last_compile_token'] - 1]:.2f} s)"
+        if t["graphs_compiled"] else "no graph compiled"
+    )
+    if t["decode_tokens"] and t["decode_s"] > 0:
+        after = "that compile" if t["last_compile_token"] > 1 else "the first token"
+        rate = (f"decode {t['decode_tokens'] / t['decode_s']:.2f} tokens/s over the {t['decode_tokens']} token(s) "
+                f"after {after} (no compile in that span)")
+    else:
+        rate = "no decode step after the last compile to time (ask for more --max-new-tokens)"
     return (
-        f"generated {n} tokens in {seconds:.2f} s: {rate} (rank 0{note}); warm-up generate "
-        f"(compiles the prefill and decode graphs) {summary.get('warmup_s', 0.0):.2f} s"
+        f"generated {t['tokens']} tokens in {t['generate_s']:.2f} s (rank 0): "
+        f"first token after {t['first_token_s']:.2f} s; {compiled}; {rate}"
     )
 
 

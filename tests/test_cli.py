@@ -107,8 +107,9 @@ def test_generate_streams_text_from_a_prompt_and_samples_the_tokens_of_one_proce
     words = " ".join(f"w{t}" for t in expected)
     assert f"text: {words}" in proc.stdout
     assert words in proc.stdout.split("text:")[0]  # streamed before the summary
-    # throughput after a warm-up generate, with the compilation reported apart
-    assert "tokens/s (rank 0; compilation excluded); warm-up generate" in proc.stdout, proc.stdout
+    # one generate: the time to its first token apart from the decode rate after its last compile
+    assert "generated 4 tokens in " in proc.stdout and "first token after " in proc.stdout, proc.stdout
+    assert "(no compile in that span)" in proc.stdout or "no decode step after the last compile" in proc.stdout
 
 
 def test_generate_needs_exactly_one_prompt(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
@@ -228,3 +229,31 @@ def test_the_rank_server_preloads_transformers_modeling_code_and_no_remote_code(
 
     assert _modeling(LlamaForCausalLM) == "transformers.models.llama.modeling_llama"
     assert _modeling(RemoteCode) is None
+
+
+# --- the timing line of one generate: time to first token apart from the decode rate after the last compile ---
+
+
+def test_the_decode_rate_is_taken_over_the_tokens_after_the_last_compile() -> None:
+    from autotp.cli import _generate_timing, _throughput
+
+    # prefill 0.5 s; the first two decode steps each compile a graph; then 3 steady steps of 0.1 s
+    token_s, compiled = [0.5, 1.5, 2.5, 2.6, 2.7, 2.8], [0, 1, 2, 2, 2, 2]
+    timing = _generate_timing(token_s, compiled)
+    assert (timing["first_token_s"], timing["graphs_compiled"], timing["last_compile_token"]) == (0.5, 2, 3)
+    assert timing["decode_tokens"] == 3 and timing["decode_s"] == pytest.approx(0.3)
+    line = _throughput({"token_s": token_s, "graphs_compiled_by_token": compiled, "generate_s": 3.0})
+    assert line == ("generated 6 tokens in 2.80 s (rank 0): first token after 0.50 s; 2 graph(s) compiled, the last "
+                    "in token 3's step (out after 2.50 s); decode 10.00 tokens/s over the 3 token(s) after that compile "
+                    "(no compile in that span)")
+
+
+def test_with_no_compile_the_decode_rate_starts_after_the_first_token_and_without_a_step_it_says_so() -> None:
+    from autotp.cli import _generate_timing, _throughput
+
+    timing = _generate_timing([0.2, 0.3, 0.4], [0, 0, 0])
+    assert (timing["last_compile_token"], timing["decode_tokens"]) == (0, 2)
+    assert timing["decode_s"] == pytest.approx(0.2)  # the prefill (first token) is never in the decode span
+    line = _throughput({"token_s": [0.5, 1.5], "graphs_compiled_by_token": [0, 1], "generate_s": 1.6})
+    assert line.endswith("1 graph(s) compiled, the last in token 2's step (out after 1.50 s); no decode step after "
+                         "the last compile to time (ask for more --max-new-tokens)")
