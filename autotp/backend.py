@@ -16,7 +16,7 @@ import os
 import pickle
 import re
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -280,6 +280,7 @@ def lower_graph(gm: torch.fx.GraphModule, example_inputs: list[Any], inputs: Gra
     # read off the graph as Dynamo captured it, before the rewrite replaces its nodes
     cache_leaves = cache_entry_leaves(gm, [ph for ph, x in inputs.user if shard_of(x) is not None]) \
         if ctx.gather_outputs else None
+    dynamic = _dynamic_outputs(gm)
     check = _verification(gm, annotation, inputs.placeholders, param_inputs, example_inputs, ctx) \
         if ctx.config.verify and world > 1 else None
     record = plan.record
@@ -319,7 +320,7 @@ def lower_graph(gm: torch.fx.GraphModule, example_inputs: list[Any], inputs: Gra
         run = check(run, gm)
     gathered = frozenset(w.leaf for w in sharded_outputs if w.leaf not in cache_leaves) \
         if cache_leaves is not None else frozenset()
-    return _bind_sharded_values(run, sharded_outputs, example_inputs, ctx.comm, gathered)
+    return _bind_sharded_values(run, sharded_outputs, example_inputs, ctx.comm, gathered, dynamic)
 
 
 def _write_trace(folder: Path, gm: torch.fx.GraphModule, plan: GraphPlan, compiled: CompiledGraph, report: Any,
@@ -743,36 +744,66 @@ class ShardedOutput(NamedTuple):
     size: int | None
 
 
+class DynamicOutput(NamedTuple):
+    """A tensor the graph's result leaves whole (replicated: one rank's KV cache, a kv head every
+    rank keeps, the logits) with dims whose size is symbolic in this graph: where it is in the
+    result (index path) and those dims."""
+
+    path: tuple[int, ...]
+    symbolic_dims: tuple[int, ...]
+
+
+def _output_leaves(gm: torch.fx.GraphModule) -> Iterator[tuple[tuple[int, ...], int, int, Any]]:
+    """Each value of the graph's result: its index path in the result, the output edge's leaf and
+    sub (a node with several values is one leaf, its values subs) and its example value."""
+    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    leaf = iter(range(1 << 30))
+
+    def walk(arg: Any, path: tuple[int, ...]) -> Iterator[tuple[tuple[int, ...], int, int, Any]]:
+        if isinstance(arg, (tuple, list)):
+            for i, a in enumerate(arg):
+                yield from walk(a, (*path, i))
+        elif isinstance(arg, torch.fx.Node):
+            k = next(leaf)
+            value = arg.meta.get("example_value")
+            if isinstance(value, (tuple, list)):
+                for sub, v in enumerate(value):
+                    yield (*path, sub), k, sub, v
+            else:
+                yield path, k, 0, value
+
+    yield from walk(output.args[0], ())
+
+
+def _symbolic_dims(value: Any) -> tuple[int, ...]:
+    return tuple(d for d, size in enumerate(getattr(value, "shape", ())) if not isinstance(size, int))
+
+
 def _sharded_outputs(gm: torch.fx.GraphModule, annotation: Any) -> list[ShardedOutput]:
     """Where the graph's result leaves values sharded (see :class:`ShardedOutput`)."""
     output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     edges = annotation.plans[output].edges if output in annotation.plans else {}
     found: list[ShardedOutput] = []
-    leaf = iter(range(1 << 30))
-
-    def walk(arg: Any, path: tuple[int, ...]) -> None:
-        if isinstance(arg, (tuple, list)):
-            for i, a in enumerate(arg):
-                walk(a, (*path, i))
-        elif isinstance(arg, torch.fx.Node):
-            k = next(leaf)
-            value = arg.meta.get("example_value")
-            multi = isinstance(value, (tuple, list))
-            for sub in range(len(value) if multi else 1):
-                e = edges.get((k, sub))
-                if e is not None and isinstance(e.dst, (Shard, GroupedShard, HeadShard)):
-                    shape = getattr(value[sub] if multi else value, "shape", ())
-                    symbolic = tuple(d for d, size in enumerate(shape) if not isinstance(size, int))
-                    size = shape[e.dst.dim] if len(shape) > e.dst.dim else None
-                    found.append(ShardedOutput((*path, sub) if multi else path, e.dst, k, sub, symbolic,
-                                               size if isinstance(size, int) else None))
-
-    walk(output.args[0], ())
+    for path, k, sub, value in _output_leaves(gm):
+        e = edges.get((k, sub))
+        if e is not None and isinstance(e.dst, (Shard, GroupedShard, HeadShard)):
+            shape = getattr(value, "shape", ())
+            size = shape[e.dst.dim] if len(shape) > e.dst.dim else None
+            found.append(ShardedOutput(path, e.dst, k, sub, _symbolic_dims(value),
+                                       size if isinstance(size, int) else None))
     return found
 
 
+def _dynamic_outputs(gm: torch.fx.GraphModule) -> list[DynamicOutput]:
+    """The tensors of the result whose dims are symbolic (see :class:`DynamicOutput`; read before
+    the rewrite replaces the nodes, whose example values it reads)."""
+    return [DynamicOutput(path, dims) for path, _, _, value in _output_leaves(gm)
+            if isinstance(value, torch.Tensor) and (dims := _symbolic_dims(value))]
+
+
 def _bind_sharded_values(run: Callable[..., Any], wraps: list[ShardedOutput], example_inputs: list[Any],
-                         comm: Comm, gathered: frozenset[int] = frozenset()) -> Callable[..., Any]:
+                         comm: Comm, gathered: frozenset[int] = frozenset(),
+                         dynamic: list[DynamicOutput] | None = None) -> Callable[..., Any]:
     """Values that cross graphs sharded (KV-cache entries, see ``TPContext.sharded_outputs``):
     a sharded input arrives as a :func:`~autotp.context.sharded_standin` and the graph gets its
     local shard; a sharded output leaves as a new stand-in around the local result, or, where its
@@ -782,9 +813,12 @@ def _bind_sharded_values(run: Callable[..., Any], wraps: list[ShardedOutput], ex
     A dim that is symbolic in this graph stays dynamic in the next graph that reads the stand-in
     (``torch._dynamo.maybe_mark_dynamic``): the first decode step after a dynamic-shape prefill
     then compiles the graph every later step reuses, instead of a graph for the prompt's cache
-    length and, one step later, the dynamic one (a greedy ``generate`` compiles one decode graph)."""
+    length and, one step later, the dynamic one (a greedy ``generate`` compiles one decode graph).
+    The same holds for what leaves whole (``dynamic``, less the sharded ones: one rank's KV cache, a
+    cache every rank keeps whole): its symbolic dims are marked on the returned tensor itself."""
     inputs = [i for i, x in enumerate(example_inputs) if shard_of(x) is not None]
-    if not inputs and not wraps:
+    dynamic = [d for d in dynamic or [] if d.path not in {w.path for w in wraps}]  # the wraps mark their own
+    if not inputs and not wraps and not dynamic:
         return run
 
     def call(*args: Any) -> Any:
@@ -802,9 +836,25 @@ def _bind_sharded_values(run: Callable[..., Any], wraps: list[ShardedOutput], ex
         for w in wraps:
             out = _replace_at(out, w.path, lambda local, w=w: redistribute(local, w.placement, R, comm, size=w.size)
                               if w.leaf in gathered else _growing_standin(local, w, comm.world_size))
+        for d in dynamic:  # marked in place: the result is not rebuilt
+            _mark_dynamic(_item_at(out, d.path), d.symbolic_dims)
         return out
 
     return call
+
+
+def _mark_dynamic(value: Any, dims: tuple[int, ...]) -> None:
+    """Mark ``dims`` of ``value`` (a tensor) dynamic for the next graph that reads it."""
+    if isinstance(value, torch.Tensor):
+        for dim in dims:
+            maybe_mark_dynamic(value, dim)
+
+
+def _item_at(obj: Any, path: tuple[int, ...]) -> Any:
+    """The item at ``path`` (indices into nested tuples/lists) of ``obj``."""
+    for i in path:
+        obj = obj[i]
+    return obj
 
 
 def _growing_standin(local: torch.Tensor, output: ShardedOutput, world: int) -> torch.Tensor:

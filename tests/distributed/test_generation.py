@@ -100,10 +100,17 @@ def _rank_first_generate(rank: int, world: int, folder: str, new_tokens: int) ->
             "greedy": greedy[0].tolist()}
 
 
-def test_a_greedy_generate_right_after_loading_reuses_the_warm_up_as_its_prefill(tmp_path: Path) -> None:
-    folder = save_tiny("llama", tmp_path / "ckpt", seed=0, num_hidden_layers=2, max_position_embeddings=128)
+@pytest.mark.parametrize(("world", "kv_heads"), [
+    (2, 4),  # each rank caches its kv heads (sharded stand-ins)
+    (2, 1),  # one kv head: every rank caches it whole
+    (1, 4),  # one rank: the cache is plain tensors
+])
+def test_a_greedy_generate_right_after_loading_reuses_the_warm_up_as_its_prefill_and_compiles_one_decode_graph(
+        tmp_path: Path, world: int, kv_heads: int) -> None:
+    folder = save_tiny("llama", tmp_path / "ckpt", seed=0, num_hidden_layers=2, max_position_embeddings=128,
+                       num_key_value_heads=kv_heads)
     ref = _reference(folder, 8)
-    for r in run_ranks(_rank_first_generate, 2, str(folder), 8):
+    for r in run_ranks(_rank_first_generate, world, str(folder), 8):
         assert r["greedy"] == ref["greedy"]
         assert r["graphs_loaded"] == 1  # the warm-up: generate's prefill at a dynamic length
         assert r["graphs_for_generate"] == 1  # the decode graph only
