@@ -18,6 +18,8 @@ interpreter's start, the imports, torch's elastic launcher and the teardown all 
   ``AUTOTP_CACHE_DIR`` per round): every graph is decomposed and solved;
 * ``autotp_warm``: the same with the cache the round's ``autotp_cold`` launch left: every graph
   should hit (the JSON has each rank-0 graph's outcome);
+* ``autotp_nocache`` (only when named in ``--engines``): the same with ``AUTOTP_CACHE=0``, no plan
+  cache and no stored graphs (plain ``torch.compile``): what a cold launch pays for filling them;
 * ``transformers_tp``: ``from_pretrained(..., tp_plan="auto")`` on ``--tp`` ranks (gloo, CPU);
 * ``one_process``: plain transformers in one process.
 
@@ -48,6 +50,8 @@ sys.path.insert(0, os.fspath(Path(__file__).resolve().parent))
 from _record import Provenance, checkpoint_name, launch, memory, pyplot, stats, write_result  # noqa: E402
 
 ENGINES = ("autotp_cold", "autotp_warm", "transformers_tp", "one_process")
+#: engines that run only when ``--engines`` names them
+OPTIONAL_ENGINES = ("autotp_nocache",)
 PROMPT_TOKENS = 16
 NEW_TOKENS = 16
 
@@ -158,6 +162,8 @@ def _launch(
     env = dict(os.environ)
     env["AUTOTP_CACHE_DIR"] = os.fspath(cache_dir)
     env.pop("AUTOTP_CACHE", None)
+    if engine == "autotp_nocache":
+        env["AUTOTP_CACHE"] = "0"
     worker = [
         os.fspath(Path(__file__).resolve()),
         "--worker",
@@ -197,7 +203,7 @@ def _plot(report: dict[str, Any], path: Path) -> None:
     plt = pyplot()
     if plt is None:
         return
-    engines = [e for e in ENGINES if e in report["engines"]]
+    engines = [e for e in ENGINES + OPTIONAL_ENGINES if e in report["engines"]]
     medians = [report["engines"][e]["wall_s"]["median"] for e in engines]
     lows = [m - report["engines"][e]["wall_s"]["min"] for e, m in zip(engines, medians, strict=True)]
     highs = [report["engines"][e]["wall_s"]["max"] - m for e, m in zip(engines, medians, strict=True)]
@@ -262,9 +268,9 @@ def main(argv: list[str] | None = None) -> int:
     from _checkpoint import make_checkpoint
 
     engines = [e for e in args.engines.split(",") if e]
-    unknown = sorted(set(engines) - set(ENGINES))
+    unknown = sorted(set(engines) - set(ENGINES) - set(OPTIONAL_ENGINES))
     if unknown:
-        parser.error(f"unknown engines {unknown}; choose from {list(ENGINES)}")
+        parser.error(f"unknown engines {unknown}; choose from {list(ENGINES + OPTIONAL_ENGINES)}")
     if "autotp_warm" in engines and "autotp_cold" not in engines:
         parser.error("autotp_warm reads the cache its round's autotp_cold launch leaves: run both")
     provenance = Provenance.start(argv)
@@ -291,9 +297,9 @@ def main(argv: list[str] | None = None) -> int:
         "engines": summary,
         "ratios": {},
     }
-    for engine in ("autotp_cold", "autotp_warm"):
-        for base in ("transformers_tp", "one_process"):
-            if engine in summary and base in summary:
+    for engine in ("autotp_cold", "autotp_warm", "autotp_nocache"):
+        for base in ("transformers_tp", "one_process", "autotp_nocache"):
+            if engine != base and engine in summary and base in summary:
                 report["ratios"][f"{engine}/{base}"] = (
                     summary[engine]["wall_s"]["median"] / summary[base]["wall_s"]["median"]
                 )
