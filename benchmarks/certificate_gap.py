@@ -37,16 +37,15 @@ import functools
 import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, os.fspath(Path(__file__).resolve().parent))
 
-from _record import ROOT, Provenance, stats, write_result  # noqa: E402
+from _record import Provenance, stats, write_result  # noqa: E402
 from _solve_timing import time_last_solve  # noqa: E402
+from _trees import alternate, compared_trees, run_child  # noqa: E402
 
 
 def child(cases: list[str], repeat: int) -> dict[str, Any]:
@@ -75,13 +74,7 @@ def child(cases: list[str], repeat: int) -> dict[str, Any]:
 
 
 def run_tree(tree: Path, cases: list[str], repeat: int) -> dict[str, Any]:
-    cmd = [sys.executable, __file__, "--child", "--repeat", str(repeat), "--cases", *cases]
-    env = {**os.environ, "PYTHONPATH": os.fspath(tree)}
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tree, env=env)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"{tree}: {proc.stderr[-2000:]}")
-    return json.loads(lines[-1])
+    return run_child(tree, __file__, ["--child", "--repeat", str(repeat), "--cases", *cases])
 
 
 def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
@@ -139,22 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     provenance = Provenance.start(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    trees = {"this": ROOT}
-    base = None
-    if args.compare:
-        base = Path(tempfile.mkdtemp(prefix="autotp-certificate-")) / "tree"
-        subprocess.run(["git", "worktree", "add", "--detach", os.fspath(base), args.compare], cwd=ROOT, check=True,
-                       capture_output=True)
-        trees[args.compare] = base
-    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in trees}
-    try:
-        for _ in range(args.rounds):
-            for name, tree in trees.items():  # alternate, so drift on the machine hits both alike
-                runs[name].append(run_tree(tree, args.cases, args.repeat))
-                print(json.dumps({"tree": name, **runs[name][-1]}), flush=True)
-    finally:
-        if base is not None:
-            subprocess.run(["git", "worktree", "remove", "--force", os.fspath(base)], cwd=ROOT, capture_output=True)
+    with compared_trees(args.compare, "autotp-certificate-") as trees:
+        runs = alternate(trees, args.rounds, lambda name, tree: run_tree(tree, args.cases, args.repeat))
     results = summarize(runs)
     for case, entry in results.items():
         cells = [f"{name}: gap {entry[name]['gap']:.1f}, solve {statistics.median(entry[name]['solve_cpu_s']['all']):.3f} s"

@@ -31,16 +31,15 @@ import gc
 import hashlib
 import json
 import os
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, os.fspath(Path(__file__).resolve().parent))
 
-from _record import ROOT, Provenance, stats, write_result  # noqa: E402
+from _record import Provenance, stats, write_result  # noqa: E402
+from _trees import alternate, compared_trees, run_child  # noqa: E402
 
 
 def _digest(solution: Any) -> str:
@@ -94,12 +93,7 @@ def child(size: str, tp: int, repeat: int) -> dict[str, Any]:
 
 
 def run_tree(tree: Path, args: argparse.Namespace) -> dict[str, Any]:
-    cmd = [sys.executable, __file__, "--child", "--size", args.size, "--tp", str(args.tp), "--repeat", str(args.repeat)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tree, env={**os.environ, "PYTHONPATH": os.fspath(tree)})
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"{tree}: {proc.stderr[-2000:]}")
-    return json.loads(lines[-1])
+    return run_child(tree, __file__, ["--child", "--size", args.size, "--tp", str(args.tp), "--repeat", str(args.repeat)])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -119,22 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     provenance = Provenance.start(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    trees = {"this": ROOT}
-    base = None
-    if args.compare:
-        base = Path(tempfile.mkdtemp(prefix="autotp-cold-plan-")) / "tree"
-        subprocess.run(["git", "worktree", "add", "--detach", os.fspath(base), args.compare], cwd=ROOT, check=True,
-                       capture_output=True)
-        trees[args.compare] = base
-    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in trees}
-    try:
-        for _ in range(args.rounds):
-            for name, tree in trees.items():  # alternate, so drift on the machine hits both alike
-                runs[name].append(run_tree(tree, args))
-                print(json.dumps({"tree": name, **runs[name][-1]}), flush=True)
-    finally:
-        if base is not None:
-            subprocess.run(["git", "worktree", "remove", "--force", os.fspath(base)], cwd=ROOT, capture_output=True)
+    with compared_trees(args.compare, "autotp-cold-plan-") as trees:
+        runs = alternate(trees, args.rounds, lambda name, tree: run_tree(tree, args))
     results: dict[str, Any] = {}
     for graph in runs["this"][0]:
         entry: dict[str, Any] = {}

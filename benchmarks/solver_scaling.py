@@ -191,29 +191,16 @@ def compare(rev: str, shapes: list[str], layers: int, tp: int, rounds: int, repe
             provenance: Provenance) -> int:
     """Solver CPU time of this tree against revision ``rev`` (see the module docstring)."""
     import statistics
-    import tempfile
 
-    from _record import ROOT, stats
+    from _record import stats
+    from _trees import alternate, compared_trees, run_child
 
-    base = Path(tempfile.mkdtemp(prefix="autotp-compare-")) / "tree"
-    subprocess.run(["git", "worktree", "add", "--detach", os.fspath(base), rev], cwd=ROOT, check=True,
-                   capture_output=True)
-    trees = {"this": ROOT, rev: base}
     results: dict[str, Any] = {}
-    try:
+    with compared_trees(rev, "autotp-compare-") as trees:
         for shape in shapes:
-            runs: dict[str, list[dict[str, Any]]] = {name: [] for name in trees}
-            for _ in range(rounds):
-                for name, tree in trees.items():  # alternate, so drift on the machine hits both alike
-                    cmd = [sys.executable, __file__, "--child-resolve", shape, str(layers), "--tp", str(tp),
-                           "--repeat", str(repeat)]
-                    env = {**os.environ, "PYTHONPATH": os.fspath(tree)}
-                    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tree, env=env)
-                    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-                    if proc.returncode != 0 or not lines:
-                        raise RuntimeError(f"{name} {shape}: {proc.stderr[-2000:]}")
-                    runs[name].append(json.loads(lines[-1]))
-                    print(json.dumps({"tree": name, **runs[name][-1]}), flush=True)
+            args = ["--child-resolve", shape, str(layers), "--tp", str(tp), "--repeat", str(repeat)]
+            runs = alternate(trees, rounds, lambda name, tree, args=args, shape=shape:
+                             run_child(tree, __file__, args, label=f"{name} {shape}"))
             entry = {name: {"solve_cpu_s": stats([t for r in rs for t in r["solve_cpu_s"]]),
                             **{k: rs[-1][k] for k in ("cost", "lower_bound", "gap", "reused_nodes", "pruned_states")}}
                      for name, rs in runs.items()}
@@ -222,8 +209,6 @@ def compare(rev: str, shapes: list[str], layers: int, tp: int, rounds: int, repe
             results[shape] = entry
             print(f"{shape} layers={layers} tp={tp}: solve CPU median {entry['this']['solve_cpu_s']['median']:.3f} s "
                   f"here, {entry[rev]['solve_cpu_s']['median']:.3f} s at {rev} (x{entry['ratio']:.2f})", flush=True)
-    finally:
-        subprocess.run(["git", "worktree", "remove", "--force", os.fspath(base)], cwd=ROOT, capture_output=True)
     write_result(out / "solver_compare.json", {"rev": rev, "layers": layers, "tp": tp, "rounds": rounds,
                                                "repeat": repeat, "shapes": results}, provenance)
     return 0
