@@ -802,8 +802,7 @@ def _dynamic_outputs(gm: torch.fx.GraphModule) -> list[DynamicOutput]:
 
 
 def _bind_sharded_values(run: Callable[..., Any], wraps: list[ShardedOutput], example_inputs: list[Any],
-                         comm: Comm, gathered: frozenset[int] = frozenset(),
-                         dynamic: list[DynamicOutput] | None = None) -> Callable[..., Any]:
+                         comm: Comm, gathered: frozenset[int], dynamic: list[DynamicOutput]) -> Callable[..., Any]:
     """Values that cross graphs sharded (KV-cache entries, see ``TPContext.sharded_outputs``):
     a sharded input arrives as a :func:`~autotp.context.sharded_standin` and the graph gets its
     local shard; a sharded output leaves as a new stand-in around the local result, or, where its
@@ -817,7 +816,8 @@ def _bind_sharded_values(run: Callable[..., Any], wraps: list[ShardedOutput], ex
     The same holds for what leaves whole (``dynamic``, less the sharded ones: one rank's KV cache, a
     cache every rank keeps whole): its symbolic dims are marked on the returned tensor itself."""
     inputs = [i for i, x in enumerate(example_inputs) if shard_of(x) is not None]
-    dynamic = [d for d in dynamic or [] if d.path not in {w.path for w in wraps}]  # the wraps mark their own
+    sharded = {w.path for w in wraps}
+    dynamic = [d for d in dynamic if d.path not in sharded]  # the stand-ins carry their own marks
     if not inputs and not wraps and not dynamic:
         return run
 
@@ -860,8 +860,7 @@ def _item_at(obj: Any, path: tuple[int, ...]) -> Any:
 def _growing_standin(local: torch.Tensor, output: ShardedOutput, world: int) -> torch.Tensor:
     """The stand-in of one sharded output, its symbolic dims marked dynamic for the next graph."""
     out = sharded_standin(local, output.placement, world, output.path, output.size)
-    for dim in output.symbolic_dims:
-        maybe_mark_dynamic(out, dim)
+    _mark_dynamic(out, output.symbolic_dims)
     return out
 
 

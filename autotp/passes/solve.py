@@ -1420,8 +1420,7 @@ def _schedule(steps: list[_Step]) -> list[_Step]:
     return order
 
 
-def _candidates(step: _Step, ins: tuple, calls: dict[tuple[int, tuple], list[Candidate]] | None = None
-                ) -> list[Candidate]:
+def _candidates(step: _Step, ins: tuple, calls: dict[tuple[int, tuple], list[Candidate]]) -> list[Candidate]:
     """The rule's candidates for ``step`` with inputs placed ``ins``, less those this step cannot
     take (a symbolic dim sharded, a local rewrite its Dynamo node cannot carry out); ``calls``
     caches the rule's own answers by ``(step.twin, ins)``."""
@@ -1431,11 +1430,9 @@ def _candidates(step: _Step, ins: tuple, calls: dict[tuple[int, tuple], list[Can
             return [Candidate(out)]
         return reject(f"no rule for {step.node.target}: replicated, so every input must be R")
     key = (step.twin, ins)
-    cands = calls.get(key) if calls is not None else None
+    cands = calls.get(key)
     if cands is None:
-        cands = step.rule(step.opcall, ins)
-        if calls is not None:
-            calls[key] = cands
+        cands = calls[key] = step.rule(step.opcall, ins)
     if cands and any(_shards_symbolic_dim(c.output, step.spec) for c in cands):
         kept = [c for c in cands if not _shards_symbolic_dim(c.output, step.spec)]
         if not kept:
