@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from autotp.errors import AutoTPError
+from autotp.memory import cycle_collection_paused
 from autotp.plan_report import PlanReport
 
 __all__ = ["main", "run"]
@@ -78,12 +79,11 @@ def _imports_uncollected() -> Iterator[None]:
     full collection after them (0.6 + 0.5 CPU seconds of a Llama-3-70B-shaped plan). So no collection
     during the block, and what it built is frozen out of later ones. For commands, not for a library
     call (``gc.freeze`` is the whole process's)."""
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.freeze()
-        gc.enable()
+    with cycle_collection_paused():
+        try:
+            yield
+        finally:
+            gc.freeze()
 
 
 def _quiet_transformers() -> None:
@@ -253,8 +253,7 @@ class _TokenClock:
         self.graphs_compiled = graphs_compiled
         self.tokenizer = tokenizer
         self.echo = echo
-        self.started = time.perf_counter()
-        self.compiled_before = graphs_compiled()
+        self.start()
         self.prompt_seen = False
         self.tokens: list[int] = []
         self.token_s: list[float] = []
