@@ -31,7 +31,6 @@ import datetime
 import multiprocessing.connection as mpc
 import os
 import pickle
-import resource
 import time
 import traceback
 from collections.abc import Callable
@@ -41,7 +40,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tests._probe import PROBE_LOG, RankProbe
+from tests._probe import PROBE_LOG, RankProbe, process_cpu_s
 from tests._tiny import ARCHS
 
 __all__ = ["RANK_CPU", "RankCpu", "RankError", "run_ranks"]
@@ -94,11 +93,6 @@ class RankCpu:
 RANK_CPU = RankCpu()
 
 
-def _cpu_s() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
-
-
 class RankError(RuntimeError):
     """A rank raised, died or timed out; the message carries its rank and traceback text."""
 
@@ -135,7 +129,7 @@ def _child(
             dist.destroy_process_group()
         if probe is not None:
             probe.write()
-        payload = pickle.dumps(("ok", _cpu_s(), result))
+        payload = pickle.dumps(("ok", process_cpu_s(), result))
     except BaseException as exc:  # noqa: BLE001 - everything goes back to the parent
         failed_at = failed_at or time.time()
         tb = traceback.format_exc()
@@ -144,7 +138,7 @@ def _child(
             pickle.loads(err)
         except Exception:  # noqa: BLE001 - the exception itself may not pickle
             err = None
-        payload = pickle.dumps(("err", _cpu_s(), tb, err, failed_at))
+        payload = pickle.dumps(("err", process_cpu_s(), tb, err, failed_at))
     conn.send_bytes(payload)
     conn.close()
 

@@ -27,13 +27,14 @@ from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["PROBE_LOG", "RankProbe", "summary"]
+__all__ = ["PROBE_LOG", "RankProbe", "process_cpu_s", "summary"]
 
 #: the environment variable naming the log file (JSON lines, appended)
 PROBE_LOG = "AUTOTP_TEST_PROBE_LOG"
 
 
-def _cpu_s() -> float:
+def process_cpu_s() -> float:
+    """This process's CPU seconds (user + sys)."""
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime
 
@@ -45,7 +46,7 @@ class RankProbe:
     def __init__(self, path: str, fn: Callable[..., Any], rank: int, world_size: int) -> None:
         from autotp import backend, plan_cache, stored_graphs
 
-        self.path, self.start, self.cpu = path, time.perf_counter(), _cpu_s()
+        self.path, self.start, self.cpu = path, time.perf_counter(), process_cpu_s()
         self.stores: list[Any] = []
         self.line: dict[str, Any] = {"fn": f"{fn.__module__}.{fn.__qualname__}", "rank": rank, "world": world_size,
                                      "test": os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0],
@@ -76,7 +77,7 @@ class RankProbe:
         self.line["stored"] = [s.outcome.status for s in self.stores]
         self.line["stored_keys"] = [f"{s.key['model'].rsplit('.', 1)[-1]}:{s.key['config'][:8]}:{s.key['options']}"
                                     for s in self.stores]
-        self.line["cpu_s"] = round(_cpu_s() - self.cpu, 2)
+        self.line["cpu_s"] = round(process_cpu_s() - self.cpu, 2)
         self.line["wall_s"] = round(time.perf_counter() - self.start, 2)
         with open(self.path, "a") as f:
             f.write(json.dumps(self.line) + "\n")
