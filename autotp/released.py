@@ -19,6 +19,7 @@ the backend is handed parameters, not the modules that hold them.
 from __future__ import annotations
 
 import gc
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -37,15 +38,17 @@ def _owner_modules(params: Sequence[torch.Tensor]) -> list[tuple[torch.nn.Module
     """Each live module whose own ``_parameters`` hold one of ``params``, with those names."""
     wanted = {id(p) for p in params}
     owners = []
-    for obj in gc.get_objects():
-        try:
-            if not isinstance(obj, torch.nn.Module):
+    with warnings.catch_warnings():  # a deprecated alias's __class__ warns (torch.distributed.reduce_op)
+        warnings.simplefilter("ignore", FutureWarning)
+        for obj in gc.get_objects():
+            try:
+                if not isinstance(obj, torch.nn.Module):
+                    continue
+            except Exception:  # noqa: BLE001 - an object whose __class__ lookup raises is not a module
                 continue
-        except Exception:  # noqa: BLE001 - an object whose __class__ lookup raises is not a module
-            continue
-        names = [n for n, p in obj._parameters.items() if p is not None and id(p) in wanted]
-        if names:
-            owners.append((obj, names))
+            names = [n for n, p in obj._parameters.items() if p is not None and id(p) in wanted]
+            if names:
+                owners.append((obj, names))
     return owners
 
 
