@@ -80,7 +80,7 @@ import inspect
 import sys
 import types
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from importlib import metadata
 from types import SimpleNamespace
 from typing import Any
@@ -122,6 +122,7 @@ __all__ = [
     "source_of",
     "unpickle_graph",
     "use_as_unsharded_param",
+    "warm_source_names",
     "weight_conversions",
 ]
 
@@ -219,6 +220,26 @@ def no_guard_latency_profile() -> Iterator[None]:
         yield
     finally:
         guards.profile_guard_manager = original
+
+
+def warm_source_names(files: Iterable[str]) -> None:
+    """Fill Dynamo's per-process table of which function each source line belongs to
+    (``torch._dynamo.funcname_cache``) for ``files``, as its first trace through them would.
+
+    Why: Dynamo names the function of every FX node it creates (for a trace log, also when that log
+    is off), and the first lookup in a file tokenizes the whole file: a rank's first compile of a
+    tiny Llama tokenized 8 files, ~0.5 CPU-s, most of it ``transformers/modeling_utils.py`` (loaded
+    machine). A process that forks ranks (``autotp/_rank_server.py``) does it once for all of them.
+    Safe: the table is a pure cache of the files' text; a file that cannot be read is recorded as
+    Dynamo records it (no names). On a torch without the module nothing is done."""
+    try:
+        funcname_cache = importlib.import_module("torch._dynamo.funcname_cache")
+    except ImportError:
+        return
+    if not hasattr(funcname_cache, "get_funcname"):
+        return
+    for file in files:
+        funcname_cache.get_funcname(file, 0)
 
 
 def lazy_traced_graphs() -> contextlib.AbstractContextManager[None]:

@@ -19,7 +19,7 @@ neither ``getrusage(RUSAGE_CHILDREN)`` nor ``/usr/bin/time`` sees them (``confte
 Ranks are forked from a ``forkserver`` that imported torch, Dynamo, transformers and autotp once
 per session (:data:`PRELOAD`): a ``spawn``-ed rank spent ~5 s of CPU importing them, in every
 rank of every test, before doing anything. A forked rank is still a fresh process (the server only
-imports, never runs a model, so no state of one test reaches another), and it gets the caller's
+imports and fills pure caches, never runs a model, so no state of one test reaches another), and it gets the caller's
 environment as it is at ``run_ranks`` time (tests set ``HF_HUB_OFFLINE``, ``AUTOTP_CACHE_DIR``
 ...); settings the preloaded libraries read from the environment at import are read again
 (:func:`_apply_environment`).
@@ -51,14 +51,16 @@ _HOST = "127.0.0.1"
 _GRACE_S = 2.0
 #: modules the forkserver imports once, so that ranks forked from it start with them loaded: the
 #: compile stack (with what a first compile imports lazily), transformers and the modeling code of
-#: every tiny architecture (``tests/_tiny.py: ARCHS``), autotp
+#: every tiny architecture (``tests/_tiny.py: ARCHS``), autotp. First the CLI's rank-server module
+#: (``autotp/_rank_server.py``: no collection while importing, the heap frozen at each fork), last
+#: ``tests/_warm_rank_server.py`` (the per-process caches of a first compile, filled once)
 PRELOAD = [
-    "torch", "torch.distributed", "torch._dynamo", "torch._dynamo.backends.debugging",
+    "autotp._rank_server", "torch", "torch.distributed", "torch._dynamo", "torch._dynamo.backends.debugging",
     "torch._functorch.aot_autograd", "torch._functorch.compilers", "torch.fx.experimental.proxy_tensor",
     "torch._subclasses.fake_tensor", "torch.export", "sympy.combinatorics",
     "transformers", "transformers.generation.utils",
     *(f"transformers.models.{arch}.modeling_{arch}" for arch in ARCHS),
-    "autotp", "autotp.api", "autotp.planner", "tests._tiny",
+    "autotp", "autotp.api", "autotp.planner", "tests._tiny", "tests._warm_rank_server",
 ]
 
 
