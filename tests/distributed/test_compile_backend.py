@@ -6,6 +6,8 @@ Tolerance: logits at atol=1e-5, rtol=1e-4 against the uncompiled model in the sa
 
 from __future__ import annotations
 
+import datetime
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -47,6 +49,7 @@ def _rank_compile(rank: int, world: int, folder: str) -> dict:
     from autotp.context import meta_of
 
     os.environ["AUTOTP_TRACE_DIR"] = str(Path(folder) / "trace")
+    os.environ["AUTOTP_CACHE_DIR"] = str(Path(folder) / "plans")  # empty: every graph is planned
     model = AutoModelForCausalLM.from_pretrained(folder).eval()
     full_bytes = _param_bytes(model)
     compiled = torch.compile(model, backend="autotp")
@@ -67,6 +70,7 @@ def _rank_compile(rank: int, world: int, folder: str) -> dict:
         except AutoTPError as e:
             error = str(e)
         again = compiled(input_ids=short, use_cache=False).logits  # the compiled model is unaffected
+    graphs = sorted((Path(folder) / "trace" / f"rank{rank}").glob("graph*"))
     return {
         "short_err": (out_short - ref_short).abs().max().item(),
         "long_err": (out_long - ref_long).abs().max().item(),
@@ -78,6 +82,9 @@ def _rank_compile(rank: int, world: int, folder: str) -> dict:
         "graph_ids": [g.graph_id for g in session_of(model).graphs],
         "sessions": len({id(m.session) for m in metas.values()}),
         "trace_folders": sorted(p.name for p in (Path(folder) / "trace" / f"rank{rank}").iterdir()),
+        "solved": [(g / "decisions.jsonl").exists() for g in graphs],
+        "plan_from": [json.loads((g / "summary.json").read_text()).get("plan_from") for g in graphs],
+        "plans": session_of(model).plans,
         "error": error,
         "again_err": (again - ref_short).abs().max().item(),
     }
@@ -102,6 +109,53 @@ def test_compiled_in_memory_model_matches_and_keeps_one_nth_of_sharded_weights(c
         assert r["sessions"] == 1 and len(r["graph_ids"]) >= 2
         assert r["graph_ids"] == list(range(len(r["graph_ids"])))
         assert r["trace_folders"] == [f"graph{i:03d}" for i in r["graph_ids"]]
+
+
+def test_rank_0_plans_each_graph_for_the_group_and_the_others_trace_the_plan_it_sent(
+        compiled_ranks: list[dict]) -> None:
+    """The test harness's group waits 10 minutes (``run_ranks(timeout=600)``), as long as one
+    autotp starts: rank 0 alone solves (its trace holds the decisions), rank 1 rebuilds rank 0's
+    plan on its own graph and its trace says so; both lower the same plans."""
+    rank0, rank1 = compiled_ranks
+    assert rank0["solved"][0] and not any(rank1["solved"])
+    assert not any(rank0["plan_from"])
+    # a graph rank 0 solved, rank 1 rebuilt from what it sent; a graph compiled again (the weights
+    # released after the first call) both read from the plan cache the first one filled
+    assert rank1["plan_from"] == ["rank 0" if solved else None for solved in rank0["solved"]]
+    assert rank1["plans"] == rank0["plans"]
+
+
+def _rank_waits(rank: int, world: int) -> bool:
+    from autotp.backend import waits_for_a_plan
+    from autotp.collectives import Comm
+
+    return waits_for_a_plan(Comm.from_default_group())
+
+
+def test_a_group_with_a_short_timeout_plans_on_every_rank() -> None:
+    """Under ``backend="autotp"`` the others wait for rank 0's plan in a collective of the caller's
+    group: only where its timeout is at least 10 minutes; a shorter one bounds peer skew."""
+    assert run_ranks(_rank_waits, 1, timeout=60) == [False]
+    assert run_ranks(_rank_waits, 1, timeout=datetime.timedelta(minutes=10).total_seconds()) == [True]
+
+
+def _rank_refused(rank: int, world: int) -> str:
+    torch.manual_seed(0)  # the same weights on every rank
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8))
+    compiled = torch.compile(model, backend="autotp", options={"overrides": {"0": "vocab"}})
+    try:
+        compiled(torch.ones(4, 8))
+    except Exception as e:  # noqa: BLE001 - Dynamo may wrap the backend's error; its text is compared
+        return str(e)
+    return "compiled"
+
+
+def test_a_planning_error_on_rank_0_reaches_the_other_rank() -> None:
+    """Rank 0 plans for the group: its refusal of an override is broadcast and raised on rank 1
+    too, which would otherwise wait for a plan that never comes."""
+    messages = run_ranks(_rank_refused, 2, timeout=600)
+    for message in messages:
+        assert "override '0': 'vocab' cannot be honoured for 0.weight" in message, message
 
 
 def test_backend_name_resolves_through_the_entry_point_without_importing_autotp() -> None:
