@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.fx
 
 from autotp.cache_outputs import cache_entry_leaves, refuse_spent_standins
-from autotp.collectives import Comm, attach_health, broadcast_object, redistribute
+from autotp.collectives import DEFAULT_TIMEOUT, Comm, attach_health, broadcast_object, redistribute
 from autotp.compat import maybe_mark_dynamic
 from autotp.config import AutoTPConfig
 from autotp.context import CompiledGraph, TPContext, attach_meta, meta_of, shard_of, sharded_standin, standin
@@ -49,7 +49,7 @@ from autotp.passes.save_shards import save_input_shards
 from autotp.passes.solve import ParamChoice, Solution, SolverOptions, solve
 from autotp.placement import GroupedShard, HeadShard, Placement, R, Shard, shard_candidates
 from autotp.plan import build_plan, first_consumer, gradient_node, parameter_entry, style_of
-from autotp.plan_cache import Lookup, Uncacheable, decode_annotation, encode_annotation
+from autotp.plan_cache import Lookup, Uncacheable, decode_annotation, encode_annotation, summary_elsewhere
 from autotp.released import refuse_eager_calls
 from autotp.trace import graph_folder, write_json, write_solver_trace, write_text
 from autotp.verify import verified
@@ -90,6 +90,8 @@ def autotp_backend(gm: torch.fx.GraphModule, example_inputs: list[Any],
     verification (see ``autotp/verify.py``). ``options={"fuse": False, "compile_inner": "eager",
     ...}`` (any of :data:`BACKEND_OPTIONS`) set the matching :class:`AutoTPConfig` fields, and
     ``options={"mesh": mesh}`` runs tensor parallelism on ``mesh["tp"]`` (:func:`_backend_comm`).
+    Rank 0 plans each graph for the group where the group's timeout lets the others wait that
+    long (:func:`waits_for_a_plan`).
 
     One session per model: a graph whose parameters an earlier graph of this backend already met
     joins that graph's session (:func:`session_of_graph`: same group size and options), so the
@@ -110,8 +112,19 @@ def autotp_backend(gm: torch.fx.GraphModule, example_inputs: list[Any],
         attach_health(comm)  # a failed collective names the rank that failed (autotp.health)
         # outputs may stay sharded, as under parallelize_model; the returned callable gathers all
         # but the KV-cache entries (TPContext.gather_outputs), so the cache stays sharded across steps
-        ctx = TPContext(comm=comm, config=config, sharded_outputs=True, gather_outputs=True)
+        ctx = TPContext(comm=comm, config=config, sharded_outputs=True, gather_outputs=True,
+                        plan_once=waits_for_a_plan(comm))
     return compile_graph(gm, example_inputs, ctx)
+
+
+def waits_for_a_plan(comm: Comm) -> bool:
+    """May the other ranks of the caller's group wait in a collective while rank 0 plans a graph
+    (``TPContext.plan_once``)? Where its timeout is at least :data:`~autotp.collectives.DEFAULT_TIMEOUT`
+    (10 minutes: what autotp starts a group with, NCCL's default; gloo's is 30): a group made
+    with a shorter one means it to bound how far ranks drift apart, not a plan's search, so its
+    ranks each plan on their own, as a group whose timeout torch does not tell."""
+    timeout = comm.timeout
+    return timeout is not None and timeout >= DEFAULT_TIMEOUT
 
 
 def session_of_graph(example_inputs: list[Any], config: AutoTPConfig) -> TPContext | None:
@@ -184,7 +197,8 @@ class GraphPlan:
     """One graph's plan, as data: the placement of every value and every collective's site (the
     :class:`~autotp.passes.annotate.Annotation`), where it came from (``origin``: ``"solved"``,
     ``"plan cache"``, ``"rank 0"`` or ``"one rank"``), the plan-cache lookup that keys it, and,
-    where this process solved, the solver's record and summary. :func:`plan_graph` makes it without
+    where this process solved, the solver's record and summary (where rank 0 planned it, the
+    summary rank 0 sent). :func:`plan_graph` makes it without
     touching weights; :func:`lower_graph` turns it into per-rank code. The annotation serializes
     (``plan_cache.encode_annotation``): that is what the plan cache stores and rank 0 broadcasts."""
 
@@ -246,8 +260,10 @@ def plan_graph(gm: torch.fx.GraphModule, example_inputs: list[Any], inputs: Grap
     shared = _plans_once(ctx)
     received = _receive_plan(gm, inputs.params, lookup, ctx, graph_id) if shared and ctx.rank != 0 else None
     if received is not None:  # rank 0's plan; where this rank hit the same entry, its own decode of it
-        mine = lookup.cached is not None and received is lookup.cached.annotation
-        plan = GraphPlan(graph_id, received, "plan cache" if mine else "rank 0", lookup)
+        annotation, summary = received
+        mine = lookup.cached is not None and annotation is lookup.cached.annotation
+        plan = GraphPlan(graph_id, annotation, "plan cache", lookup) if mine else \
+            GraphPlan(graph_id, annotation, "rank 0", lookup, summary=summary)
     elif lookup.cached is not None:  # a hit: the stored plan, checked against this graph
         plan = GraphPlan(graph_id, lookup.cached.annotation, "plan cache", lookup)
     else:
@@ -331,6 +347,11 @@ def _write_trace(folder: Path, gm: torch.fx.GraphModule, plan: GraphPlan, compil
         if plan.origin == "plan cache":  # the solve's summary as stored; no decisions (nothing was searched)
             write_json(folder, "summary.json", {**plan.lookup.cached.trace_summary(),
                                                 "local_rewrites": dict(report.local_rewrites)})
+        elif plan.origin == "rank 0":  # rank 0's summary; the decisions are in rank 0's trace of this graph
+            write_json(folder, "summary.json", {
+                **summary_elsewhere(plan.summary or {}, "solve_timings"), "plan_from": "rank 0",
+                "rank0_trace": f"rank0/{folder.name}", "plan_cache": plan.lookup.outcome.status,
+                "local_rewrites": dict(report.local_rewrites), "uneven_shards": compiled.plan.get("uneven", {})})
     modules = "".join(f"# {name}: {mod.extra_repr()}\n" for name, mod in gm.named_children())
     write_text(folder, "rewritten_graph.py", modules + gm.code)
     write_json(folder, "plan.json", compiled.plan)
@@ -353,9 +374,10 @@ def _plans_once(ctx: TPContext) -> bool:
     plans (from the plan cache or by solving) and broadcasts the annotation; the others rebuild it
     on their own graph, checked like a cache entry. Only where the context asks for it
     (``TPContext.plan_once``: the other ranks wait while rank 0 plans); not for a simulated group
-    (one process), for tools that keep solver records, nor with a trace folder (each rank's trace
-    shows its own solve)."""
-    return ctx.plan_once and not ctx.comm.simulated and not ctx.keep_solve_records and ctx.config.trace_dir is None
+    (one process) nor for tools that keep solver records (they read this process's solve). With a
+    trace folder, rank 0's trace holds the solve (``aten_graph.py``, ``decisions.jsonl``) and the
+    others' say where their plan came from (:func:`_write_trace`)."""
+    return ctx.plan_once and not ctx.comm.simulated and not ctx.keep_solve_records
 
 
 def _send_plan(gm: torch.fx.GraphModule, annotation: Annotation, lookup: Lookup, summary: dict[str, Any] | None,
@@ -378,16 +400,17 @@ def _send_plan(gm: torch.fx.GraphModule, annotation: Annotation, lookup: Lookup,
 
 
 def _receive_plan(gm: torch.fx.GraphModule, param_inputs: dict[torch.fx.Node, torch.Tensor], lookup: Lookup,
-                  ctx: TPContext, graph_id: int) -> Annotation | None:
-    """Ranks other than 0: the annotation rank 0 planned, rebuilt on this rank's graph (None: rank 0
-    asks every rank to solve). After a cache miss the entry is stored here too, as if solved."""
+                  ctx: TPContext, graph_id: int) -> tuple[Annotation, dict[str, Any] | None] | None:
+    """Ranks other than 0: the annotation rank 0 planned, rebuilt on this rank's graph, and the
+    solve's summary rank 0 sent (None: rank 0 asks every rank to solve). After a cache miss the
+    entry is stored here too, as if solved."""
     kind, encoded, summary = broadcast_object(None, ctx.comm)
     if kind == "error":
         raise encoded
     if kind == "solve":
         return None
     if lookup.cached is not None and lookup.cached.encoded == encoded:
-        return lookup.cached.annotation  # this rank hit the same entry: already decoded and checked
+        return lookup.cached.annotation, summary  # this rank hit the same entry: already decoded and checked
     params = {ph.name: (tuple(meta_of(v).global_shape), meta_of(v).placement) for ph, v in param_inputs.items()}
     try:
         annotation = decode_annotation(gm, encoded, ctx.world_size, params)
@@ -396,7 +419,7 @@ def _receive_plan(gm: torch.fx.GraphModule, param_inputs: dict[torch.fx.Node, to
                           f"({type(e).__name__}: {e}); the ranks compiled different graphs") from e
     if lookup.key is not None and lookup.cached is None and summary is not None:
         lookup.pending = (encoded, summary)
-    return annotation
+    return annotation, summary
 
 
 def _picklable(e: BaseException) -> BaseException:

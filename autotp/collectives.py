@@ -224,6 +224,17 @@ class Comm:
         """The process group's backend name (``"gloo"``, ``"nccl"``), or None for a single process."""
         return None if self.group is None else str(dist.get_backend(self.group))
 
+    @property
+    def timeout(self) -> datetime.timedelta | None:
+        """How long one of this group's collectives waits for the others before it fails (the
+        group's ``timeout=``); None for a single process or a simulated group, and where torch does
+        not say (``compat.group_timeout``)."""
+        if self.group is None:
+            return None
+        from autotp.compat import group_timeout
+
+        return group_timeout(self.group, "cuda" if "nccl" in (self.backend or "") else "cpu")
+
     def use_shared_memory(self, capacity: int = 256 * 1024, timeout_s: float = 1800.0) -> bool:
         """Do this group's CPU all-reduces (in ``capacity``-byte pieces) and all-gathers of at most
         ``capacity`` bytes per rank through one shared-memory segment when every rank runs on this
@@ -267,6 +278,12 @@ class Comm:
         return f"Comm(rank={self.rank}, world_size={self.world_size}, backend={self.backend})"
 
 
+#: the collective timeout of a process group autotp starts (:func:`ensure_process_group`), and the
+#: least under which ``torch.compile(backend="autotp")`` lets rank 0 plan for the group
+#: (``backend.waits_for_a_plan``)
+DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
+
+
 def ensure_process_group(
     backend: str | None = None,
     timeout: datetime.timedelta | None = None,
@@ -304,7 +321,7 @@ def ensure_process_group(
         torch.cuda.set_device(dev)
         kwargs["device_id"] = dev
     if timeout is None:
-        timeout = datetime.timedelta(minutes=10)
+        timeout = DEFAULT_TIMEOUT
     dist.init_process_group(backend=backend, init_method="env://", timeout=timeout, **kwargs)
 
 

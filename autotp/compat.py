@@ -63,6 +63,11 @@ Probed when first used (``autotp/stored_graphs.py``).
 **Data-parallel composition (2-D mesh).** DDP's graph splitting and FSDP2's parameter objects,
 which the 2-D mesh reaches into (``tests/distributed/test_mesh.py`` notices a change).
 
+**Process groups' timeouts.** :func:`group_timeout` reads the collective timeout a process group
+was made with (``ProcessGroup._get_backend(device).options._timeout``): torch sets it but offers no
+getter. Not probed: where it is missing or changed it returns None, and the caller assumes the
+least patient group (``backend="autotp"`` then lets every rank plan on its own).
+
 **scipy's HiGHS bindings.** :func:`highs_lp` solves the certificate's linear program
 (``autotp/passes/ilp.py``) through ``scipy.optimize._highspy._core`` (the HiGHS that scipy bundles,
 as ``linprog`` calls it) instead of ``linprog``, whose wrapper walks the basis column by column in
@@ -74,6 +79,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime
 import functools
 import importlib
 import inspect
@@ -107,6 +113,7 @@ __all__ = [
     "fake_tensor_tls",
     "fsdp_params",
     "functional_collectives",
+    "group_timeout",
     "grouped_mm_accepts_standins",
     "highs_lp",
     "legacy_get_string",
@@ -985,6 +992,18 @@ def _guard_tensors_in_one_fake_mode() -> Iterator[None]:
         yield
     finally:
         pickler._unpickle_tensor = original
+
+
+# -- process groups' timeouts (read when present, see the module docstring) ----------------
+def group_timeout(group: Any, device_type: str) -> datetime.timedelta | None:
+    """How long a collective of ``group`` on ``device_type`` tensors waits before it fails (the
+    ``timeout=`` it was made with, or torch's default for its backend); None where this torch
+    does not say."""
+    try:
+        timeout = group._get_backend(torch.device(device_type)).options._timeout
+    except (AttributeError, RuntimeError, TypeError, ValueError):  # no such backend, or a changed API
+        return None
+    return timeout if isinstance(timeout, datetime.timedelta) else None
 
 
 # -- scipy's HiGHS bindings (used when present, see the module docstring) -------------------

@@ -69,7 +69,8 @@ class TPContext:
     #: rank 0 plans each graph for the group and broadcasts it (``backend._plans_once``); the
     #: other ranks wait in that broadcast while rank 0 plans, so ``parallelize_model`` turns it on
     #: only under the default collective timeout (a ``timeout=`` of a few seconds bounds peer skew,
-    #: not planning). Off for ``backend="autotp"`` (the caller's group, whose timeout is its own)
+    #: not planning), and ``backend="autotp"`` only where the caller's group waits at least as
+    #: long (``backend.waits_for_a_plan``)
     plan_once: bool = False
     #: override patterns some graph of this model matched (``backend._apply_overrides``)
     overrides_matched: set[str] = field(default_factory=set)

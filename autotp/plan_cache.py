@@ -386,6 +386,14 @@ def _check_parameter(name: str, placement: Any, shape: tuple[int, ...], pinned: 
 # --------------------------------------------------------------------------------------------------
 
 
+def summary_elsewhere(solve: Mapping[str, Any], timings_key: str) -> dict[str, Any]:
+    """A solve's summary for the trace of a compile that did not run that solve (a cache hit, or a
+    rank that got rank 0's plan): costs and sizes as solved, the solve's timings (every ``*_s``
+    field) under ``timings_key``, so that no trace reports another compile's time as its own."""
+    timings = {k: v for k, v in solve.items() if k.endswith("_s")}
+    return {**{k: v for k, v in solve.items() if k not in timings}, timings_key: timings}
+
+
 @dataclass
 class CachedPlan:
     """A hit: the annotation rebuilt on this graph, what the solve and lowering reported, and the
@@ -400,9 +408,7 @@ class CachedPlan:
     def trace_summary(self) -> dict[str, Any]:
         """The solve's summary for a hit's trace: costs and sizes as solved, and the solve's
         timings under ``stored_timings`` (they are the miss's, not this compile's)."""
-        timings = {k: v for k, v in self.solve.items() if k.endswith("_s")}
-        return {**{k: v for k, v in self.solve.items() if k not in timings}, "stored_timings": timings,
-                "plan_cache": "hit"}
+        return {**summary_elsewhere(self.solve, "stored_timings"), "plan_cache": "hit"}
 
 
 @dataclass

@@ -8,6 +8,10 @@ reused nodes, unknown ops, timings, ``uneven_shards``: each parameter split unev
 ``"dim 0 of 50257 over tp=2: rows 25129/25128"``), ``rewritten_graph.py`` (this rank's program; an
 uneven gather's ``Redistribute`` says ``uneven 50257 (25129/25128)``) and ``plan.json`` (the same
 notes under ``uneven``).
+
+The solver's files (``aten_graph.py``, ``decisions.jsonl``, ``backtracks.json``) are written by
+the rank that solved: rank 0 where it plans for the group (``backend._plans_once``); the other
+ranks' ``summary.json`` then says ``"plan_from": "rank 0"``.
 """
 
 from __future__ import annotations

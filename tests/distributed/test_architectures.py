@@ -8,7 +8,11 @@ plain transformers:
 * decoders: logits of one forward, and the tokens of a greedy ``generate`` (must be identical);
 * encoders: ``last_hidden_state`` (BERT) or the masked-LM logits (RoBERTa);
 * encoder-decoder (T5): logits with decoder inputs, and the tokens of a greedy ``generate``
-  (which runs the encoder through ``model.get_encoder()``, outside ``forward``).
+  (which runs the encoder through ``model.get_encoder()``, outside ``forward``);
+* ``torch.compile(model.forward, backend="autotp")`` (the ``-compile`` cases) also: the logits of
+  every step of that ``generate``, the collectives it issued (one all-gather per call, the
+  logits', at the call's return: none inside any graph, the KV cache staying sharded across
+  steps), and a cache reordered eagerly, as beam search does, refused (:func:`_compiled_decoding`).
 
 Plans are asserted too, in one process with ``autotp.planner.plan_model`` (the same solver on the
 same warm-up call as ``parallelize_model``, with counted, simulated collectives): every decoder's
@@ -124,16 +128,20 @@ def _generates(case: Case) -> bool:
     return case.kind in ("decoder", "seq2seq")
 
 
-def reference(case: Case, folder: Path) -> tuple[torch.Tensor, list[int] | None]:
-    """One process, plain transformers: the compared output and the greedy tokens."""
+def _generate(model: Any) -> Any:
+    """The matrix's greedy ``generate`` of :data:`PROMPT`, with each step's logits."""
+    return model.generate(torch.tensor(PROMPT), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=PAD_ID,
+                          return_dict_in_generate=True, output_logits=True)
+
+
+def reference(case: Case, folder: Path) -> tuple[torch.Tensor, list[int] | None, list[torch.Tensor] | None]:
+    """One process, plain transformers: the compared output, the greedy tokens and each of their
+    steps' logits."""
     model = _model_class(case.arch).from_pretrained(folder).eval()
     with torch.no_grad():
         out = _main_output(model(**_inputs(case)))
-        tokens = None
-        if _generates(case):
-            tokens = model.generate(torch.tensor(PROMPT), max_new_tokens=NEW_TOKENS, do_sample=False,
-                                    pad_token_id=PAD_ID)[0].tolist()
-    return out, tokens
+        generated = _generate(model) if _generates(case) else None
+    return out, (generated.sequences[0].tolist() if generated else None), (list(generated.logits) if generated else None)
 
 
 def _rank(rank: int, world: int, case_id: str, folder: str) -> dict[str, Any]:
@@ -147,11 +155,41 @@ def _rank(rank: int, world: int, case_id: str, folder: str) -> dict[str, Any]:
         model.forward = torch.compile(model.forward, backend="autotp")
     with torch.no_grad():
         out = _main_output(model(**_inputs(case)))
-        tokens = None
-        if _generates(case):
-            tokens = model.generate(torch.tensor(PROMPT), max_new_tokens=NEW_TOKENS, do_sample=False,
-                                    pad_token_id=PAD_ID)[0].tolist()
-    return {"output": out, "tokens": tokens, "plan": session_of(model).plans[0]}  # the model's first graph
+        if case.path == "compile":
+            decoding = _compiled_decoding(model)
+            tokens = decoding.pop("tokens")
+        else:
+            decoding, tokens = {}, None
+            if _generates(case):
+                tokens = model.generate(torch.tensor(PROMPT), max_new_tokens=NEW_TOKENS, do_sample=False,
+                                        pad_token_id=PAD_ID)[0].tolist()
+    return {"output": out, "tokens": tokens, "plan": session_of(model).plans[0], **decoding}  # the model's first graph
+
+
+def _compiled_decoding(model: Any) -> dict[str, Any]:
+    """The matrix's ``generate`` through ``forward`` compiled with ``backend="autotp"``: its tokens,
+    each step's logits, the collectives it issued, the calls it made, whether the cache it returned
+    still holds this rank's heads only, and the all-gathers inside the compiled graphs; then one
+    decode step on that cache reordered eagerly, as beam search reorders it (``reorder_cache``:
+    ``index_select`` on every entry), whose error it returns."""
+    from autotp.context import shard_of
+    from autotp.kv_cache import cache_keyword, cache_layers, returned_cache
+
+    comm = session_of(model).comm
+    comm.reset_counts()
+    generated = _generate(model)
+    counts = dict(comm.counts)
+    cache = returned_cache(generated)
+    sharded = all(shard_of(t) is not None for layer in cache_layers(cache) for t in (layer.keys, layer.values))
+    cache.reorder_cache(torch.tensor([0]))
+    try:  # Dynamo wraps a backend's error (BackendCompilerFailed)
+        step = model(input_ids=generated.sequences[:, -1:], use_cache=True, **{cache_keyword(type(model).forward): cache})
+        reordered_error = f"no error; logits finite: {bool(torch.isfinite(step.logits).all())}"
+    except Exception as e:  # noqa: BLE001 - the text is what is compared
+        reordered_error = f"{type(e).__name__}: {e}"
+    return {"tokens": generated.sequences[0].tolist(), "step_logits": list(generated.logits), "counts": counts,
+            "calls": len(generated.logits), "cache_sharded": sharded, "reordered_error": reordered_error,
+            "gathers_in_graphs": [g.plan["collectives"].get("all_gather", 0) for g in session_of(model).graphs]}
 
 
 def save_case(case: Case, folder: Path, **overrides: Any) -> Path:
@@ -162,7 +200,7 @@ def run_case(case: Case, world: int, folder: Path) -> dict[str, Any]:
     """Run ``case`` on ``world`` ranks from the checkpoint in ``folder`` and compare with one process.
 
     Returns rank 0's plan and the wall time; raises AssertionError on a mismatch."""
-    ref_out, ref_tokens = reference(case, folder)
+    ref_out, ref_tokens, ref_steps = reference(case, folder)
     start = time.perf_counter()
     results = run_ranks(_rank, world, case.id, str(folder))
     seconds = time.perf_counter() - start
@@ -170,7 +208,25 @@ def run_case(case: Case, world: int, folder: Path) -> dict[str, Any]:
         assert r["output"].shape == ref_out.shape
         torch.testing.assert_close(r["output"], ref_out, atol=ATOL, rtol=RTOL)
         assert r["tokens"] == ref_tokens, f"greedy tokens differ: {r['tokens']} != {ref_tokens}"
+        if case.path == "compile":
+            assert_compiled_decoding(r, ref_steps)
     return {"plan": results[0]["plan"], "seconds": seconds}
+
+
+def assert_compiled_decoding(r: dict[str, Any], ref_steps: list[torch.Tensor]) -> None:
+    """What :func:`_compiled_decoding` saw on one rank. Before: the backend returned every graph
+    output whole, so each layer's keys and values were all-gathered inside the graph on every
+    decode step; and a cache beam search had reordered (its entries plain NaN tensors once the
+    shard they stood in for was lost) generated wrong tokens without an error."""
+    assert len(r["step_logits"]) == len(ref_steps) == r["calls"]
+    for step, ref in zip(r["step_logits"], ref_steps, strict=True):
+        torch.testing.assert_close(step, ref, atol=ATOL, rtol=RTOL)
+    assert r["cache_sharded"]  # every layer's keys and values are stand-ins holding this rank's heads
+    assert r["counts"].get("all_gather", 0) == r["calls"]  # the logits', when each call returns
+    assert r["counts"].get("all_reduce", 0) > 0  # the steps did run tensor-parallel
+    assert r["gathers_in_graphs"] and not any(r["gathers_in_graphs"])  # none inside any graph
+    assert "AutoTPError: graph input" in r["reordered_error"], r["reordered_error"]
+    assert "changed outside the model" in r["reordered_error"], r["reordered_error"]
 
 
 def _params(case: Case) -> list[Any]:

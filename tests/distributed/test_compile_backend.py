@@ -1,11 +1,15 @@
 """``torch.compile(model, backend="autotp")`` on an in-memory model (same weights on every rank).
 
 Tolerance: logits at atol=1e-5, rtol=1e-4 against the uncompiled model in the same process
-(partial sums across ranks reorder fp32 additions); greedy tokens exactly.
+(partial sums across ranks reorder fp32 additions). Decoding through the compiled ``forward`` (the
+KV cache kept sharded across steps, the logits gathered once per call, a reordered cache refused)
+is the architecture matrix's ``-compile`` cases (tests/distributed/test_architectures.py).
 """
 
 from __future__ import annotations
 
+import datetime
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -47,6 +51,7 @@ def _rank_compile(rank: int, world: int, folder: str) -> dict:
     from autotp.context import meta_of
 
     os.environ["AUTOTP_TRACE_DIR"] = str(Path(folder) / "trace")
+    os.environ["AUTOTP_CACHE_DIR"] = str(Path(folder) / "plans")  # empty: every graph is planned
     model = AutoModelForCausalLM.from_pretrained(folder).eval()
     full_bytes = _param_bytes(model)
     compiled = torch.compile(model, backend="autotp")
@@ -67,6 +72,7 @@ def _rank_compile(rank: int, world: int, folder: str) -> dict:
         except AutoTPError as e:
             error = str(e)
         again = compiled(input_ids=short, use_cache=False).logits  # the compiled model is unaffected
+    graphs = sorted((Path(folder) / "trace" / f"rank{rank}").glob("graph*"))
     return {
         "short_err": (out_short - ref_short).abs().max().item(),
         "long_err": (out_long - ref_long).abs().max().item(),
@@ -78,6 +84,9 @@ def _rank_compile(rank: int, world: int, folder: str) -> dict:
         "graph_ids": [g.graph_id for g in session_of(model).graphs],
         "sessions": len({id(m.session) for m in metas.values()}),
         "trace_folders": sorted(p.name for p in (Path(folder) / "trace" / f"rank{rank}").iterdir()),
+        "solved": [(g / "decisions.jsonl").exists() for g in graphs],
+        "plan_from": [json.loads((g / "summary.json").read_text()).get("plan_from") for g in graphs],
+        "plans": session_of(model).plans,
         "error": error,
         "again_err": (again - ref_short).abs().max().item(),
     }
@@ -104,6 +113,53 @@ def test_compiled_in_memory_model_matches_and_keeps_one_nth_of_sharded_weights(c
         assert r["trace_folders"] == [f"graph{i:03d}" for i in r["graph_ids"]]
 
 
+def test_rank_0_plans_each_graph_for_the_group_and_the_others_trace_the_plan_it_sent(
+        compiled_ranks: list[dict]) -> None:
+    """The test harness's group waits 10 minutes (``run_ranks(timeout=600)``), as long as one
+    autotp starts: rank 0 alone solves (its trace holds the decisions), rank 1 rebuilds rank 0's
+    plan on its own graph and its trace says so; both lower the same plans."""
+    rank0, rank1 = compiled_ranks
+    assert rank0["solved"][0] and not any(rank1["solved"])
+    assert not any(rank0["plan_from"])
+    # a graph rank 0 solved, rank 1 rebuilt from what it sent; a graph compiled again (the weights
+    # released after the first call) both read from the plan cache the first one filled
+    assert rank1["plan_from"] == ["rank 0" if solved else None for solved in rank0["solved"]]
+    assert rank1["plans"] == rank0["plans"]
+
+
+def _rank_waits(rank: int, world: int) -> bool:
+    from autotp.backend import waits_for_a_plan
+    from autotp.collectives import Comm
+
+    return waits_for_a_plan(Comm.from_default_group())
+
+
+def test_a_group_with_a_short_timeout_plans_on_every_rank() -> None:
+    """Under ``backend="autotp"`` the others wait for rank 0's plan in a collective of the caller's
+    group: only where its timeout is at least 10 minutes; a shorter one bounds peer skew."""
+    assert run_ranks(_rank_waits, 1, timeout=60) == [False]
+    assert run_ranks(_rank_waits, 1, timeout=datetime.timedelta(minutes=10).total_seconds()) == [True]
+
+
+def _rank_refused(rank: int, world: int) -> str:
+    torch.manual_seed(0)  # the same weights on every rank
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8))
+    compiled = torch.compile(model, backend="autotp", options={"overrides": {"0": "vocab"}})
+    try:
+        compiled(torch.ones(4, 8))
+    except Exception as e:  # noqa: BLE001 - Dynamo may wrap the backend's error; its text is compared
+        return str(e)
+    return "compiled"
+
+
+def test_a_planning_error_on_rank_0_reaches_the_other_rank() -> None:
+    """Rank 0 plans for the group: its refusal of an override is broadcast and raised on rank 1
+    too, which would otherwise wait for a plan that never comes."""
+    messages = run_ranks(_rank_refused, 2, timeout=600)
+    for message in messages:
+        assert "override '0': 'vocab' cannot be honoured for 0.weight" in message, message
+
+
 def test_backend_name_resolves_through_the_entry_point_without_importing_autotp() -> None:
     code = (
         "import torch, sys\n"
@@ -127,81 +183,3 @@ def test_the_original_module_refuses_to_run_once_the_backend_sharded_it(compiled
         assert "was sharded in place by torch.compile(model, backend='autotp')" in r["error"], r["error"]
         assert "Call the module torch.compile returned instead" in r["error"]
         assert r["short_err"] < 1e-4 and r["again_err"] < 1e-4  # atol as in the module docstring
-
-
-PAD_ID = 120
-PROMPT = [[5, 17, 99, 3, 64, 12, 7]]
-NEW_TOKENS = 8
-
-
-def _rank_decode(rank: int, world: int, folder: str) -> dict:
-    """Prefill and one decode step through the model's ``forward`` compiled with the backend (as
-    the coverage table's torch.compile rows run it), counting the decode step's collectives, then
-    a greedy ``generate``."""
-    from transformers import AutoModelForCausalLM, DynamicCache
-
-    from autotp import session_of
-    from autotp.context import shard_of
-    from autotp.kv_cache import cache_keyword, cache_layers, returned_cache
-
-    def sharded(cache: object) -> bool:
-        return all(shard_of(t) is not None for layer in cache_layers(cache) for t in (layer.keys, layer.values))
-
-    model = AutoModelForCausalLM.from_pretrained(folder).eval()
-    keyword = cache_keyword(type(model).forward)
-    model.forward = torch.compile(model.forward, backend="autotp")
-    ids = torch.tensor(PROMPT)
-    with torch.no_grad():
-        prefill = model(input_ids=ids, use_cache=True, **{keyword: DynamicCache(config=model.config)})
-        cache = returned_cache(prefill)
-        prefill_cache_sharded = sharded(cache)
-        comm = session_of(model).comm
-        comm.reset_counts()
-        step = model(input_ids=prefill.logits[:, -1:].argmax(-1), use_cache=True, **{keyword: cache})
-        step_counts = dict(comm.counts)
-        step_cache_sharded = sharded(returned_cache(step))
-        tokens = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=PAD_ID)
-        gathers_in_graphs = [g.plan["collectives"].get("all_gather", 0) for g in session_of(model).graphs]
-        try:  # beam search reorders the cache eagerly: its entries become plain NaN tensors
-            beams = model.generate(ids, max_new_tokens=3, do_sample=False, num_beams=2, pad_token_id=PAD_ID)
-            beam_error = f"no error, tokens {beams[0].tolist()}"
-        except Exception as e:  # noqa: BLE001 - Dynamo wraps a backend's error (BackendCompilerFailed)
-            beam_error = f"{type(e).__name__}: {e}"
-    return {"prefill": prefill.logits, "step": step.logits, "tokens": tokens[0].tolist(), "step_counts": step_counts,
-            "cache_sharded": prefill_cache_sharded and step_cache_sharded, "gathers_in_graphs": gathers_in_graphs,
-            "beam_error": beam_error}
-
-
-def _reference_decode(folder: Path) -> dict:
-    from transformers import AutoModelForCausalLM
-
-    from autotp.kv_cache import cache_keyword, returned_cache
-
-    model = AutoModelForCausalLM.from_pretrained(folder).eval()
-    keyword = cache_keyword(type(model).forward)
-    ids = torch.tensor(PROMPT)
-    with torch.no_grad():
-        prefill = model(input_ids=ids, use_cache=True)
-        step = model(input_ids=prefill.logits[:, -1:].argmax(-1), use_cache=True,
-                     **{keyword: returned_cache(prefill)})
-        tokens = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=PAD_ID)
-    return {"prefill": prefill.logits, "step": step.logits, "tokens": tokens[0].tolist()}
-
-
-@pytest.mark.parametrize("arch", ["gpt_neox", "mixtral"])
-def test_compiled_decoding_keeps_the_kv_cache_sharded_and_gathers_only_the_logits(tmp_path: Path, arch: str) -> None:
-    # Before: the backend returned every graph output whole, so each layer's keys and values were
-    # all-gathered inside the graph on every decode step (4 all-gathers besides the logits' here).
-    folder = save_tiny(arch, tmp_path / arch, pad_token_id=PAD_ID)
-    ref = _reference_decode(folder)
-    for r in run_ranks(_rank_decode, 2, str(folder), timeout=900):
-        torch.testing.assert_close(r["prefill"], ref["prefill"], atol=1e-5, rtol=1e-4)
-        torch.testing.assert_close(r["step"], ref["step"], atol=1e-5, rtol=1e-4)
-        assert r["tokens"] == ref["tokens"]
-        assert r["cache_sharded"]  # every layer's keys and values are stand-ins holding this rank's heads
-        assert r["step_counts"].get("all_gather", 0) == 1  # the logits', when the call returns
-        assert r["step_counts"].get("all_reduce", 0) > 0  # the step did run tensor-parallel
-        assert r["gathers_in_graphs"] and not any(r["gathers_in_graphs"])  # none inside any graph
-        # a reordered sharded cache is refused, not read as NaN (it generated wrong tokens silently)
-        assert "AutoTPError: graph input" in r["beam_error"] and "changed outside the model" in r["beam_error"], \
-            r["beam_error"]

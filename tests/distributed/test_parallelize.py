@@ -135,8 +135,18 @@ def test_llama_plan_is_megatron_with_two_all_reduces_per_block(loaded) -> None:
     assert plan["sharded_outputs"] == 1 + 2 * LAYERS
     on_disk = json.loads((trace / "rank0" / "graph000" / "plan.json").read_text())
     assert on_disk == plan
+    # rank 0 planned for both ranks: its trace holds the solve, rank 1's the program it ran from
+    # the plan rank 0 sent (the same plan), and a summary that says so
+    rank0, rank1 = trace / "rank0" / "graph000", trace / "rank1" / "graph000"
     for name in ("dynamo_graph.py", "aten_graph.py", "decisions.jsonl", "backtracks.json", "rewritten_graph.py"):
-        assert (trace / "rank1" / "graph000" / name).exists(), name
+        assert (rank0 / name).exists(), name
+    for name in ("dynamo_graph.py", "rewritten_graph.py", "summary.json"):
+        assert (rank1 / name).exists(), name
+    assert not (rank1 / "decisions.jsonl").exists()
+    assert json.loads((rank1 / "plan.json").read_text()) == results[1]["plan"] == plan
+    solved, received = (json.loads((r / "summary.json").read_text()) for r in (rank0, rank1))
+    assert received["plan_from"] == "rank 0" and received["rank0_trace"] == "rank0/graph000"
+    assert received["cost"] == solved["cost"] and "plan_from" not in solved
 
 
 def test_each_rank_holds_and_reads_only_its_shards(loaded) -> None:
