@@ -66,14 +66,16 @@ def warm_caches() -> None:
     """What a rank's first compile computes per process and never changes, computed once here for
     every rank forked after: Dynamo's function names per source line of the modeling code
     (``compat.warm_source_names``), ``inspect``'s module-by-file table (Dynamo's package records
-    each inlined function's module), autotp's decomposition table. Call after the imports."""
+    each inlined function's module), transformers' checkpoint conversions by model type
+    (``compat.warm_weight_conversions``), autotp's decomposition table. Call after the imports."""
     import inspect
 
-    from autotp.compat import warm_source_names
+    from autotp.compat import warm_source_names, warm_weight_conversions
     from autotp.passes.decompose import decomposition_table
 
     warm_source_names(_traced_sources())
     inspect.getmodule(warm_caches)
+    warm_weight_conversions()
     decomposition_table()
 
 

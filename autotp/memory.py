@@ -61,6 +61,24 @@ def release_free_memory(collect: bool = True) -> bool:
     return trim_heap()
 
 
+#: whether this process had frozen objects itself when autotp first looked (None: not looked yet)
+_frozen_before: bool | None = None
+#: how many :func:`collecting_new_objects_only` blocks are open (only the outermost freezes)
+_open_blocks = 0
+
+
+def _process_froze_objects() -> bool:
+    """Had this process frozen objects itself (``gc.freeze``: the rank servers do at each fork,
+    the CLI after its imports) when this was first asked? Asked once per process and remembered
+    (a forked rank inherits the answer with the frozen heap): ``gc.get_freeze_count`` walks the
+    whole permanent generation, ~0.2 CPU-s per call in a rank forked from a server that froze
+    ~750,000 objects (profiled), and planning asks once per graph."""
+    global _frozen_before
+    if _frozen_before is None:
+        _frozen_before = gc.get_freeze_count() > 0
+    return _frozen_before
+
+
 @contextlib.contextmanager
 def collecting_new_objects_only() -> Iterator[None]:
     """Within the block, the cyclic collector walks only the objects made inside it (``gc.freeze``
@@ -72,16 +90,21 @@ def collecting_new_objects_only() -> Iterator[None]:
     benchmark model's two plans (rank 0, loaded machine), for garbage that is the planning's own.
     Safe: nothing changes but what a collection visits; the block's own garbage is collected as
     before, and garbage older than the block (unreachable before it began) waits for the first
-    collection after it. A process that froze objects itself is left alone (nothing is frozen or
-    unfrozen then)."""
-    if gc.get_freeze_count():
+    collection after it. A process that had frozen objects itself when first asked
+    (:func:`_process_froze_objects`) is left alone (nothing is frozen or unfrozen then); one that
+    freezes objects only later gets them unfrozen at the end of a block, which changes what later
+    collections walk, never what they free. Nested blocks leave it to the outermost."""
+    global _open_blocks
+    if _open_blocks or _process_froze_objects():
         yield
         return
+    _open_blocks += 1
     gc.freeze()
     try:
         yield
     finally:
         gc.unfreeze()
+        _open_blocks -= 1
 
 
 @contextlib.contextmanager

@@ -1,5 +1,6 @@
 """``autotp/memory.py``: freed heap pages go back to the OS; Dynamo's guard-latency profiling (a
-~32 MB cache-eviction buffer per compiled graph) is skipped inside the block and only there.
+~32 MB cache-eviction buffer per compiled graph) is skipped inside the block and only there;
+planning's collections walk only planning's objects, unless the process froze its own.
 
 Exact checks only (which function Dynamo calls, what is restored); no RSS or timing asserts.
 """
@@ -12,6 +13,7 @@ import pytest
 import torch
 import torch._dynamo.guards as dynamo_guards
 
+from autotp import memory
 from autotp.compat import no_guard_latency_profile
 from autotp.memory import cycle_collection_paused, release_free_memory
 
@@ -81,3 +83,27 @@ def test_the_collector_pauses_for_the_outermost_block_and_resumes_after_an_error
         assert not gc.isenabled()  # the inner block leaves it to the outer one
         raise RuntimeError("lowering failed")
     assert gc.isenabled()
+
+
+def test_planning_freezes_older_objects_for_the_outermost_block_only(monkeypatch) -> None:
+    monkeypatch.setattr(memory, "_frozen_before", None)  # as in a fresh process
+    assert gc.get_freeze_count() == 0
+    with memory.collecting_new_objects_only():
+        frozen = gc.get_freeze_count()
+        assert frozen > 0  # every object older than the block, out of the collector's walks
+        with memory.collecting_new_objects_only():
+            pass
+        assert gc.get_freeze_count() == frozen  # the inner block left them to the outer one
+    assert gc.get_freeze_count() == 0
+
+
+def test_a_process_that_froze_objects_itself_is_left_as_it_was(monkeypatch) -> None:
+    monkeypatch.setattr(memory, "_frozen_before", None)
+    gc.freeze()  # as a rank server does before it forks
+    try:
+        frozen = gc.get_freeze_count()
+        with memory.collecting_new_objects_only():
+            assert gc.get_freeze_count() == frozen
+        assert gc.get_freeze_count() == frozen
+    finally:
+        gc.unfreeze()
