@@ -37,7 +37,7 @@ from autotp.context import TPContext, attach_meta, meta_of, shard_of, standin
 from autotp.errors import AutoTPError
 from autotp.hf_config import read_config
 from autotp.inputs import InputGuard, TokenIdCheck
-from autotp.memory import collecting_new_objects_only, release_free_memory
+from autotp.memory import release_free_memory
 from autotp.mesh import MeshLayout, check_data_parallel, check_layout, check_tp_size
 from autotp.placement import R, head_split
 from autotp.prefill_call import PrefillCall
@@ -586,14 +586,10 @@ def _warm_up(module: torch.nn.Module, forward: _SwappingForward, world_size: int
     Either way the ids are one sequence of ``2N+1`` tokens (neither batch nor length divides by
     ``N``, so the plan splits heads and hidden features, not the warm-up's batch or sequence) whose
     token dim the entry marks dynamic (``_SwappingForward.dynamic_tokens``): the graph serves any
-    length, its length is symbolic and never split (``passes/decompose.py: mark_symbolic_dims``).
-
-    The whole call runs under ``memory.collecting_new_objects_only`` (not only its planning): the
-    full collection before the shards are read (``compile_graph``) and the collector's own during
-    Dynamo's trace then walk what the warm-up made, not the imports' heap as well."""
+    length, its length is symbolic and never split (``passes/decompose.py: mark_symbolic_dims``)."""
     forward.dynamic_tokens = True
     try:
-        with torch.no_grad(), collecting_new_objects_only():
+        with torch.no_grad():
             if _generates_with_dynamic_cache(module):
                 ids, pad = _warmup_ids(module, world_size)
                 forward.record_prefill = True  # a plain call is completed into this prefill's keywords

@@ -12,11 +12,10 @@ top of the heap.
 
 Where it runs (only when a graph did work that leaves garbage, never per call): in
 ``compile_graph`` after the solver state of a solved graph is dropped — with a full collection
-when this rank is about to read shards (the tracing's garbage is cyclic: FX graphs; inside
-``parallelize_model``'s warm-up, which runs under :func:`collecting_new_objects_only`, so the
-collection walks what the warm-up made, not the imports' heap), a trim only for later graphs
-(recompiles, decode steps), since a collection walks every live Python object (~0.9 s in a rank
-holding the loaded benchmark model) and the automatic collector frees that garbage eventually; then trims alone in the fuse pass after each group it lays out anew and at the
+when this rank is about to read shards (the tracing's garbage is cyclic: FX graphs), a trim only
+for later graphs (recompiles, decode steps), since a collection walks every live Python object
+(~0.9 s in a rank holding the loaded benchmark model) and the automatic collector frees that
+garbage eventually; then trims alone in the fuse pass after each group it lays out anew and at the
 end of ``parallelize_model``.
 Elsewhere than glibc (macOS, musl) only the collection runs. The planning itself (decompose,
 solve) runs under :func:`collecting_new_objects_only`, so the collector's own full collections
