@@ -54,7 +54,12 @@ traced size by ``torch.Tensor._make_wrapper_subclass(storage_size=)``; its unpic
 its graph and node records, whose classes are swapped for :class:`_GraphRecord` / :class:`_NodeRecord`,
 which read them back faster and keep the graph's used names, and a graph's ``_Namespace`` fields);
 the guard filter reads ``CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES``; the
-uninstaller calls ``torch._C._dynamo.eval_frame._reset_precompile_entries``; a loading guard state's
+uninstaller calls ``torch._C._dynamo.eval_frame._reset_precompile_entries``; a recording package's
+``add_inlined_source`` gets an ``add_code`` that builds ``package.InlinedSource`` records from code
+objects (:func:`_inlined_source`, with ``package._hash_source`` and ``_get_module_content``, and
+``SourceInfo.add_code`` where it cannot); while autotp's compiled forward runs,
+``guards.make_guard_filter_entry`` makes entries (a ``torch._dynamo.types.GuardFilterEntry``
+subclass) whose values are read when asked (:func:`_guard_values_read_lazily`); a loading guard state's
 tensors are rebuilt in one fake mode (``GuardsStatePickler._unpickle_tensor``, see
 :func:`_guard_tensors_in_one_fake_mode`), and :func:`_optimize` swaps ``eval_frame.get_compiler_fn``
 while ``torch._dynamo.optimize`` runs (its minifier wrapper's imports, see :class:`_DirectCompiler`).
@@ -924,9 +929,9 @@ def _inlined_source(code: types.CodeType) -> Any:
 class DynamoCompiled:
     """``fn`` compiled by Dynamo with the guards a :class:`DynamoPackage` keeps
     (:func:`_serializable_guards`) but no package: what a rank that stores no entry runs. Recording
-    a package hashes the source of every function Dynamo inlines and pickles each frame's guards
-    (about 0.8 CPU s per graph of a Llama-family model, ~820 inlined functions per graph, measured
-    on the startup benchmark's 150m model) for an entry this rank never writes. The guards are the
+    a package pickles each frame's guard state (~0.15 CPU s per graph of the startup benchmark's
+    150m model) and records the source of every function Dynamo inlines (~820 per graph), for an
+    entry this rank never writes. The guards are the
     packaging rank's, so every rank of a group recompiles on the same calls. The same interface as
     :class:`DynamoPackage` where a rank reads it: no graphs to store, nothing to uninstall (the
     compiled frames stay on the code, as for any ``torch.compile``)."""
