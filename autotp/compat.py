@@ -54,7 +54,12 @@ traced size by ``torch.Tensor._make_wrapper_subclass(storage_size=)``; its unpic
 its graph and node records, whose classes are swapped for :class:`_GraphRecord` / :class:`_NodeRecord`,
 which read them back faster and keep the graph's used names, and a graph's ``_Namespace`` fields);
 the guard filter reads ``CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES``; the
-uninstaller calls ``torch._C._dynamo.eval_frame._reset_precompile_entries``; a loading guard state's
+uninstaller calls ``torch._C._dynamo.eval_frame._reset_precompile_entries``; a recording package's
+``add_inlined_source`` gets an ``add_code`` that builds ``package.InlinedSource`` records from code
+objects (:func:`_inlined_source`, with ``package._hash_source`` and ``_get_module_content``, and
+``SourceInfo.add_code`` where it cannot); while autotp's compiled forward runs,
+``guards.make_guard_filter_entry`` makes entries (a ``torch._dynamo.types.GuardFilterEntry``
+subclass) whose values are read when asked (:func:`_guard_values_read_lazily`); a loading guard state's
 tensors are rebuilt in one fake mode (``GuardsStatePickler._unpickle_tensor``, see
 :func:`_guard_tensors_in_one_fake_mode`), and :func:`_optimize` swaps ``eval_frame.get_compiler_fn``
 while ``torch._dynamo.optimize`` runs (its minifier wrapper's imports, see :class:`_DirectCompiler`).
@@ -760,6 +765,7 @@ class DynamoPackage:
                 self.uninstall()
                 raise PackageError(f"{type(e).__name__}: {e}") from e
         self._note_unnamed_frames()
+        self._record_sources_cheaply()
         self._token = object()
         _LAST_PACKAGE_ON[getattr(fn, "__func__", fn).__code__] = self._token
         self.compiled = _optimize(fn, backend, package=self.package)
@@ -784,13 +790,46 @@ class DynamoPackage:
 
         package._add_user_function = add_or_note
 
+    def _record_sources_cheaply(self) -> None:
+        """Dynamo records, after each frame's guards, the source of every function it inlined
+        (module, line range, SHA-256 of those lines: what a later install checks, refusing a package
+        whose sources changed). torch 2.13 finds each function's module with ``inspect.getmodule``
+        (a scan of ``sys.modules`` per function) and its lines with ``inspect.getsourcelines``
+        (tokenizing the function's block): ~0.8 CPU s per graph of the benchmark model, ~820
+        functions, on the recording rank after its backend returned, while the other ranks wait
+        for it at the graph's first collective. :func:`_inlined_source` records the same fields from
+        the code object's own line table, once per function per process; torch's control flow
+        (the entry being recorded, resume functions skipped) and its ``add_code`` for any function
+        the fast path cannot read stay as they are."""
+        package = self.package
+        add_inlined_source = package.add_inlined_source
+
+        def add_code(code: types.CodeType) -> None:
+            record = _inlined_source(code)
+            if record is _NO_MODULE:
+                return
+            if record is None:  # torch's own path (and its errors)
+                type(package._source_info).add_code(package._source_info, code)
+            else:
+                package._source_info.inlined_sources.add(record)
+
+        def add_inlined_source_cheaply(sources: list[types.CodeType]) -> None:
+            info = package._source_info
+            info.add_code = add_code  # for this call only: the SourceInfo is pickled with the entry
+            try:
+                add_inlined_source(sources)
+            finally:
+                del info.add_code
+
+        package.add_inlined_source = add_inlined_source_cheaply
+
     def _install(self, name: str, value: Any) -> None:
         if self._globals.get(name) is not value:
             self._globals[name] = value
             self._copied.append(name)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        with _storable_guards():
+        with _storable_guards(), _guard_values_read_lazily():
             return self.compiled(*args, **kwargs)
 
     def graphs(self) -> dict[str, Any]:
@@ -864,12 +903,75 @@ class DynamoPackage:
         return uninstall
 
 
+#: :func:`_inlined_source`'s answer for a function of no module (torch records nothing for it)
+_NO_MODULE = object()
+
+
+@functools.cache
+def _module_of_file(filename: str, code: types.CodeType) -> Any:
+    """The module ``inspect.getmodule`` finds for the functions of ``filename`` (``code``: the first
+    one asked about), once per file: torch asks once per inlined function, and each miss of
+    inspect's own cache scans every loaded module (~15 ms, for each function of a file no module
+    has: ``<frozen os>``, a dataclass's generated ``<string>`` methods, ~44 per graph of the
+    benchmark model; torch records nothing for them)."""
+    return inspect.getmodule(code)
+
+
+@functools.cache
+def _module_lines(module: types.ModuleType) -> list[str]:
+    """The module's source lines as a package install reads them (``inspect.getsourcelines``)."""
+    return inspect.getsourcelines(module)[0]
+
+
+def _last_line(code: types.CodeType) -> int:
+    """The last source line any instruction of ``code`` or of a function defined in it spans."""
+    positions = getattr(code, "co_positions", None)
+    if positions is not None:
+        last = max((end for _, end, _, _ in positions() if end is not None), default=code.co_firstlineno)
+    else:  # Python 3.10: start lines only
+        last = max((line for _, _, line in code.co_lines() if line is not None), default=code.co_firstlineno)
+    return max([last, *(_last_line(c) for c in code.co_consts if isinstance(c, types.CodeType))])
+
+
+@functools.cache
+def _inlined_source_of(filename: str, code: types.CodeType) -> Any:
+    module = _module_of_file(filename, code)
+    if module is None:
+        return _NO_MODULE
+    if getattr(module, "__file__", None) != filename:  # the module's file is not the function's
+        return None
+    try:
+        lines = _module_lines(module)
+    except (OSError, TypeError):
+        return None
+    first, last = code.co_firstlineno, _last_line(code)
+    if not 1 <= first <= last <= len(lines):
+        return None
+    package_module = require_module("torch._dynamo.package")
+    return package_module.InlinedSource(module=module.__name__, firstlineno=first, lastlineno=last + 1,
+                                        checksum=package_module._hash_source("".join(lines[first - 1:last])),
+                                        content=package_module._get_module_content(module))
+
+
+def _inlined_source(code: types.CodeType) -> Any:
+    """What ``torch._dynamo.package.SourceInfo.add_code`` records for an inlined function (an
+    ``InlinedSource``: module name, line range, SHA-256 of those lines, the module's source), read
+    from the code object: its first line and the last line any of its instructions (or of a
+    function defined in it) spans, instead of the block ``inspect.getsourcelines`` tokenizes. The
+    range covers every line of the function's code, which is what an install's check needs (it
+    hashes the stored range of the module as it is then). Once per function and process (keyed
+    with its file: equal code objects of two files are two functions). :data:`_NO_MODULE` for a
+    function of no module (torch records nothing); None where the fast path does not apply (a
+    file that is not its module's, no source), and the caller takes torch's own ``add_code``."""
+    return _inlined_source_of(code.co_filename, code)
+
+
 class DynamoCompiled:
     """``fn`` compiled by Dynamo with the guards a :class:`DynamoPackage` keeps
     (:func:`_serializable_guards`) but no package: what a rank that stores no entry runs. Recording
-    a package hashes the source of every function Dynamo inlines and pickles each frame's guards
-    (about 0.8 CPU s per graph of a Llama-family model, ~820 inlined functions per graph, measured
-    on the startup benchmark's 150m model) for an entry this rank never writes. The guards are the
+    a package pickles each frame's guard state (~0.15 CPU s per graph of the startup benchmark's
+    150m model) and records the source of every function Dynamo inlines (~820 per graph), for an
+    entry this rank never writes. The guards are the
     packaging rank's, so every rank of a group recompiles on the same calls. The same interface as
     :class:`DynamoPackage` where a rank reads it: no graphs to store, nothing to uninstall (the
     compiled frames stay on the code, as for any ``torch.compile``)."""
@@ -878,7 +980,8 @@ class DynamoCompiled:
         self.compiled = _optimize(fn, backend)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.compiled(*args, **kwargs)
+        with _guard_values_read_lazily():
+            return self.compiled(*args, **kwargs)
 
     def graphs(self) -> dict[str, Any]:
         return {}
@@ -948,6 +1051,77 @@ def _storable_guards() -> Iterator[None]:
         yield
     finally:
         guards.pickle_guards_state = original
+
+
+#: the fields of ``torch._dynamo.types.GuardFilterEntry`` :func:`_guard_values_read_lazily` knows
+_FILTER_ENTRY_FIELDS = ("name", "has_value", "value", "guard_type", "derived_guard_types", "is_global", "orig_guard")
+
+
+@functools.cache
+def _lazy_filter_entry() -> type | None:
+    """A ``GuardFilterEntry`` whose ``value`` / ``has_value`` are read from the guard builder when
+    first asked for (as ``make_guard_filter_entry`` reads them: ``builder.get(guard)``, a guard that
+    cannot be evaluated has no value); None on a torch whose entry has other fields."""
+    entry_type = require("torch._dynamo.types", "GuardFilterEntry")
+    if tuple(f.name for f in dataclasses.fields(entry_type)) != _FILTER_ENTRY_FIELDS:
+        return None
+    missing = object()
+
+    class LazyGuardFilterEntry(entry_type):  # type: ignore[misc, valid-type]
+        def __init__(self, builder: Any, **fields: Any) -> None:
+            for name, value in fields.items():
+                object.__setattr__(self, name, value)  # the entry is frozen
+            object.__setattr__(self, "_builder", builder)
+
+        def _read(self) -> tuple[bool, Any]:
+            read = self.__dict__.get("_read_value")
+            if read is None:
+                try:
+                    read = (True, self._builder.get(self.orig_guard))
+                except Exception:  # noqa: BLE001 - as torch: a guard like ``not hasattr(x, "a")``
+                    read = (False, missing)
+                object.__setattr__(self, "_read_value", read)
+            return read
+
+        @property
+        def has_value(self) -> bool:  # type: ignore[override]
+            return self._read()[0]
+
+        @property
+        def value(self) -> Any:  # type: ignore[override]
+            return self._read()[1]
+
+    return LazyGuardFilterEntry
+
+
+@contextlib.contextmanager
+def _guard_values_read_lazily() -> Iterator[None]:
+    """Within the block, the entries Dynamo hands a guard filter read each guard's value only when
+    the filter asks for it. ``make_guard_filter_entry`` evaluates every guard's source (~2,700
+    guards per frame of the benchmark model) though neither the package filter
+    (:func:`_serializable_guards`: names, types, globals) nor the guard-state pickling's portability
+    check reads a value; a filter that does gets the same value (the builder is alive while
+    filters run). Entries made twice per compiled frame on every rank (the filter) and once more on
+    the recording one (the pickling). A torch whose entry has other fields keeps its own."""
+    guards = require_module("torch._dynamo.guards")
+    original = guards.make_guard_filter_entry
+    entry_type = _lazy_filter_entry()
+    if entry_type is None or getattr(original, "_autotp_lazy", False):  # other fields, or nested
+        yield
+        return
+
+    def make_guard_filter_entry(guard: Any, builder: Any) -> Any:
+        return entry_type(builder, name=guards.strip_local_scope(guard.name), guard_type=guard.create_fn_name(),
+                          derived_guard_types=tuple(guard.guard_types) if guard.guard_types else (),
+                          is_global=guards.get_global_source_name(guard.originating_source) is not None,
+                          orig_guard=guard)
+
+    make_guard_filter_entry._autotp_lazy = True  # type: ignore[attr-defined]
+    guards.make_guard_filter_entry = make_guard_filter_entry
+    try:
+        yield
+    finally:
+        guards.make_guard_filter_entry = original
 
 
 @contextlib.contextmanager

@@ -1,16 +1,22 @@
 """The stored-graph entry on disk (``autotp/stored_graphs.py: GraphStore``): what is read back, and
 why an entry is refused (truncated, corrupt, stale, another key), atomic writes from concurrent
-writers, the cache switched off; and a Dynamo graph pickled and read back keys as the traced one."""
+writers, the cache switched off; a Dynamo graph pickled and read back keys as the traced one; and
+what the package records (inlined sources as torch records them, guard-filter entries as torch
+makes them)."""
 
 from __future__ import annotations
 
+import importlib
+import os
 import pickle
+import sys
 import threading
 from pathlib import Path
 
 import pytest
 import torch
 
+from autotp import compat
 from autotp.compat import DynamoPackage, PackageError, maybe_mark_dynamic, pickle_graph, unpickle_graph
 from autotp.plan_cache import graph_fingerprint
 from autotp.stored_graphs import FORMAT, GraphStore, StoredGraph
@@ -226,3 +232,85 @@ def test_an_installed_package_runs_its_stored_graph_and_a_changed_parameter_shap
     assert compiled == [(2, 5)]  # the stored frame's guards refused the other weight shape
     installed.uninstall()
     torch._dynamo.reset()
+
+
+HELPER = """import torch
+
+
+def double(x):
+    y = x * 2
+    return y + 1
+
+
+def outer(x):
+    return double(x) - sum(v for v in (1, 2))
+"""
+
+
+def test_a_package_records_an_inlined_function_s_source_as_torch_does_and_refuses_it_once_changed(
+        tmp_path: Path) -> None:
+    """``compat._inlined_source`` reads a function's lines from its code object, not torch's
+    ``inspect`` scan: for a plain function the record is torch's own, and an install still refuses
+    the package once a line of an inlined function changed."""
+    from torch._dynamo.package import SourceInfo
+
+    (tmp_path / "autotp_inlined_helper.py").write_text(HELPER)
+    sys.path.insert(0, str(tmp_path))
+    try:
+        helper = importlib.import_module("autotp_inlined_helper")
+        torch._dynamo.reset()
+        x = torch.randn(3)
+        package = DynamoPackage(helper.outer, lambda gm, example_inputs: gm.forward)
+        torch.testing.assert_close(package(x), helper.outer(x), atol=0, rtol=0)
+        stored = pickle.loads(pickle.dumps(package.entry()))
+        graphs = package.graphs()
+        package.uninstall()
+        torch._dynamo.reset()
+        torch_records = SourceInfo(inlined_sources=set())
+        torch_records.add_code(helper.double.__code__)
+        recorded = {r for r in stored[0].source_info.inlined_sources if r.module == helper.__name__}
+        assert compat._inlined_source(helper.double.__code__) in torch_records.inlined_sources
+        assert torch_records.inlined_sources <= recorded  # double, as torch records it
+        assert {r.firstlineno for r in recorded} >= {helper.double.__code__.co_firstlineno,
+                                                     helper.outer.__code__.co_firstlineno}
+
+        DynamoPackage(helper.outer, lambda gm, example_inputs: gm.forward, stored, graphs).uninstall()  # installs
+        torch._dynamo.reset()
+        path = tmp_path / "autotp_inlined_helper.py"
+        path.write_text(HELPER.replace("x * 2", "x * 3"))
+        os.utime(path, (path.stat().st_atime, path.stat().st_mtime + 5))  # inspect's line cache sees the change
+        with pytest.raises(PackageError, match="Source code changes detected"):
+            DynamoPackage(helper.outer, lambda gm, example_inputs: gm.forward, stored, graphs)
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("autotp_inlined_helper", None)
+        torch._dynamo.reset()
+
+
+def _filter_entries(model: torch.nn.Module, x: torch.Tensor, lazily: bool) -> list[tuple]:
+    """Every guard-filter entry Dynamo makes compiling ``model(x)``: its fields, its value as a kind
+    (the object itself for the model, its parameters and ``x``)."""
+    seen: list[tuple] = []
+    known = {id(v) for v in (model, x, *model.parameters())}
+
+    def keep_all(entries: list) -> list[bool]:
+        for e in entries:
+            value = (id(e.value) if id(e.value) in known else type(e.value).__name__) if e.has_value else None
+            seen.append((e.name, e.has_value, value, e.guard_type, e.derived_guard_types, e.is_global))
+        return [True] * len(entries)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="eager", options={"guard_filter_fn": keep_all})
+    if lazily:
+        with compat._guard_values_read_lazily():
+            compiled(x)
+    else:
+        compiled(x)
+    torch._dynamo.reset()
+    return seen
+
+
+def test_a_guard_filter_sees_the_entries_torch_makes_when_values_are_read_lazily() -> None:
+    model, x = torch.nn.Linear(3, 2), torch.randn(4, 3)
+    eager = _filter_entries(model, x, lazily=False)
+    assert eager and _filter_entries(model, x, lazily=True) == eager
