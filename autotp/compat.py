@@ -228,11 +228,8 @@ def no_guard_latency_profile() -> Iterator[None]:
     if original is None:
         yield
         return
-    guards.profile_guard_manager = _no_latency
-    try:
+    with _swapped(guards, "profile_guard_manager", _no_latency):
         yield
-    finally:
-        guards.profile_guard_manager = original
 
 
 def warm_source_names(files: Iterable[str]) -> None:
@@ -1022,6 +1019,17 @@ def _optimize(fn: Callable[..., Any], backend: Callable[..., Any], **options: An
     return context(fn)
 
 
+@contextlib.contextmanager
+def _swapped(owner: Any, name: str, value: Any) -> Iterator[None]:
+    """Within the block ``owner.name`` is ``value``; what it was is put back after, also on an error."""
+    original = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, original)
+
+
 #: what :func:`_storable_guards` stores for a guard state Dynamo could not pickle
 _UNSTORABLE = b"autotp: unstorable guards: "
 
@@ -1046,11 +1054,8 @@ def _storable_guards() -> Iterator[None]:
             return _UNSTORABLE + f"{type(e).__name__}: {e}".encode()
 
     pickle_or_mark._autotp_storable = True  # type: ignore[attr-defined]
-    guards.pickle_guards_state = pickle_or_mark
-    try:
+    with _swapped(guards, "pickle_guards_state", pickle_or_mark):
         yield
-    finally:
-        guards.pickle_guards_state = original
 
 
 #: the fields of ``torch._dynamo.types.GuardFilterEntry`` :func:`_guard_values_read_lazily` knows
@@ -1117,11 +1122,8 @@ def _guard_values_read_lazily() -> Iterator[None]:
                           orig_guard=guard)
 
     make_guard_filter_entry._autotp_lazy = True  # type: ignore[attr-defined]
-    guards.make_guard_filter_entry = make_guard_filter_entry
-    try:
+    with _swapped(guards, "make_guard_filter_entry", make_guard_filter_entry):
         yield
-    finally:
-        guards.make_guard_filter_entry = original
 
 
 @contextlib.contextmanager
