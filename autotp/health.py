@@ -255,7 +255,8 @@ class RankHealth:
     def diagnose(self, stale_after: float | None = None) -> list[Suspect]:
         """Which other ranks failed, blamed in the order of the module docstring (empty when none
         can be found). Waits at most ``stale_after`` seconds (default ``4 * interval``) for
-        heartbeats to show which ranks are silent, and only when no rank is blamed otherwise."""
+        heartbeats to show which ranks are silent and for a rank of this host to be seen gone, and
+        only when no rank is blamed otherwise (so a rank that hangs is blamed after that wait)."""
         stale_after = 4 * self.interval if stale_after is None else stale_after
         others = [r for r in range(self.world_size) if r != self.rank]
         self.store_error = None
@@ -278,16 +279,24 @@ class RankHealth:
         if self.store_error is not None:  # heartbeats cannot be read: blame no one on their account
             return sorted(primary, key=lambda s: s.rank) + sorted(secondary, key=lambda s: s.rank)
         if not primary and stale_after > 0:
-            # ranks on other hosts: which heartbeats stop advancing
+            # ranks on other hosts: which heartbeats stop advancing; ranks on this host: whether the
+            # process goes (a SIGKILL-ed rank's sockets close while it exits, before /proc shows it
+            # dead, so the survivor's collective can fail first: seen once in the suite, blamed as
+            # "behind" in phase 'generate, forward call 1')
             unknown = [r for r in others if self._process_gone(infos[r]) is None]
+            local = [r for r in others if self._process_gone(infos[r]) is False]
             deadline = time.monotonic() + stale_after
             seen = {r: infos[r].get("seq") for r in unknown}
-            while unknown and time.monotonic() < deadline:
-                time.sleep(min(self.interval, max(deadline - time.monotonic(), 0)))
+            while (unknown or local) and time.monotonic() < deadline:
+                time.sleep(min(self.interval / 5, max(deadline - time.monotonic(), 0)))
                 for r in list(unknown):
                     now = self._read(r)
                     if now.get("seq") != seen[r]:
                         unknown.remove(r)
+                for r in list(local):
+                    if self._process_gone(infos[r]):
+                        primary.append(Suspect(r, "dead", infos[r].get("phase", ""), "process gone"))
+                        local.remove(r)
             for r in unknown:
                 primary.append(Suspect(r, "silent", infos[r].get("phase", ""),
                                        f"no heartbeat for {stale_after:.1f} s"))
