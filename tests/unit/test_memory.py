@@ -93,7 +93,9 @@ def test_planning_freezes_older_objects_for_the_outermost_block_only(monkeypatch
         assert frozen > 0  # every object older than the block, out of the collector's walks
         with memory.collecting_new_objects_only():
             pass
-        assert gc.get_freeze_count() == frozen  # the inner block left them to the outer one
+        # the inner block left them to the outer one (a frozen object freed by its last reference
+        # leaves the count, so not an exact equality)
+        assert gc.get_freeze_count() > frozen // 2
     assert gc.get_freeze_count() == 0
 
 
@@ -103,7 +105,7 @@ def test_a_process_that_froze_objects_itself_is_left_as_it_was(monkeypatch) -> N
     try:
         frozen = gc.get_freeze_count()
         with memory.collecting_new_objects_only():
-            assert gc.get_freeze_count() == frozen
-        assert gc.get_freeze_count() == frozen
+            assert gc.get_freeze_count() <= frozen  # nothing newer was frozen (freed ones leave the count)
+        assert frozen // 2 < gc.get_freeze_count() <= frozen  # nor unfrozen
     finally:
         gc.unfreeze()
