@@ -904,14 +904,19 @@ class DynamoPackage:
 _NO_MODULE = object()
 
 
-@functools.cache
+#: file name -> the module ``inspect.getmodule`` found for its functions (None: no module)
+_MODULE_OF_FILE: dict[str, Any] = {}
+
+
 def _module_of_file(filename: str, code: types.CodeType) -> Any:
     """The module ``inspect.getmodule`` finds for the functions of ``filename`` (``code``: the first
     one asked about), once per file: torch asks once per inlined function, and each miss of
     inspect's own cache scans every loaded module (~15 ms, for each function of a file no module
     has: ``<frozen os>``, a dataclass's generated ``<string>`` methods, ~44 per graph of the
     benchmark model; torch records nothing for them)."""
-    return inspect.getmodule(code)
+    if filename not in _MODULE_OF_FILE:
+        _MODULE_OF_FILE[filename] = inspect.getmodule(code)
+    return _MODULE_OF_FILE[filename]
 
 
 @functools.cache

@@ -283,8 +283,9 @@ class RankHealth:
             # process goes (a SIGKILL-ed rank's sockets close while it exits, before /proc shows it
             # dead, so the survivor's collective can fail first: seen once in the suite, blamed as
             # "behind" in phase 'generate, forward call 1')
-            unknown = [r for r in others if self._process_gone(infos[r]) is None]
-            local = [r for r in others if self._process_gone(infos[r]) is False]
+            gone = {r: self._process_gone(infos[r]) for r in others}
+            unknown = [r for r in others if gone[r] is None]
+            local = [r for r in others if gone[r] is False]
             deadline = time.monotonic() + stale_after
             seen = {r: infos[r].get("seq") for r in unknown}
             while (unknown or local) and time.monotonic() < deadline:
