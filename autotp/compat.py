@@ -1114,11 +1114,22 @@ def _guard_values_read_lazily() -> Iterator[None]:
     filters run). Entries made twice per compiled frame on every rank (the filter) and once more on
     the recording one (the pickling). A torch whose entry has other fields keeps its own."""
     guards = require_module("torch._dynamo.guards")
-    original = guards.make_guard_filter_entry
-    entry_type = _lazy_filter_entry()
-    if entry_type is None or getattr(original, "_autotp_lazy", False):  # other fields, or nested
+    lazy = _lazy_filter_entry_maker()
+    if lazy is None or guards.make_guard_filter_entry is lazy:  # other fields, or nested
         yield
         return
+    with _swapped(guards, "make_guard_filter_entry", lazy):
+        yield
+
+
+@functools.cache
+def _lazy_filter_entry_maker() -> Callable[[Any, Any], Any] | None:
+    """The ``make_guard_filter_entry`` :func:`_guard_values_read_lazily` swaps in, made once per
+    process (the block wraps every call of a compiled forward); None where the entry has other fields."""
+    guards = require_module("torch._dynamo.guards")
+    entry_type = _lazy_filter_entry()
+    if entry_type is None:
+        return None
 
     def make_guard_filter_entry(guard: Any, builder: Any) -> Any:
         return entry_type(builder, name=guards.strip_local_scope(guard.name), guard_type=guard.create_fn_name(),
@@ -1126,9 +1137,7 @@ def _guard_values_read_lazily() -> Iterator[None]:
                           is_global=guards.get_global_source_name(guard.originating_source) is not None,
                           orig_guard=guard)
 
-    make_guard_filter_entry._autotp_lazy = True  # type: ignore[attr-defined]
-    with _swapped(guards, "make_guard_filter_entry", make_guard_filter_entry):
-        yield
+    return make_guard_filter_entry
 
 
 @contextlib.contextmanager
