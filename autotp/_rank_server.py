@@ -16,9 +16,10 @@ A server that forks many ranks can also fill, once, the per-process caches every
 compile fills for itself (:func:`warm_caches`; the test suite's server does, as its last preload):
 pure caches of source text and of torch's op registry, no model is run, so no state of one launch
 reaches another. Measured on tp=2 launches of a tiny Llama (parallelize, one forward, an 8-token
-generate; 4 launches per server, two alternating runs each, 2-core machine at load 2-17): the
-ranks' CPU per launch 10.2-13.5 s with the test server's plain preload, 7.6-11.9 s with the freeze
-at fork and these caches (each alone: 8.6-11.1 and 8.2-10.4 s). The CLI's server does not: it
+generate; 4 launches per server, two alternating runs each, 2-core machine), the ranks' CPU per
+launch with the test server's plain preload against the freeze at fork and these caches: 7.8-8.7
+-> 6.5-7.4 s at load ~4; 10.2-13.5 -> 7.6-11.9 s at load 9-17 (there, each alone: the freeze
+8.6-11.1 s, the caches 8.2-10.4 s). The CLI's server does not: it
 forks the ranks of one launch, which at tp <= cores fill their caches in parallel, and a warm
 launch traces nothing and would wait ~0.8 s for caches it never reads.
 """
