@@ -5,9 +5,10 @@ Each case saves a tiny seeded checkpoint of a real transformers architecture (``
 ``parallelize_model(folder, tp_size=N)`` on N gloo ranks, and compares with one process running
 plain transformers:
 
-* decoders: logits of one forward, and the tokens of a greedy ``generate`` (must be identical);
+* decoders: logits of one forward, and the tokens of a greedy ``generate`` (must be identical)
+  with the logits of each of its steps;
 * encoders: ``last_hidden_state`` (BERT) or the masked-LM logits (RoBERTa);
-* encoder-decoder (T5): logits with decoder inputs, and the tokens of a greedy ``generate``
+* encoder-decoder (T5): logits with decoder inputs, and the tokens and step logits of a greedy ``generate``
   (which runs the encoder through ``model.get_encoder()``, outside ``forward``);
 * ``torch.compile(model.forward, backend="autotp")`` (the ``-compile`` cases) also: the logits of
   every step of that ``generate``, the collectives it issued (one all-gather per call, the
@@ -157,13 +158,12 @@ def _rank(rank: int, world: int, case_id: str, folder: str) -> dict[str, Any]:
         out = _main_output(model(**_inputs(case)))
         if case.path == "compile":
             decoding = _compiled_decoding(model)
-            tokens = decoding.pop("tokens")
+        elif _generates(case):
+            generated = _generate(model)
+            decoding = {"tokens": generated.sequences[0].tolist(), "step_logits": list(generated.logits)}
         else:
-            decoding, tokens = {}, None
-            if _generates(case):
-                tokens = model.generate(torch.tensor(PROMPT), max_new_tokens=NEW_TOKENS, do_sample=False,
-                                        pad_token_id=PAD_ID)[0].tolist()
-    return {"output": out, "tokens": tokens, "plan": session_of(model).plans[0], **decoding}  # the model's first graph
+            decoding = {"tokens": None}
+    return {"output": out, "plan": session_of(model).plans[0], **decoding}  # the model's first graph
 
 
 def _compiled_decoding(model: Any) -> dict[str, Any]:
@@ -210,6 +210,8 @@ def run_case(case: Case, world: int, folder: Path) -> dict[str, Any]:
         assert r["tokens"] == ref_tokens, f"greedy tokens differ: {r['tokens']} != {ref_tokens}"
         if case.path == "compile":
             assert_compiled_decoding(r, ref_steps)
+        elif ref_steps is not None:
+            assert_step_logits(r["step_logits"], ref_steps)
     return {"plan": results[0]["plan"], "seconds": seconds}
 
 
@@ -218,15 +220,22 @@ def assert_compiled_decoding(r: dict[str, Any], ref_steps: list[torch.Tensor]) -
     output whole, so each layer's keys and values were all-gathered inside the graph on every
     decode step; and a cache beam search had reordered (its entries plain NaN tensors once the
     shard they stood in for was lost) generated wrong tokens without an error."""
-    assert len(r["step_logits"]) == len(ref_steps) == r["calls"]
-    for step, ref in zip(r["step_logits"], ref_steps, strict=True):
-        torch.testing.assert_close(step, ref, atol=ATOL, rtol=RTOL)
+    assert len(r["step_logits"]) == r["calls"]
+    assert_step_logits(r["step_logits"], ref_steps)
     assert r["cache_sharded"]  # every layer's keys and values are stand-ins holding this rank's heads
     assert r["counts"].get("all_gather", 0) == r["calls"]  # the logits', when each call returns
     assert r["counts"].get("all_reduce", 0) > 0  # the steps did run tensor-parallel
     assert r["gathers_in_graphs"] and not any(r["gathers_in_graphs"])  # none inside any graph
     assert "AutoTPError: graph input" in r["reordered_error"], r["reordered_error"]
     assert "changed outside the model" in r["reordered_error"], r["reordered_error"]
+
+
+def assert_step_logits(steps: list[torch.Tensor], ref_steps: list[torch.Tensor]) -> None:
+    """Every step of the greedy ``generate`` scored the vocabulary as one process did (not only
+    picked the same token)."""
+    assert len(steps) == len(ref_steps)
+    for step, ref in zip(steps, ref_steps, strict=True):
+        torch.testing.assert_close(step, ref, atol=ATOL, rtol=RTOL)
 
 
 def _params(case: Case) -> list[Any]:
