@@ -338,6 +338,11 @@ def _traced_value(traced: _NodeTrace, flat: list[Any]) -> Any:
     return pytree.tree_unflatten(result, traced.spec)
 
 
+def _layouts(value: Any) -> list[Any]:
+    """What of a (predicted or traced) value the keys of later nodes read."""
+    return [("T", _tensor_key(v.val)) if isinstance(v, _Ref) else (type(v), v) for v in pytree.tree_leaves(value)]
+
+
 class _Layout:
     """A predicted tensor (:meth:`_NodeByNode.prefetch`): what :func:`_tensor_key` and
     :func:`_trace_node` read of one, sizes concrete (``size`` maps a symbolic size to an int)."""
@@ -346,6 +351,12 @@ class _Layout:
 
     def __init__(self, shape: Any, stride: Any, like: Tensor, size: Callable[[Any], int] = int) -> None:
         self.shape = torch.Size(size(s) for s in shape)
+        if stride is None:  # contiguous
+            stride, step = [], 1
+            for s in reversed(self.shape):
+                stride.append(step)
+                step *= max(s, 1)
+            stride.reverse()
         self._stride = tuple(size(s) for s in stride)
         self.dtype, self.device, self.requires_grad = like.dtype, like.device, like.requires_grad
 
@@ -407,13 +418,13 @@ def _trace_batch(items: list[tuple[tuple, tuple[torch.fx.Node, list[Any], Any]]]
     placeholders = [m for m in nodes if m.op == "placeholder"]
     output = nodes[-1]
     tail = nodes[windows[-1][1]:-1] if windows else []
-    written = {a for m in tail for a in m.all_input_nodes if a.op == "placeholder"}
-    if len(placeholders) != len(fakes) or any(not (m.all_input_nodes and set(m.all_input_nodes) <= written)
+    if len(placeholders) != len(fakes) or any(m.target is not torch.ops.aten.copy_.default or m.args[0].op != "placeholder"
                                               for m in tail):
         return {}
+    written = {m.args[0] for m in tail}  # functionalization's write-backs into the nodes' inputs
     results: dict[tuple, _NodeTrace] = {}
     k = 0
-    for (key, n, _flat, _spec, positions, first), (start, end, out_spec, values, count) in zip(plans, windows, strict=True):
+    for (key, _n, _flat, _spec, positions, first), (start, end, out_spec, values, count) in zip(plans, windows, strict=True):
         own_inputs = placeholders[first:first + len(positions)]
         outs = list(output.args[0][k:k + count])
         k += count
@@ -556,21 +567,26 @@ class _NodeByNode:
         fake run, say) is traced alone there. The prediction stops at the first node it cannot
         follow (no example value, a node the walk rejects)."""
         for _ in range(_WAVES):
-            pending = self.predict()
+            pending, complete = self.predict()
             if len(pending) < 2:  # one node: the walk's lone trace costs the same
                 return
-            found = _trace_batch(list(pending.items()), self.fake_mode, self.table)
+            found = _trace_batch([(key, item[:3]) for key, item in pending.items()], self.fake_mode, self.table)
             self.traces += 1
+            self.memo.update(found)
+            if complete and len(found) == len(pending) and all(
+                    _layouts(_traced_value(found[key], flat)) == _layouts(guess)
+                    for key, (_, flat, _, guess) in pending.items()):
+                return  # every guess was right: the next prediction would be the walk itself
             if not found:
                 return
-            self.memo.update(found)
 
-    def predict(self) -> dict[tuple, tuple[torch.fx.Node, list[Any], Any]]:
-        """The keys (and the node, flat arguments and spec of each) the walk is predicted to
-        trace (see :meth:`prefetch`)."""
+    def predict(self) -> tuple[dict[tuple, tuple[torch.fx.Node, list[Any], Any, Any]], bool]:
+        """The keys the walk is predicted to trace, each with the node, its flat arguments, their
+        spec and the guessed value (see :meth:`prefetch`); and whether the prediction reached the
+        graph's output."""
         size = functools.partial(_evaluate, shifted=self.shifted) if self.shifted else _concrete
         env: dict[torch.fx.Node, Any] = {}
-        pending: dict[tuple, tuple[torch.fx.Node, list[Any], Any]] = {}
+        pending: dict[tuple, tuple[torch.fx.Node, list[Any], Any, Any]] = {}
         position = 0
         for n in self.shadow.dynamo_nodes:
             try:
@@ -585,7 +601,7 @@ class _NodeByNode:
                         env[n] = resized if resized is not None else _concrete(x)
                     continue
                 if n.op not in ("call_function", "call_method"):
-                    break
+                    return pending, n.op == "output"
                 args = torch.fx.node.map_arg(n.args, env.__getitem__)
                 kwargs = torch.fx.node.map_arg(n.kwargs, env.__getitem__)
                 flat, spec = pytree.tree_flatten((args, kwargs))
@@ -597,14 +613,15 @@ class _NodeByNode:
                 if traced is not None:
                     env[n] = _traced_value(traced, flat)
                     continue
-                if key is not None:
-                    pending.setdefault(key, (n, flat, spec))
-                env[n] = pytree.tree_map(lambda v: _Ref(None, _Layout(v.shape, v.stride(), v, size))  # type: ignore[arg-type]
+                # a decomposed view is a ``*_copy``: Dynamo's value gives the sizes, contiguous strides
+                env[n] = pytree.tree_map(lambda v: _Ref(None, _Layout(v.shape, None, v, size))  # type: ignore[arg-type]
                                          if isinstance(v, Tensor) else size(v) if isinstance(v, torch.SymInt) else v,
                                          n.meta["example_value"])
+                if key is not None:
+                    pending.setdefault(key, (n, flat, spec, env[n]))
             except Exception:  # anything the prediction cannot follow: the walk traces the rest alone
                 break
-        return pending
+        return pending, False
 
     def bracket_inputs(self, n: torch.fx.Node, dst: int) -> tuple[Any, Any]:
         """``n``'s arguments with an edge on every tensor leaf of every Node argument (map_arg order)."""
