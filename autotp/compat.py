@@ -132,6 +132,7 @@ __all__ = [
     "require_module",
     "rope_init_functions",
     "source_of",
+    "traced_node_count",
     "unpickle_graph",
     "use_as_unsharded_param",
     "warm_source_names",
@@ -263,6 +264,17 @@ def lazy_traced_graphs() -> contextlib.AbstractContextManager[None]:
     its two decompositions, whose CPU went ~0.75 -> ~0.62 s with this, loaded machine). Safe: the graph, its nodes and attributes
     are the same; only the code generation is deferred, and any reader of ``.code`` still gets it."""
     return _use_lazy_graph_module(True)
+
+
+def traced_node_count() -> int:
+    """How many nodes the graph that ``make_fx`` is recording holds now (0 outside a trace): the
+    boundaries of a batched trace (``decompose``'s :func:`_trace_batch` records it before and
+    after each Dynamo node's call, and splits the joint graph there). Reads
+    ``proxy_tensor.get_proxy_mode()``'s tracer graph."""
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+    mode = get_proxy_mode()
+    return 0 if mode is None else len(mode.tracer.graph.nodes)
 
 
 # -- transformers' loading internals (probed when first used) ------------------------------

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,6 +42,7 @@ from autotp.compat import (
     core_aten_decompositions,
     lazy_traced_graphs,
     pytree,
+    traced_node_count,
 )
 from autotp.ops.registry import CONSTANT_VALUE
 
@@ -139,7 +141,7 @@ class _Bracketing(torch.fx.Interpreter):
             return pytree.tree_unflatten(flat, spec)
 
 
-def decompose(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> ShadowGraph:
+def decompose(gm: torch.fx.GraphModule, example_inputs: list[Any], *, batched: bool = True) -> ShadowGraph:
     """Decompose ``gm`` into a bracketed core-ATen shadow graph (see the module docstring).
 
     Node by node with memoization (:func:`decompose_by_node`) when every node is functional, which
@@ -150,16 +152,19 @@ def decompose(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> ShadowGrap
     A dynamic-shape graph (Dynamo made some sizes symbolic, e.g. the sequence length) is decomposed
     at the current sizes and then once more at shifted sizes, to find which dims of which values
     are symbolic (:func:`mark_symbolic_dims`): the solver never shards those, because the graph is
-    reused for every length and a length that does not divide by the world size could not be split."""
+    reused for every length and a length that does not divide by the world size could not be split.
+
+    ``batched`` (default): each pass traces its predicted distinct nodes in one ``make_fx`` call
+    (:meth:`_NodeByNode.prefetch`); False traces each distinct node alone, the same shadow graph."""
     with torch.set_grad_enabled(torch.is_grad_enabled()):  # a traced grad-mode switch must not leak
         try:
-            builder = _NodeByNode(gm, example_inputs, {}, {})
+            builder = _NodeByNode(gm, example_inputs, {}, {}, batched=batched)
             shadow = builder.build()
             nodes_at = builder.nodes_at
         except NotNodeLocal:
             shadow = decompose_whole(gm, example_inputs)
 
-            def nodes_at(resized: dict[int, Any]) -> list[Any]:
+            def nodes_at(resized: dict[int, Any], shifted: dict[Any, int] | None = None) -> list[Any]:
                 return list(decompose_whole(gm, example_inputs, resized).aten.graph.nodes)
         mark_symbolic_dims(shadow, nodes_at)
     return shadow
@@ -315,6 +320,141 @@ def _trace_node(n: torch.fx.Node, flat: list[Any], spec: Any, fake_mode: FakeTen
     return _NodeTrace(graph=graph, spec=holder["spec"], values=holder["values"], mutated=frozenset(mutated))
 
 
+#: rounds of :meth:`_NodeByNode.prefetch` (each one ``make_fx`` call): the first traces what
+#: Dynamo's example values predict; each later one what the traces so far show instead (a
+#: decomposed view is a contiguous ``*_copy``, so the nodes after a transpose see other strides)
+_WAVES = 4
+
+
+def _traced_value(traced: _NodeTrace, flat: list[Any]) -> Any:
+    """The value the walk gets from copying ``traced`` (:meth:`_NodeByNode.copy_trace`), as
+    :class:`_Ref` s without nodes: a traced output's ``val``, or the argument it passes through."""
+    inputs = [v for v in flat if isinstance(v, _Ref)]
+    placeholders = [m for m in traced.graph.graph.nodes if m.op == "placeholder"]
+    outputs = iter(next(m for m in reversed(traced.graph.graph.nodes) if m.op == "output").args[0])
+    result = []
+    for v in traced.values:
+        if v is _TENSOR:
+            src = next(outputs)
+            v = inputs[placeholders.index(src)] if src.op == "placeholder" else _Ref(None, src.meta["val"])  # type: ignore[arg-type]
+        result.append(v)
+    return pytree.tree_unflatten(result, traced.spec)
+
+
+def _layouts(value: Any) -> list[Any]:
+    """What of a (predicted or traced) value the keys of later nodes read."""
+    return [("T", _tensor_key(v.val)) if isinstance(v, _Ref) else (type(v), v) for v in pytree.tree_leaves(value)]
+
+
+class _Layout:
+    """A predicted tensor (:meth:`_NodeByNode.prefetch`): what :func:`_tensor_key` and
+    :func:`_trace_node` read of one, sizes concrete (``size`` maps a symbolic size to an int)."""
+
+    __slots__ = ("shape", "_stride", "dtype", "device", "requires_grad")
+
+    def __init__(self, shape: Any, stride: Any, like: Tensor, size: Callable[[Any], int] = int) -> None:
+        self.shape = torch.Size(size(s) for s in shape)
+        if stride is None:  # contiguous
+            stride, step = [], 1
+            for s in reversed(self.shape):
+                stride.append(step)
+                step *= max(s, 1)
+            stride.reverse()
+        self._stride = tuple(size(s) for s in stride)
+        self.dtype, self.device, self.requires_grad = like.dtype, like.device, like.requires_grad
+
+    def stride(self) -> tuple[int, ...]:
+        return self._stride
+
+
+def _trace_batch(items: list[tuple[tuple, tuple[torch.fx.Node, list[Any], Any]]], fake_mode: FakeTensorMode,
+                 table: dict) -> dict[tuple, _NodeTrace]:
+    """Trace several Dynamo nodes in ONE ``make_fx`` call and split the joint graph into the
+    :class:`_NodeTrace` each would have had alone (``items``: key -> the node, its flat
+    arguments and their spec, as :func:`_trace_node` takes them).
+
+    Why: the per-trace setup (functionalization, the proxy mode, the GraphModule) dominates a small
+    node's trace (measured: ``make_fx`` of one ``add`` ~4 ms, of one ``linear`` ~9 ms, 100 ops in
+    one trace ~2.3 ms per op). Each node reads its own fresh placeholders (fakes made as
+    :func:`_trace_node` makes them), so no op of one node reads another's values; the traced
+    function counts the recorded graph's nodes before and after each node's call
+    (:func:`autotp.compat.traced_node_count`), and the nodes in between are that node's
+    decomposition. Placeholder and op names are given back as a lone trace names them (the copies
+    in the shadow graph are named after them). A node left out of the result (the walk traces it
+    alone, as before): one whose ops read anything outside its window, that mutates through an op
+    (:class:`NotNodeLocal` is the lone trace's to raise), or that writes an input (the
+    functionalized write-back comes at the end of the whole function, not in its window). If the
+    joint trace fails, nothing is returned."""
+    plans = []
+    fakes: list[Tensor] = []
+    with fake_mode:
+        for key, (n, flat, spec) in items:
+            positions = [i for i, v in enumerate(flat) if isinstance(v, _Ref)]
+            plans.append((key, n, flat, spec, positions, len(fakes)))
+            for i in positions:
+                v = flat[i].val
+                fakes.append(torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device)
+                             .requires_grad_(v.requires_grad))
+    windows: list[tuple[int, int, Any, list[Any], int]] = []
+
+    def run(*tensors: Tensor) -> list[Tensor]:
+        outs: list[Tensor] = []
+        for _, n, flat, spec, positions, first in plans:
+            start = traced_node_count()
+            leaves = list(flat)
+            for k, i in enumerate(positions):
+                leaves[i] = tensors[first + k]
+            args, kwargs = pytree.tree_unflatten(leaves, spec)
+            out_flat, out_spec = pytree.tree_flatten(_call(n, args, kwargs))
+            produced = [v for v in out_flat if isinstance(v, Tensor)]
+            windows.append((start, traced_node_count(), out_spec,
+                            [_TENSOR if isinstance(v, Tensor) else v for v in out_flat], len(produced)))
+            outs.extend(produced)
+        return outs
+
+    try:
+        with fake_mode, lazy_traced_graphs():
+            joint = make_fx(torch.func.functionalize(run, remove="mutations_and_views"), decomposition_table=table)(*fakes)
+    except Exception:
+        return {}
+    nodes = list(joint.graph.nodes)
+    placeholders = [m for m in nodes if m.op == "placeholder"]
+    output = nodes[-1]
+    tail = nodes[windows[-1][1]:-1] if windows else []
+    if len(placeholders) != len(fakes) or any(m.target is not torch.ops.aten.copy_.default or m.args[0].op != "placeholder"
+                                              for m in tail):
+        return {}
+    written = {m.args[0] for m in tail}  # functionalization's write-backs into the nodes' inputs
+    results: dict[tuple, _NodeTrace] = {}
+    k = 0
+    for (key, _n, _flat, _spec, positions, first), (start, end, out_spec, values, count) in zip(plans, windows, strict=True):
+        own_inputs = placeholders[first:first + len(positions)]
+        outs = list(output.args[0][k:k + count])
+        k += count
+        body = nodes[start:end]
+        if written & set(own_inputs) or any(m.op == "call_function" and isinstance(m.target, OpOverload)
+                                            and m.target._schema.is_mutable for m in body):
+            continue
+        graph = torch.fx.Graph()
+        mapping: dict[torch.fx.Node, torch.fx.Node] = {}
+        for i, m in enumerate(own_inputs):
+            mapping[m] = graph.placeholder(f"arg{i}_1")
+            mapping[m].meta = dict(m.meta)
+        try:
+            for m in body:
+                copy = graph.create_node(m.op, m.target, torch.fx.node.map_arg(m.args, mapping.__getitem__),
+                                         torch.fx.node.map_arg(m.kwargs, mapping.__getitem__),
+                                         re.sub(r"_\d+$", "", m.name), m.type)
+                copy.meta = dict(m.meta)
+                mapping[m] = copy
+            graph.output([mapping[o] for o in outs])
+        except KeyError:  # an op read a value outside its node's window
+            continue
+        with lazy_traced_graphs():
+            results[key] = _NodeTrace(graph=LazyGraphModule(joint, graph), spec=out_spec, values=values)
+    return results
+
+
 def decompose_by_node(gm: torch.fx.GraphModule, example_inputs: list[Any],
                       resized: dict[int, Any] | None = None) -> ShadowGraph:
     """Build the shadow graph by decomposing each Dynamo node on its own and copying the result.
@@ -337,13 +477,17 @@ class _NodeByNode:
     the value of every Dynamo node seen so far (tensors as :class:`_Ref`)."""
 
     def __init__(self, gm: torch.fx.GraphModule, example_inputs: list[Any], resized: dict[int, Any],
-                 memo: dict[tuple, _NodeTrace], like: _NodeByNode | None = None) -> None:
+                 memo: dict[tuple, _NodeTrace], like: _NodeByNode | None = None, *, batched: bool = True,
+                 shifted: dict[Any, int] | None = None) -> None:
         # ``like``: the build at the current sizes whose fake mode and fake inputs (all but the
         # resized ones) this one shares, and which it only records (:meth:`nodes_at`)
         self.fake_mode = FakeTensorMode(allow_non_fake_inputs=False) if like is None else like.fake_mode
         self.fake_inputs: list[Any] = []  # by placeholder position
         self.like = like
         self.resized = resized
+        self.batched = batched  # trace the predicted distinct nodes together first (:meth:`prefetch`)
+        self.shifted = shifted  # the symbol values ``resized`` was made at (predicts the walk's sizes)
+        self.traces = 0  # make_fx calls this build made (batched and alone)
         self.table = decomposition_table()
         self.memo = memo
         self.graph: Any = torch.fx.Graph() if like is None else _Recorder()
@@ -358,7 +502,7 @@ class _NodeByNode:
         self.shadow.aten = LazyGraphModule(self.root, self.graph)  # code written only if read (a trace folder)
         return self.shadow
 
-    def nodes_at(self, resized: dict[int, Any]) -> list[Any]:
+    def nodes_at(self, resized: dict[int, Any], shifted: dict[Any, int] | None = None) -> list[Any]:
         """The nodes this build made, in order, as they come out at the sizes ``resized`` gives
         (see :func:`_fake_input`): each with ``op``, ``target`` and ``meta["val"]``, which is all
         :func:`mark_symbolic_dims` compares. Shares this build's traces (a node whose inputs'
@@ -366,13 +510,17 @@ class _NodeByNode:
         again), its fake mode and its unresized fake inputs (a parameter is faked once), and
         records the nodes instead of building a graph (fx's naming, argument checks and use lists
         were most of the second build's cost after its traces)."""
-        other = _NodeByNode(self.shadow.dynamo, self.shadow.example_inputs, resized, self.memo, like=self)
+        other = _NodeByNode(self.shadow.dynamo, self.shadow.example_inputs, resized, self.memo, like=self,
+                            batched=self.batched, shifted=shifted)
         other.walk()
+        self.traces += other.traces
         return other.graph.nodes
 
     def walk(self) -> None:
         """Decompose every Dynamo node into ``self.graph``, in order."""
         shadow = self.shadow
+        if self.batched:
+            self.prefetch()
         for dst, n in enumerate(shadow.dynamo_nodes):
             if n.op == "placeholder":
                 position = len(shadow.placeholders)
@@ -405,9 +553,85 @@ class _NodeByNode:
             traced = self.memo.get(key) if key is not None else None
             if traced is None:
                 traced = _trace_node(n, flat, spec, self.fake_mode, self.table)
+                self.traces += 1
                 if key is not None:
                     self.memo[key] = traced
             self.env[n] = self.copy_trace(n, dst, traced, [v.node for v in flat if isinstance(v, _Ref)])
+
+    def prefetch(self) -> None:
+        """Trace every distinct node the walk is predicted to meet, together (:func:`_trace_batch`),
+        into ``self.memo``.
+
+        Why: a trace's fixed cost dominates a small node's (measured: the 150m startup model's
+        shape, static prefill 45 lone traces 0.258 -> one joint trace 0.193 CPU s; tiny Llama
+        prefill 73 -> 1, 0.397 -> 0.169; docs/architecture.md "Decomposing node by node").
+
+        The prediction walks the Dynamo graph on metadata only: placeholders as the walk fakes
+        them, a traced node's value as its trace gives it, every other value with the sizes of
+        Dynamo's ``meta["example_value"]`` at the current (or, for :meth:`nodes_at`, the shifted)
+        symbol values and contiguous strides (functionalization turns every view into a
+        ``*_copy``, so Dynamo's strides would mispredict every node after a transpose), and keys
+        as :func:`_node_key` makes them. When a joint trace shows a guessed layout wrong, the
+        prediction runs again on the traces so far (at most :data:`_WAVES` rounds). It is only a
+        prediction: the walk stays authoritative, and a node whose actual key has no trace is
+        traced alone there. The prediction stops at the first node it cannot follow (no example
+        value, a node the walk rejects)."""
+        for _ in range(_WAVES):
+            pending, complete = self.predict()
+            if len(pending) < 2:  # one node: the walk's lone trace costs the same
+                return
+            found = _trace_batch([(key, item[:3]) for key, item in pending.items()], self.fake_mode, self.table)
+            self.traces += 1
+            self.memo.update(found)
+            if complete and len(found) == len(pending) and all(
+                    _layouts(_traced_value(found[key], flat)) == _layouts(guess)
+                    for key, (_, flat, _, guess) in pending.items()):
+                return  # every guess was right: the next prediction would be the walk itself
+            if not found:
+                return
+
+    def predict(self) -> tuple[dict[tuple, tuple[torch.fx.Node, list[Any], Any, Any]], bool]:
+        """The keys the walk is predicted to trace, each with the node, its flat arguments, their
+        spec and the guessed value (see :meth:`prefetch`); and whether the prediction reached the
+        graph's output."""
+        size = functools.partial(_evaluate, shifted=self.shifted) if self.shifted else _concrete
+        env: dict[torch.fx.Node, Any] = {}
+        pending: dict[tuple, tuple[torch.fx.Node, list[Any], Any, Any]] = {}
+        position = 0
+        for n in self.shadow.dynamo_nodes:
+            try:
+                if n.op == "placeholder":
+                    x = self.shadow.example_inputs[position]
+                    resized = self.resized.get(position)
+                    position += 1
+                    if isinstance(x, Tensor):
+                        shape, stride = resized if resized is not None else (x.shape, x.stride())
+                        env[n] = _Ref(None, _Layout(shape, stride, x))  # type: ignore[arg-type]
+                    else:
+                        env[n] = resized if resized is not None else _concrete(x)
+                    continue
+                if n.op not in ("call_function", "call_method"):
+                    return pending, n.op == "output"
+                args = torch.fx.node.map_arg(n.args, env.__getitem__)
+                kwargs = torch.fx.node.map_arg(n.kwargs, env.__getitem__)
+                flat, spec = pytree.tree_flatten((args, kwargs))
+                if not any(isinstance(v, _Ref) for v in flat) and not _makes_tensor(n):
+                    env[n] = _call(n, args, kwargs)
+                    continue
+                key = _node_key(n, flat, spec)
+                traced = self.memo.get(key) if key is not None else None
+                if traced is not None:
+                    env[n] = _traced_value(traced, flat)
+                    continue
+                # a decomposed view is a ``*_copy``: Dynamo's value gives the sizes, contiguous strides
+                env[n] = pytree.tree_map(lambda v: _Ref(None, _Layout(v.shape, None, v, size))  # type: ignore[arg-type]
+                                         if isinstance(v, Tensor) else size(v) if isinstance(v, torch.SymInt) else v,
+                                         n.meta["example_value"])
+                if key is not None:
+                    pending.setdefault(key, (n, flat, spec, env[n]))
+            except Exception:  # anything the prediction cannot follow: the walk traces the rest alone
+                break
+        return pending, False
 
     def bracket_inputs(self, n: torch.fx.Node, dst: int) -> tuple[Any, Any]:
         """``n``'s arguments with an edge on every tensor leaf of every Node argument (map_arg order)."""
@@ -712,7 +936,7 @@ def _equal_sized_dims(value: Any, sizes: set[int]) -> Any:
     return None
 
 
-def mark_symbolic_dims(shadow: ShadowGraph, nodes_at: Callable[[dict[int, Any]], list[Any]]) -> None:
+def mark_symbolic_dims(shadow: ShadowGraph, nodes_at: Callable[[dict[int, Any], dict[Any, int]], list[Any]]) -> None:
     """Record, on every ATen value of a dynamic-shape graph, the dims whose size is symbolic.
 
     Dynamo compiles a graph once and reuses it for every size its guards admit, but the shadow
@@ -730,7 +954,7 @@ def mark_symbolic_dims(shadow: ShadowGraph, nodes_at: Callable[[dict[int, Any]],
     ours = list(shadow.aten.graph.nodes)
     reason = None
     try:
-        other = nodes_at(_resized_inputs(shadow.dynamo, shifted))
+        other = nodes_at(_resized_inputs(shadow.dynamo, shifted), shifted)
         if len(other) != len(ours) or any(m.op != n.op or m.target != n.target for m, n in zip(ours, other, strict=True)):
             reason = "the graph decomposes differently at shifted sizes"
     except Exception as e:  # any failure only makes the marking conservative
