@@ -42,7 +42,8 @@ from autotp.mesh import MeshLayout, check_data_parallel, check_layout, check_tp_
 from autotp.placement import R, head_split
 from autotp.prefill_call import PrefillCall
 from autotp.progress import load_progress
-from autotp.stored_graphs import GraphStore, StoredForward, graph_key, storing_backend
+from autotp.shared_frames import FrameChannel, available_cores, trace_once_agreed, trace_once_default
+from autotp.stored_graphs import GraphStore, StoredForward, StoredGraph, graph_key, storing_backend
 from autotp.weights import (
     Checkpoint,
     ParameterMeta,
@@ -367,6 +368,7 @@ def parallelize_model(
     verify: bool = False,
     sequence_parallel: bool = False,
     fuse: bool = True,
+    trace_once: bool | None = None,
     compile_inner: str | None = None,
     shared_memory: bool = True,
     mesh: Any = None,
@@ -429,7 +431,7 @@ def parallelize_model(
     config = AutoTPConfig(tp_size=tp_size, dtype=dtype, trace_dir=Path(trace_dir) if trace_dir else None,
                           overrides=dict(overrides.pop("overrides", {}) or {}), verify=bool(verify),
                           sequence_parallel=bool(sequence_parallel), fuse=bool(fuse),
-                          compile_inner=compile_inner or "eager")
+                          compile_inner=compile_inner or "eager", trace_once=trace_once)
     if overrides:
         raise AutoTPError(f"unknown arguments to parallelize_model: {sorted(overrides)}")
     check_override_styles(config.overrides)  # before anything is downloaded
@@ -517,14 +519,30 @@ def _compiled_forward(module: torch.nn.Module, ctx: TPContext, device: torch.dev
     store = GraphStore(ctx.plan_cache.root, graph_key(module, plan_options(ctx), ctx.world_size, device))
     # one rank writes the entry, so it alone pickles the graphs it compiles: the last, because rank 0
     # plans each new graph while the others wait for its broadcast (backend.py), so the writer's
-    # pickling overlaps that solve instead of adding to it
-    writes = ctx.rank == ctx.world_size - 1
-    backend = storing_backend(make_backend(ctx), ctx) if writes else make_backend(ctx)
+    # pickling overlaps that solve instead of adding to it. Where the group shares frames, the
+    # writer is the one that traces (it records the package the others install), and rank 0 plans
+    # once its trace is done (measured: as fast as rank 0 tracing, tp=4 on 2 cores)
+    writer = ctx.world_size - 1
+    writes = ctx.rank == writer
+    share = _frame_channel(ctx, store, tracer=writer)
+    backend = storing_backend(make_backend(ctx), ctx, share) if writes else make_backend(ctx)
     trace = Path(ctx.config.trace_dir) / f"rank{ctx.rank}" if ctx.config.trace_dir else None
-    compiled = StoredForward(fn, backend, store, write=writes, session=ctx, trace=trace)
+    compiled = StoredForward(fn, backend, store, write=writes, session=ctx, trace=trace, share=share)
     ctx.stored_graphs = store.outcome
     ctx.installed.append(compiled.uninstaller())
     return compiled
+
+
+def _frame_channel(ctx: TPContext, store: GraphStore, tracer: int) -> FrameChannel | None:
+    """The channel through which rank ``tracer`` gives the group the frames it compiles
+    (``autotp/shared_frames.py``), where the group shares them (the tracer's choice); None where
+    every rank traces."""
+    if ctx.world_size == 1 or ctx.comm.simulated:
+        return None
+    wish = trace_once_default(ctx.config.trace_once, os.environ, ctx.world_size, available_cores())
+    if not trace_once_agreed(wish, ctx.comm, tracer):
+        return None
+    return FrameChannel(ctx.comm, tracer, ctx, StoredGraph, store.outcome.notes)
 
 
 def _load_config(folder: Path, trust_remote_code: bool) -> Any:
