@@ -57,7 +57,11 @@ the guard filter reads ``CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TY
 uninstaller calls ``torch._C._dynamo.eval_frame._reset_precompile_entries``; a recording package's
 ``add_inlined_source`` gets an ``add_code`` that builds ``package.InlinedSource`` records from code
 objects (:func:`_inlined_source`, with ``package._hash_source`` and ``_get_module_content``, and
-``SourceInfo.add_code`` where it cannot); while autotp's compiled forward runs,
+``SourceInfo.add_code`` where it cannot); for frames shared within a launch
+(``autotp/shared_frames.py``) :func:`_optimize` wraps Dynamo's frame callback
+(``OptimizeContext.callback``, skipping what ``trace_rules.check`` skips) and a follower installs
+one frame as ``CompilePackage.install`` does (``load_guards_state``, ``load_guard_manager``,
+``SerializedCode``) and returns it as ``types.wrap_guarded_code(GuardedCode(...))``; while autotp's compiled forward runs,
 ``guards.make_guard_filter_entry`` makes entries (a ``torch._dynamo.types.GuardFilterEntry``
 subclass) whose values are read when asked (:func:`_guard_values_read_lazily`); a loading guard state's
 tensors are rebuilt in one fake mode (``GuardsStatePickler._unpickle_tensor``, see
@@ -1356,6 +1360,11 @@ def _receiving_callback(frame: Any, cache_entry: Any, frame_state: Any, *, inner
     Dynamo's own (``inner``) compiles the frame here."""
     received = share.receive()
     if received is not None:
+        if received[0].name != _code_name(frame.f_code):
+            raise AutoTPError(
+                f"autotp: the tracing rank compiled {received[0].name} where this rank runs "
+                f"{_code_name(frame.f_code)}: the ranks' frames diverged (a finalizer of model code run on one "
+                "rank only?). Set AUTOTP_TRACE_ONCE=0 (or trace_once=False) so that every rank traces its own.")
         try:
             return _install_frame(frame, *received)
         except Exception as e:  # noqa: BLE001 - any failure: this rank compiles the frame itself
@@ -1369,12 +1378,10 @@ def _install_frame(frame: Any, entry: FrameEntry, backends: dict[str, Callable[.
     code): the globals the tracer's code reads (module aliases, resume functions, the compiled
     functions: ``backends``) put in the frame's globals and its module's (as
     ``CompilePackage.install``, and as :class:`DynamoPackage` copies them for a wrapper), its guard
-    state loaded with ``markings`` into a guard manager on this frame's code. Raises
-    :class:`PackageError` where the entry is for another code."""
+    state loaded with ``markings`` into a guard manager on this frame's code (the caller checked
+    that ``entry`` is for it)."""
     package_module = require_module("torch._dynamo.package")
     dynamo_types = require_module("torch._dynamo.types")
-    if entry.name != _code_name(frame.f_code):
-        raise PackageError(f"the tracing rank compiled {entry.name}, this rank runs {_code_name(frame.f_code)}")
     code_entry = entry.entry.codes[entry.index]
     if code_entry.bypassed or not code_entry.guarded_codes:
         raise PackageError(f"the tracing rank's package holds no code for {entry.name}")

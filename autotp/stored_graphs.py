@@ -40,6 +40,11 @@ package is pickled by torch too): only a cache folder the user trusts should be 
 pickle. Writes go to a unique temporary file in the same folder and ``os.replace`` it, so readers
 see whole entries and concurrent writers all succeed. One rank (the last) writes, after each call that
 compiled a new graph. ``AUTOTP_CACHE=0`` turns stored graphs off with the plan cache.
+
+**Within a launch.** Where the group shares traced frames (``autotp/shared_frames.py``), the
+writing rank is the one that traces: its backend returns each :class:`StoredGraph` unlowered (it
+lowers on its first call, as the others' copies do), and the others install its frames as they
+are compiled.
 """
 
 from __future__ import annotations
