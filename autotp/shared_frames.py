@@ -34,7 +34,9 @@ from the tracer's: on by default where this host's ranks (``LOCAL_WORLD_SIZE``, 
 outnumber the cores this process may run on (``os.sched_getaffinity``). ``AutoTPConfig.trace_once``
 (``parallelize_model(trace_once=...)``) or ``AUTOTP_TRACE_ONCE=1/0`` forces it; the tracer's choice
 is broadcast so that every rank agrees. Only with the cache on: the package and graph pickling are
-the stored-graph machinery's.
+the stored-graph machinery's. Not for a data-parallel model (``mesh=`` with ``data_parallel=``):
+a 2x2 mesh training under FSDP2 with sharing hung after loading (not diagnosed), so its ranks trace
+their own.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ from typing import Any
 from autotp.collectives import Comm, broadcast_object
 from autotp.compat import FrameEntry
 
-__all__ = ["FrameChannel", "trace_once_default", "trace_once_agreed"]
+__all__ = ["FrameChannel", "available_cores", "trace_once_agreed", "trace_once_default"]
 
 _ON = ("1", "true", "on", "yes")
 _OFF = ("0", "false", "off", "no")
