@@ -404,8 +404,8 @@ def parallelize_model(
     (``autotp/inner.py``); None picks the default for the device (:func:`default_compile_inner`).
     ``fuse=False`` keeps sibling matmuls (q/k/v, gate/up) as separate GEMMs (``autotp/passes/fuse.py``).
     ``trace_once``: one rank traces the model's frames and the others install them
-    (``autotp/shared_frames.py``, with the cache on); None (default): where this host's ranks
-    outnumber its cores, or as ``AUTOTP_TRACE_ONCE=1/0`` says.
+    (``autotp/shared_frames.py``, with the cache on); None (default): as
+    ``AUTOTP_TRACE_ONCE=1/0`` says, else off (not on by default yet, see that module).
     ``shared_memory`` (CPU ranks on one x86-64 host): all-reduces and small all-gathers (up to
     256 KB per rank, e.g. a decode step's logits) go through a shared-memory segment instead of
     gloo's TCP loopback (:class:`~autotp.collectives.SharedMemoryCollectives`); ``False`` keeps

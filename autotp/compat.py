@@ -61,7 +61,8 @@ objects (:func:`_inlined_source`, with ``package._hash_source`` and ``_get_modul
 (``autotp/shared_frames.py``) :func:`_optimize` wraps Dynamo's frame callback
 (``OptimizeContext.callback``, skipping what ``trace_rules.check`` skips) and a follower installs
 one frame as ``CompilePackage.install`` does (``load_guards_state``, ``load_guard_manager``,
-``SerializedCode``) and returns it as ``types.wrap_guarded_code(GuardedCode(...))``; while autotp's compiled forward runs,
+``SerializedCode``), records its code as Dynamo does (``utils.orig_code_map``,
+``convert_frame.output_codes``) and returns it as ``types.wrap_guarded_code(GuardedCode(...))``; while autotp's compiled forward runs,
 ``guards.make_guard_filter_entry`` makes entries (a ``torch._dynamo.types.GuardFilterEntry``
 subclass) whose values are read when asked (:func:`_guard_values_read_lazily`); a loading guard state's
 tensors are rebuilt in one fake mode (``GuardsStatePickler._unpickle_tensor``, see
@@ -92,6 +93,8 @@ import datetime
 import functools
 import importlib
 import inspect
+import itertools
+import re
 import sys
 import types
 import warnings
@@ -873,10 +876,14 @@ class DynamoPackage:
             for code in entry.codes]
         return dataclasses.replace(entry, codes=codes), aliases
 
-    def frame_entry(self, code: types.CodeType) -> FrameEntry | None:
+    def frame_entry(self, code: types.CodeType, scope: dict[str, Any]) -> FrameEntry | None:
         """What another process of this launch installs to run ``code``'s newest compiled version
         (:func:`_install_frame`): this package's :meth:`entry` and where the frame's code is in it;
-        None where the package holds no guarded code for it or cannot be stored (:class:`PackageError`)."""
+        None where the package holds no guarded code for it or cannot be stored (:class:`PackageError`).
+        The module aliases :meth:`entry` did not rename (those of a frame whose globals are not the
+        forward's, a resume function's in the model's module) are sent by the names the code reads,
+        looked up in the frame's globals ``scope``."""
+        package_module = require_module("torch._dynamo.package")
         index = next((i for i, c in enumerate(self.package._codes) if c is code), None)
         if index is None or not self.package._codes[code].guarded_codes:
             return None
@@ -884,6 +891,17 @@ class DynamoPackage:
             entry, aliases = self.entry()
         except PackageError:
             return None
+
+        def module_names(serialized: Any) -> Iterator[str]:
+            yield from (n for n in serialized.co_names if n.startswith("___module_"))
+            for c in serialized.co_consts:
+                if isinstance(c, package_module.SerializedCode):
+                    yield from module_names(c)
+
+        for name in module_names(entry.codes[index].guarded_codes[-1].dynamo_code):
+            value = scope.get(name)
+            if name not in aliases and isinstance(value, types.ModuleType):
+                aliases[name] = ("module", value.__name__)
         return FrameEntry(_code_name(code), entry, aliases, index)
 
     def uninstall(self) -> None:
@@ -1337,7 +1355,7 @@ def _code_name(code: types.CodeType) -> tuple[str, str, int]:
 
 
 def _publishing_callback(frame: Any, cache_entry: Any, frame_state: Any, *, inner: Callable[..., Any],
-                         share: FrameShare, entry_of: Callable[[types.CodeType], FrameEntry | None]) -> Any:
+                         share: FrameShare, entry_of: Callable[..., FrameEntry | None]) -> Any:
     """The tracing rank's frame callback: Dynamo's (``inner``), then the frame's entry published
     (None when Dynamo compiled no code for it, or it raised). The backend must not run a
     collective before this publication (the others wait in it): it lowers on the graph's first
@@ -1347,7 +1365,7 @@ def _publishing_callback(frame: Any, cache_entry: Any, frame_state: Any, *, inne
     try:
         result = inner(frame, cache_entry, frame_state)
         if getattr(result, "guarded_code", None) is not None:
-            entry = entry_of(frame.f_code)
+            entry = entry_of(frame.f_code, frame.f_globals)
         return result
     finally:
         share.publish(entry)
@@ -1394,6 +1412,7 @@ def _install_frame(frame: Any, entry: FrameEntry, backends: dict[str, Callable[.
     def put(name: str, value: Any) -> None:
         for scope in scopes:
             scope[name] = value
+        _reserve_unique_id(name)
 
     for name, (kind, value) in entry.aliases.items():
         put(name, importlib.import_module(value) if kind == "module" else value)
@@ -1416,8 +1435,28 @@ def _install_frame(frame: Any, entry: FrameEntry, backends: dict[str, Callable[.
         put(builtins_name, require("torch._dynamo.output_graph", "get_builtins_dict")(frame.f_globals))
     manager = package_module.load_guard_manager(state, frame.f_code, frame.f_globals)
     code = package_module.SerializedCode.to_code_object(guarded.dynamo_code)
-    compile_id = torch._guards.CompileId(frame_id=None, frame_compile_id=None)
+    # printed where a later compile of the frame explains its recompile (both ids must be set): the
+    # tracer's ids are not sent, so every installed frame reads as the tracer's frame 0
+    compile_id = torch._guards.CompileId(frame_id=0, frame_compile_id=0)
+    # what Dynamo records of a code it made, read when a later compile of the frame explains it
+    require("torch._dynamo.utils", "orig_code_map")[code] = frame.f_code
+    require("torch._dynamo.convert_frame", "output_codes").add(code)
     return dynamo_types.wrap_guarded_code(dynamo_types.GuardedCode(code, manager, compile_id))
+
+
+def _reserve_unique_id(name: str) -> None:
+    """Keep this process's Dynamo from making ``name`` again: the builtins dict and resume functions
+    it installs as globals are numbered by one process-wide counter
+    (``bytecode_transformation._unique_id_counter``), and a frame this rank compiles itself after
+    installing the tracer's would make the tracer's names again (``AssertionError: Name
+    '__builtins_dict___0' already exists in scope``, or a resume function replaced)."""
+    match = re.fullmatch(r"__builtins_dict___(\d+)|__resume_at_\d+_(\d+)", name)
+    if match is None:
+        return
+    transformation = require_module("torch._dynamo.bytecode_transformation")
+    taken = int(match.group(1) or match.group(2))
+    following = next(transformation._unique_id_counter)
+    transformation._unique_id_counter = itertools.count(max(following, taken + 1))
 
 
 def _resume_function(package_module: Any, code: Any, home: dict[str, Any], name: str) -> Any:

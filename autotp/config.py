@@ -32,8 +32,8 @@ class AutoTPConfig:
     ``verify``: check each graph's first call against a replicated run, node by node, and raise at
     the first node that diverges (``autotp/verify.py``).
     ``trace_once``: one rank traces the model's frames and the others install them
-    (``autotp/shared_frames.py``; needs the cache on); None: where this host's ranks outnumber
-    its cores (or as ``AUTOTP_TRACE_ONCE=1/0`` says).
+    (``autotp/shared_frames.py``; needs the cache on); None: as ``AUTOTP_TRACE_ONCE=1/0`` says,
+    else off (not on by default yet, see that module).
     """
 
     tp_size: int | None = None

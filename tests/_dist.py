@@ -168,18 +168,13 @@ def run_ranks(
         _HOST, 0, world_size, is_master=True, wait_for_workers=False,
         timeout=datetime.timedelta(seconds=timeout),
     )
-    # The suite's ranks share 2 cores across pytest-xdist workers, which no launch can see (its
-    # gate counts its own ranks against the cores): one rank traces and the others install its
-    # frames (autotp/shared_frames.py), unless a test asks otherwise (AUTOTP_TRACE_ONCE=0: the
-    # tests that count each rank's traces keep the per-rank path)
-    env = {"AUTOTP_TRACE_ONCE": "1", **os.environ}
     procs: list[Any] = []
     conns: list[mpc.Connection] = []
     for rank in range(world_size):
         recv, send = ctx.Pipe(duplex=False)
         p = ctx.Process(
             target=_child,
-            args=(rank, world_size, store.port, timeout, env, send, fn, args, kwargs),
+            args=(rank, world_size, store.port, timeout, dict(os.environ), send, fn, args, kwargs),
             name=f"rank{rank}",
             daemon=True,
         )

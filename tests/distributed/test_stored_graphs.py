@@ -47,7 +47,7 @@ def _job(rank: int, world: int, folder: str, cache_dir: str, new_tokens: int, ba
 
         compat._install_frame = refuse
     if fault == "publish" and rank == world - 1:
-        compat.DynamoPackage.frame_entry = lambda self, code: None
+        compat.DynamoPackage.frame_entry = lambda self, code, scope: None
 
     model = parallelize_model(folder, tp_size=world, trace_dir=trace_dir)
     ids = torch.tensor(PROMPT)
