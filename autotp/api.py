@@ -42,7 +42,8 @@ from autotp.mesh import MeshLayout, check_data_parallel, check_layout, check_tp_
 from autotp.placement import R, head_split
 from autotp.prefill_call import PrefillCall
 from autotp.progress import load_progress
-from autotp.stored_graphs import GraphStore, StoredForward, graph_key, storing_backend
+from autotp.shared_frames import FrameChannel, available_cores, trace_once_agreed, trace_once_default
+from autotp.stored_graphs import GraphStore, StoredForward, StoredGraph, graph_key, storing_backend
 from autotp.weights import (
     Checkpoint,
     ParameterMeta,
@@ -367,6 +368,7 @@ def parallelize_model(
     verify: bool = False,
     sequence_parallel: bool = False,
     fuse: bool = True,
+    trace_once: bool | None = None,
     compile_inner: str | None = None,
     shared_memory: bool = True,
     mesh: Any = None,
@@ -401,6 +403,9 @@ def parallelize_model(
     ``compile_inner`` runs each rank's rewritten graph with ``"eager"`` (FX code) or ``"inductor"``
     (``autotp/inner.py``); None picks the default for the device (:func:`default_compile_inner`).
     ``fuse=False`` keeps sibling matmuls (q/k/v, gate/up) as separate GEMMs (``autotp/passes/fuse.py``).
+    ``trace_once``: one rank traces the model's frames and the others install them
+    (``autotp/shared_frames.py``, with the cache on); None (default): as
+    ``AUTOTP_TRACE_ONCE=1/0`` says, else off (not on by default yet, see that module).
     ``shared_memory`` (CPU ranks on one x86-64 host): all-reduces and small all-gathers (up to
     256 KB per rank, e.g. a decode step's logits) go through a shared-memory segment instead of
     gloo's TCP loopback (:class:`~autotp.collectives.SharedMemoryCollectives`); ``False`` keeps
@@ -429,7 +434,7 @@ def parallelize_model(
     config = AutoTPConfig(tp_size=tp_size, dtype=dtype, trace_dir=Path(trace_dir) if trace_dir else None,
                           overrides=dict(overrides.pop("overrides", {}) or {}), verify=bool(verify),
                           sequence_parallel=bool(sequence_parallel), fuse=bool(fuse),
-                          compile_inner=compile_inner or "eager")
+                          compile_inner=compile_inner or "eager", trace_once=trace_once)
     if overrides:
         raise AutoTPError(f"unknown arguments to parallelize_model: {sorted(overrides)}")
     check_override_styles(config.overrides)  # before anything is downloaded
@@ -479,7 +484,7 @@ def parallelize_model(
     ctx = TPContext(comm=comm, config=config, sharded_outputs=True, plan_once=timeout is None,
                     threads_before=threads_before if threads is not None else None)
     weakref.finalize(module, ctx.close)  # what the session installed goes when the model does
-    compiled = _compiled_forward(module, ctx, device)
+    compiled = _compiled_forward(module, ctx, device, data_parallel=layout.data_parallel is not None)
     slots = [(m, n, p) for fqn, p in module.named_parameters(remove_duplicate=False)
              for m, n in [_resolve_module(module, fqn)]]
     forward = _SwappingForward(compiled, slots, comm, InputGuard(TokenIdCheck.for_model(module, module.forward)),
@@ -504,9 +509,12 @@ def parallelize_model(
     return module
 
 
-def _compiled_forward(module: torch.nn.Module, ctx: TPContext, device: torch.device) -> Callable[..., Any]:
+def _compiled_forward(module: torch.nn.Module, ctx: TPContext, device: torch.device,
+                      data_parallel: bool = False) -> Callable[..., Any]:
     """The model's compiled forward: with the cache on, one whose graphs are stored for the next
-    launch and installed from the last one (``autotp/stored_graphs.py``), else ``torch.compile``."""
+    launch and installed from the last one (``autotp/stored_graphs.py``), else ``torch.compile``;
+    its frames shared within the group where the gate says so and the model is not data-parallel
+    (``autotp/shared_frames.py``)."""
     fn = type(module).forward.__get__(module)
     if not ctx.plan_cache.enabled:
         return torch.compile(fn, backend=make_backend(ctx), dynamic=None)
@@ -517,14 +525,30 @@ def _compiled_forward(module: torch.nn.Module, ctx: TPContext, device: torch.dev
     store = GraphStore(ctx.plan_cache.root, graph_key(module, plan_options(ctx), ctx.world_size, device))
     # one rank writes the entry, so it alone pickles the graphs it compiles: the last, because rank 0
     # plans each new graph while the others wait for its broadcast (backend.py), so the writer's
-    # pickling overlaps that solve instead of adding to it
-    writes = ctx.rank == ctx.world_size - 1
-    backend = storing_backend(make_backend(ctx), ctx) if writes else make_backend(ctx)
+    # pickling overlaps that solve instead of adding to it. Where the group shares frames, the
+    # writer is the one that traces (it records the package the others install), and rank 0 plans
+    # once its trace is done (measured: as fast as rank 0 tracing, tp=4 on 2 cores)
+    writer = ctx.world_size - 1
+    writes = ctx.rank == writer
+    share = None if data_parallel else _frame_channel(ctx, store, tracer=writer)
+    backend = storing_backend(make_backend(ctx), ctx, share) if writes else make_backend(ctx)
     trace = Path(ctx.config.trace_dir) / f"rank{ctx.rank}" if ctx.config.trace_dir else None
-    compiled = StoredForward(fn, backend, store, write=writes, session=ctx, trace=trace)
+    compiled = StoredForward(fn, backend, store, write=writes, session=ctx, trace=trace, share=share)
     ctx.stored_graphs = store.outcome
     ctx.installed.append(compiled.uninstaller())
     return compiled
+
+
+def _frame_channel(ctx: TPContext, store: GraphStore, tracer: int) -> FrameChannel | None:
+    """The channel through which rank ``tracer`` gives the group the frames it compiles
+    (``autotp/shared_frames.py``), where the group shares them (the tracer's choice); None where
+    every rank traces."""
+    if ctx.world_size == 1 or ctx.comm.simulated:
+        return None
+    wish = trace_once_default(ctx.config.trace_once, os.environ, ctx.world_size, available_cores())
+    if not trace_once_agreed(wish, ctx.comm, tracer):
+        return None
+    return FrameChannel(ctx.comm, tracer, ctx, StoredGraph, store.outcome.notes)
 
 
 def _load_config(folder: Path, trust_remote_code: bool) -> Any:

@@ -325,13 +325,13 @@ def ensure_process_group(
     dist.init_process_group(backend=backend, init_method="env://", timeout=timeout, **kwargs)
 
 
-def broadcast_object(obj: Any, comm: Comm) -> Any:
-    """Return the group's rank-0 value of ``obj`` on every rank (must be picklable)."""
+def broadcast_object(obj: Any, comm: Comm, src: int = 0) -> Any:
+    """Return the group's rank-``src`` value of ``obj`` on every rank (must be picklable)."""
     if comm.world_size == 1 or comm.simulated:
         return obj
     box = [obj]
     with _guard(comm, "broadcast"):
-        dist.broadcast_object_list(box, group=comm.group, group_src=0)
+        dist.broadcast_object_list(box, group=comm.group, group_src=src)
     return box[0]
 
 

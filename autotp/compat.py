@@ -57,7 +57,12 @@ the guard filter reads ``CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TY
 uninstaller calls ``torch._C._dynamo.eval_frame._reset_precompile_entries``; a recording package's
 ``add_inlined_source`` gets an ``add_code`` that builds ``package.InlinedSource`` records from code
 objects (:func:`_inlined_source`, with ``package._hash_source`` and ``_get_module_content``, and
-``SourceInfo.add_code`` where it cannot); while autotp's compiled forward runs,
+``SourceInfo.add_code`` where it cannot); for frames shared within a launch
+(``autotp/shared_frames.py``) :func:`_optimize` wraps Dynamo's frame callback
+(``OptimizeContext.callback``, skipping what ``trace_rules.check`` skips) and a follower installs
+one frame as ``CompilePackage.install`` does (``load_guards_state``, ``load_guard_manager``,
+``SerializedCode``), records its code as Dynamo does (``utils.orig_code_map``,
+``convert_frame.output_codes``) and returns it as ``types.wrap_guarded_code(GuardedCode(...))``; while autotp's compiled forward runs,
 ``guards.make_guard_filter_entry`` makes entries (a ``torch._dynamo.types.GuardFilterEntry``
 subclass) whose values are read when asked (:func:`_guard_values_read_lazily`); a loading guard state's
 tensors are rebuilt in one fake mode (``GuardsStatePickler._unpickle_tensor``, see
@@ -88,13 +93,15 @@ import datetime
 import functools
 import importlib
 import inspect
+import itertools
+import re
 import sys
 import types
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from importlib import metadata
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -750,7 +757,7 @@ class DynamoPackage:
 
     def __init__(self, fn: Callable[..., Any], backend: Callable[..., Any], stored: tuple[Any, dict] | None = None,
                  graphs: dict[str, Callable[..., Any]] | None = None,
-                 markings: dict[str, dict[str, Any]] | None = None) -> None:
+                 markings: dict[str, dict[str, Any]] | None = None, share: FrameShare | None = None) -> None:
         package_module = require_module("torch._dynamo.package")
         self.fn = fn
         self._globals = getattr(fn, "__func__", fn).__globals__
@@ -777,7 +784,10 @@ class DynamoPackage:
         self._record_sources_cheaply()
         self._token = object()
         _LAST_PACKAGE_ON[getattr(fn, "__func__", fn).__code__] = self._token
-        self.compiled = _optimize(fn, backend, package=self.package)
+        wrap = None if share is None else \
+            functools.partial(_publishing_callback, share=share, entry_of=self.frame_entry) if share.tracer else \
+            functools.partial(_receiving_callback, share=share)
+        self.compiled = _optimize(fn, backend, wrap, package=self.package)
 
     def _note_unnamed_frames(self) -> None:
         """A frame Dynamo compiles after a graph break is recorded by its qualified name, and torch
@@ -877,6 +887,34 @@ class DynamoPackage:
             dataclasses.replace(guarded, dynamo_code=rename(guarded.dynamo_code)) for guarded in code.guarded_codes])
             for code in entry.codes]
         return dataclasses.replace(entry, codes=codes), aliases
+
+    def frame_entry(self, code: types.CodeType, scope: dict[str, Any]) -> FrameEntry | None:
+        """What another process of this launch installs to run ``code``'s newest compiled version
+        (:func:`_install_frame`): this package's :meth:`entry` and where the frame's code is in it;
+        None where the package holds no guarded code for it or cannot be stored (:class:`PackageError`).
+        The module aliases :meth:`entry` did not rename (those of a frame whose globals are not the
+        forward's, a resume function's in the model's module) are sent by the names the code reads,
+        looked up in the frame's globals ``scope``."""
+        package_module = require_module("torch._dynamo.package")
+        index = next((i for i, c in enumerate(self.package._codes) if c is code), None)
+        if index is None or not self.package._codes[code].guarded_codes:
+            return None
+        try:
+            entry, aliases = self.entry()
+        except PackageError:
+            return None
+
+        def module_names(serialized: Any) -> Iterator[str]:
+            yield from (n for n in serialized.co_names if n.startswith("___module_"))
+            for c in serialized.co_consts:
+                if isinstance(c, package_module.SerializedCode):
+                    yield from module_names(c)
+
+        for name in module_names(entry.codes[index].guarded_codes[-1].dynamo_code):
+            value = scope.get(name)
+            if name not in aliases and isinstance(value, types.ModuleType):
+                aliases[name] = ("module", value.__name__)
+        return FrameEntry(_code_name(code), entry, aliases, index)
 
     def uninstall(self) -> None:
         """Take the installed entries off the function's code and the copied globals out."""
@@ -990,8 +1028,11 @@ class DynamoCompiled:
     :class:`DynamoPackage` where a rank reads it: no graphs to store, nothing to uninstall (the
     compiled frames stay on the code, as for any ``torch.compile``)."""
 
-    def __init__(self, fn: Callable[..., Any], backend: Callable[..., Any]) -> None:
-        self.compiled = _optimize(fn, backend)
+    def __init__(self, fn: Callable[..., Any], backend: Callable[..., Any], share: FrameShare | None = None) -> None:
+        if share is not None and share.tracer:
+            raise AutoTPError("a rank that traces for its group records a package (DynamoPackage)")
+        wrap = None if share is None else functools.partial(_receiving_callback, share=share)
+        self.compiled = _optimize(fn, backend, wrap)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         with _guard_values_read_lazily():
@@ -1018,22 +1059,50 @@ class _DirectCompiler:
         return self._torchdynamo_orig_backend(gm, example_inputs, **kwargs)
 
 
-def _optimize(fn: Callable[..., Any], backend: Callable[..., Any], **options: Any) -> Callable[..., Any]:
+def _optimize(fn: Callable[..., Any], backend: Callable[..., Any], wrap: Callable[..., Any] | None = None,
+              **options: Any) -> Callable[..., Any]:
     """``fn`` under ``torch._dynamo.optimize`` with the package guard filter (and ``options``), the
     backend reached through :class:`_DirectCompiler` unless a minifier setting
-    (``torch._dynamo.config.repro_after``) asks for torch's own wrapper."""
+    (``torch._dynamo.config.repro_after``) asks for torch's own wrapper. ``wrap``: called with
+    Dynamo's frame callback (what the eval-frame hook calls on a cache miss, ``inner=``) and the
+    hook's arguments, in its place (:func:`_publishing_callback`, :func:`_receiving_callback`)."""
     eval_frame = require_module("torch._dynamo.eval_frame")
     optimize = functools.partial(torch._dynamo.optimize, backend, dynamic=None, guard_filter_fn=_serializable_guards,
                                  **options)
     if torch._dynamo.config.repro_after is not None:
-        return optimize()(fn)
-    original = eval_frame.get_compiler_fn
-    eval_frame.get_compiler_fn = _DirectCompiler
-    try:
         context = optimize()
-    finally:
-        eval_frame.get_compiler_fn = original
+    else:
+        original = eval_frame.get_compiler_fn
+        eval_frame.get_compiler_fn = _DirectCompiler
+        try:
+            context = optimize()
+        finally:
+            eval_frame.get_compiler_fn = original
+    if wrap is not None:
+        context.callback = _WrappedCallback(context.callback, wrap)
     return context(fn)
+
+
+class _WrappedCallback:
+    """Dynamo's frame callback with ``wrap`` in front: ``wrap(frame, cache_entry, frame_state,
+    inner=callback)``; Dynamo finds its backend through ``_torchdynamo_orig_backend`` as before."""
+
+    def __init__(self, callback: Callable[..., Any], wrap: Callable[..., Any]) -> None:
+        self._torchdynamo_orig_backend = callback
+        self.wrap = wrap
+
+    def __call__(self, frame: Any, cache_entry: Any, frame_state: Any) -> Any:
+        if _skipped_by_dynamo(frame):  # no code compiled, decided alike on every rank: not shared
+            return self._torchdynamo_orig_backend(frame, cache_entry, frame_state)
+        return self.wrap(frame, cache_entry, frame_state, inner=self._torchdynamo_orig_backend)
+
+
+def _skipped_by_dynamo(frame: Any) -> bool:
+    """A frame Dynamo's callback skips by its trace rules (torch's and the standard library's
+    code, ``trace_rules.check``: what the callback checks first). Its twin may not run on the
+    other ranks: a finalizer (``torch.utils.weak``'s) runs where a rank's collector frees an
+    object, and that differs per rank (rank 0 plans)."""
+    return require("torch._dynamo.trace_rules", "check")(frame.f_code, frame=frame)
 
 
 @contextlib.contextmanager
@@ -1249,3 +1318,166 @@ def highs_lp(cost: Any, matrix: Any, lower: Any, upper: Any) -> tuple[float | No
         return (highs.getInfo().objective_function_value if optimal else None), highs.modelStatusToString(status)
     except (ImportError, AttributeError, TypeError):  # no such bindings, or changed ones
         return None
+
+
+# -- one rank traces, the others install its frames (``autotp/shared_frames.py``) -----------------
+
+
+class FrameShare(Protocol):
+    """How a compiled forward's frames travel within a launch (``autotp/shared_frames.py``):
+    the tracing rank publishes one :class:`FrameEntry` (or None) per call of Dynamo's frame
+    callback, the others receive it in the same call of theirs."""
+
+    tracer: bool
+
+    def begin(self) -> None:
+        """Tracer: a frame callback starts; one publication is owed."""
+
+    def publish(self, entry: FrameEntry | None) -> None:
+        """Tracer: publish what is owed (None: the others compile the frame themselves); a
+        no-op where this callback already published."""
+
+    def receive(self) -> tuple[FrameEntry, dict[str, Callable[..., Any]], dict[str, dict[str, Any]]] | None:
+        """Follower: the tracer's frame with the callables its graph names call and the inputs'
+        dim markings, or None (compile the frame here)."""
+
+    def failed(self, error: Exception) -> None:
+        """Follower: the received frame did not install (this rank compiles it itself)."""
+
+
+@dataclasses.dataclass
+class FrameEntry:
+    """One compiled frame as another process of the launch installs it: the tracing rank's whole
+    package :meth:`DynamoPackage.entry` (its module aliases renamed, ``aliases``) and which of its
+    codes the frame runs (``index``; its newest guarded code is the frame's). ``name``: the code's
+    name, file and first line, checked against the frame the receiver is in."""
+
+    name: tuple[str, str, int]
+    entry: Any
+    aliases: dict[str, tuple[str, str]]
+    index: int
+
+    def backend_ids(self) -> list[str]:
+        """The compiled-function names the frame's code calls."""
+        return list(self.entry.codes[self.index].backend_ids)
+
+
+def _code_name(code: types.CodeType) -> tuple[str, str, int]:
+    return code.co_name, code.co_filename, code.co_firstlineno
+
+
+def _publishing_callback(frame: Any, cache_entry: Any, frame_state: Any, *, inner: Callable[..., Any],
+                         share: FrameShare, entry_of: Callable[..., FrameEntry | None]) -> Any:
+    """The tracing rank's frame callback: Dynamo's (``inner``), then the frame's entry published
+    (None when Dynamo compiled no code for it, or it raised). The backend must not run a
+    collective before this publication (the others wait in it): it lowers on the graph's first
+    call, or publishes None first (``FrameShare.publish``)."""
+    share.begin()
+    entry = None
+    try:
+        result = inner(frame, cache_entry, frame_state)
+        if getattr(result, "guarded_code", None) is not None:
+            entry = entry_of(frame.f_code, frame.f_globals)
+        return result
+    finally:
+        share.publish(entry)
+
+
+def _receiving_callback(frame: Any, cache_entry: Any, frame_state: Any, *, inner: Callable[..., Any],
+                        share: FrameShare) -> Any:
+    """A following rank's frame callback: the tracer's entry for this frame installed as the
+    frame's compiled code (:func:`_install_frame`); where there is none, or it does not install,
+    Dynamo's own (``inner``) compiles the frame here."""
+    received = share.receive()
+    if received is not None:
+        if received[0].name != _code_name(frame.f_code):
+            raise AutoTPError(
+                f"autotp: the tracing rank compiled {received[0].name} where this rank runs "
+                f"{_code_name(frame.f_code)}: the ranks' frames diverged (a finalizer of model code run on one "
+                "rank only?). Set AUTOTP_TRACE_ONCE=0 (or trace_once=False) so that every rank traces its own.")
+        try:
+            return _install_frame(frame, *received)
+        except Exception as e:  # noqa: BLE001 - any failure: this rank compiles the frame itself
+            share.failed(e)
+    return inner(frame, cache_entry, frame_state)
+
+
+def _install_frame(frame: Any, entry: FrameEntry, backends: dict[str, Callable[..., Any]],
+                   markings: dict[str, dict[str, Any]]) -> Any:
+    """What Dynamo's callback returns for ``frame`` (a ``ConvertFrameReturn`` with its guarded
+    code): the globals the tracer's code reads (module aliases, resume functions, the compiled
+    functions: ``backends``) put in the frame's globals and its module's (as
+    ``CompilePackage.install``, and as :class:`DynamoPackage` copies them for a wrapper), its guard
+    state loaded with ``markings`` into a guard manager on this frame's code (the caller checked
+    that ``entry`` is for it)."""
+    package_module = require_module("torch._dynamo.package")
+    dynamo_types = require_module("torch._dynamo.types")
+    code_entry = entry.entry.codes[entry.index]
+    if code_entry.bypassed or not code_entry.guarded_codes:
+        raise PackageError(f"the tracing rank's package holds no code for {entry.name}")
+    guarded = code_entry.guarded_codes[-1]
+    scopes = [frame.f_globals]
+    module = sys.modules.get(code_entry.python_module)
+    if module is not None and module.__dict__ is not frame.f_globals:
+        scopes.append(module.__dict__)
+
+    def put(name: str, value: Any) -> None:
+        for scope in scopes:
+            scope[name] = value
+        _reserve_unique_id(name)
+
+    for name, (kind, value) in entry.aliases.items():
+        put(name, importlib.import_module(value) if kind == "module" else value)
+    for alias, module_name in code_entry.import_sources.items():
+        put(alias, importlib.import_module(module_name))
+    for code in entry.entry.codes:
+        if not code.install_to_global:
+            continue
+        home = sys.modules[code.python_module].__dict__
+        for function_name in code.function_names:
+            if function_name not in frame.f_globals:
+                put(function_name, _resume_function(package_module, code, home, function_name))
+    for backend_id in code_entry.backend_ids:
+        if backend_id not in frame.f_globals:
+            put(backend_id, torch._dynamo.disable(backends[backend_id]))
+    with _guard_markings(package_module, markings), _guard_tensors_in_one_fake_mode():
+        state = package_module.load_guards_state(guarded.guards_state)
+    builtins_name = state.output_graph.name_of_builtins_dict_key_in_fglobals
+    if builtins_name and builtins_name not in frame.f_globals:
+        put(builtins_name, require("torch._dynamo.output_graph", "get_builtins_dict")(frame.f_globals))
+    manager = package_module.load_guard_manager(state, frame.f_code, frame.f_globals)
+    code = package_module.SerializedCode.to_code_object(guarded.dynamo_code)
+    # printed where a later compile of the frame explains its recompile (both ids must be set): the
+    # tracer's ids are not sent, so every installed frame reads as the tracer's frame 0
+    compile_id = torch._guards.CompileId(frame_id=0, frame_compile_id=0)
+    # what Dynamo records of a code it made, read when a later compile of the frame explains it
+    require("torch._dynamo.utils", "orig_code_map")[code] = frame.f_code
+    require("torch._dynamo.convert_frame", "output_codes").add(code)
+    return dynamo_types.wrap_guarded_code(dynamo_types.GuardedCode(code, manager, compile_id))
+
+
+def _reserve_unique_id(name: str) -> None:
+    """Keep this process's Dynamo from making ``name`` again: the builtins dict and resume functions
+    it installs as globals are numbered by one process-wide counter
+    (``bytecode_transformation._unique_id_counter``), and a frame this rank compiles itself after
+    installing the tracer's would make the tracer's names again (``AssertionError: Name
+    '__builtins_dict___0' already exists in scope``, or a resume function replaced)."""
+    match = re.fullmatch(r"__builtins_dict___(\d+)|__resume_at_\d+_(\d+)", name)
+    if match is None:
+        return
+    transformation = require_module("torch._dynamo.bytecode_transformation")
+    taken = int(match.group(1) or match.group(2))
+    following = next(transformation._unique_id_counter)
+    transformation._unique_id_counter = itertools.count(max(following, taken + 1))
+
+
+def _resume_function(package_module: Any, code: Any, home: dict[str, Any], name: str) -> Any:
+    """A resume function as ``CompilePackage.install`` makes it: the function, or for one with
+    free variables the factory Dynamo's code calls with its closure."""
+    python_code = package_module.SerializedCode.to_code_object(code.python_code)
+    if python_code.co_freevars:
+        def make(closure: tuple[types.CellType, ...]) -> types.FunctionType:
+            return types.FunctionType(python_code, home, name, None, closure)
+
+        return make
+    return types.FunctionType(python_code, home, name)

@@ -31,6 +31,9 @@ class AutoTPConfig:
     (a second solve prices replicated activations, ``SolverOptions.activation_weight``).
     ``verify``: check each graph's first call against a replicated run, node by node, and raise at
     the first node that diverges (``autotp/verify.py``).
+    ``trace_once``: one rank traces the model's frames and the others install them
+    (``autotp/shared_frames.py``; needs the cache on); None: as ``AUTOTP_TRACE_ONCE=1/0`` says,
+    else off (not on by default yet, see that module).
     """
 
     tp_size: int | None = None
@@ -43,6 +46,7 @@ class AutoTPConfig:
     verify: bool = False
     sequence_parallel: bool = False
     fuse: bool = True
+    trace_once: bool | None = None
 
     def __post_init__(self) -> None:
         if self.tp_size is not None and (not isinstance(self.tp_size, int) or self.tp_size < 1):

@@ -40,6 +40,11 @@ package is pickled by torch too): only a cache folder the user trusts should be 
 pickle. Writes go to a unique temporary file in the same folder and ``os.replace`` it, so readers
 see whole entries and concurrent writers all succeed. One rank (the last) writes, after each call that
 compiled a new graph. ``AUTOTP_CACHE=0`` turns stored graphs off with the plan cache.
+
+**Within a launch.** Where the group shares traced frames (``autotp/shared_frames.py``), the
+writing rank is the one that traces: its backend returns each :class:`StoredGraph` unlowered (it
+lowers on its first call, as the others' copies do), and the others install its frames as they
+are compiled.
 """
 
 from __future__ import annotations
@@ -246,7 +251,7 @@ class StoredForward:
     entry is written again with them (by one rank, the last: ``write``)."""
 
     def __init__(self, fn: Callable[..., Any], backend: Callable[..., Any], store: GraphStore, write: bool,
-                 session: Any = None, trace: Path | None = None) -> None:
+                 session: Any = None, trace: Path | None = None, share: Any = None) -> None:
         self.store = store
         self.trace = trace
         self.write = write and store.root is not None
@@ -262,14 +267,18 @@ class StoredForward:
                     for source, marks in g.markings.items():
                         markings.setdefault(source, {}).update(marks)
                 with cycle_collection_paused():
-                    package = DynamoPackage(fn, backend, (payload["entry"], payload["aliases"]), graphs, markings)
+                    package = DynamoPackage(fn, backend, (payload["entry"], payload["aliases"]), graphs, markings,
+                                            share=share)
                 self.loaded = graphs
                 store.outcome.status, store.outcome.reason, store.outcome.graphs = "hit", None, len(graphs)
             except (PackageError, KeyError, TypeError, ValueError) as e:
                 store.refuse(f"entry does not install ({e})")
         # a rank that writes no entry records no package it would not store (``DynamoCompiled``)
         self.package = package if package is not None else \
-            DynamoPackage(fn, backend) if self.write else DynamoCompiled(fn, backend)
+            DynamoPackage(fn, backend, share=share) if self.write or (share is not None and share.tracer) else \
+            DynamoCompiled(fn, backend, share=share)
+        if share is not None and share.tracer:
+            share.graphs = self.package.graphs
         store.outcome.load_s = time.perf_counter() - start
         self._written = len(self.loaded)
         self._write_trace()
@@ -321,15 +330,23 @@ class StoredForward:
         return self.package.uninstaller()
 
 
-def storing_backend(backend: Callable[..., Any], session: Any) -> Callable[..., Any]:
+def storing_backend(backend: Callable[..., Any], session: Any, share: Any = None) -> Callable[..., Any]:
     """``backend`` whose result is a :class:`StoredGraph`: the graph is pickled before the backend's
-    passes edit it, and the session's compiled code is its lowering for this session."""
+    passes edit it, and the session's compiled code is its lowering for this session. With
+    ``share`` (the tracing rank of ``autotp/shared_frames.py``) the graph lowers on its first call,
+    after the frame was published, as the other ranks' copies do; one that does not pickle is
+    lowered now, after publishing that the others compile the frame themselves."""
 
     def store_and_compile(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         try:
             stored = StoredGraph.of(gm, example_inputs)
         except Exception:  # noqa: BLE001 - a graph that does not pickle is compiled, not stored
+            if share is not None:
+                share.publish(None)
             return backend(gm, example_inputs)
+        if share is not None:
+            stored.owner = session
+            return stored
         return stored.bind(session, backend(gm, example_inputs))
 
     return store_and_compile

@@ -28,13 +28,26 @@ BATCH_OF_TWO = [[5, 17, 99, 3, 64, 12, 7], [8, 1, 42, 77, 30, 2, 9]]
 
 
 def _job(rank: int, world: int, folder: str, cache_dir: str, new_tokens: int, batch_of_two: bool,
-         trace_dir: str | None = None) -> dict:
+         trace_dir: str | None = None, trace_once: str = "0", fault: str | None = None) -> dict:
+    """One job's results on this rank. ``trace_once``: ``AUTOTP_TRACE_ONCE`` (default "0": every
+    rank traces, what the gate picks where each rank has a core, and what the tests that count
+    each rank's traces check); ``fault``: "install" makes rank 0's installs of the tracer's frames
+    fail, "publish" makes the tracer publish no frame (``autotp/shared_frames.py``)."""
     import os
 
     os.environ["AUTOTP_CACHE_DIR"] = cache_dir
+    os.environ["AUTOTP_TRACE_ONCE"] = trace_once
     from torch._dynamo.utils import counters
 
-    from autotp import parallelize_model
+    from autotp import compat, parallelize_model
+
+    if fault == "install" and rank == 0:
+        def refuse(*args: object) -> None:
+            raise compat.PackageError("injected: this frame does not install")
+
+        compat._install_frame = refuse
+    if fault == "publish" and rank == world - 1:
+        compat.DynamoPackage.frame_entry = lambda self, code, scope: None
 
     model = parallelize_model(folder, tp_size=world, trace_dir=trace_dir)
     ids = torch.tensor(PROMPT)
@@ -154,6 +167,49 @@ def test_a_truncated_entry_is_ignored_with_its_reason_and_rewritten(first_job: t
             assert len(stored) == len(traced) >= 2
             assert [p.read_text() for p in stored] == [p.read_text() for p in traced], name
 
+
+def test_a_cold_job_whose_ranks_share_the_tracing_ranks_frames_matches_every_rank_tracing(
+        first_job: tuple[Path, Path, list[dict]], tmp_path: Path) -> None:
+    """With ``AUTOTP_TRACE_ONCE=1`` in an empty cache, the last rank traces and rank 0 installs its
+    frames (``autotp/shared_frames.py``): rank 0 traces nothing, also for the batch of two the
+    stored guards refuse (a second compile of the frame, shared the same way), and every rank's
+    logits, plans and tokens are those of the first job, whose ranks each traced."""
+    folder, _, first = first_job
+    ref_pair, _ = one_process_reference(folder, BATCH_OF_TWO, 1, PAD_ID)
+    shared = run_ranks(_job, 2, str(folder), str(tmp_path / "cache"), 8, True, None, "1")
+
+    follower, tracer = shared
+    assert follower["traced"] == 0 and follower["traced_for_pair"] == 0
+    assert tracer["traced"] == first[-1]["traced"] >= 2 and tracer["traced_for_pair"] >= 1
+    for rank in range(2):
+        assert shared[rank]["stored"]["notes"] == []
+        assert shared[rank]["plans"] == first[rank]["plans"]
+        assert torch.equal(shared[rank]["logits"], first[rank]["logits"])
+        assert shared[rank]["tokens"] == first[rank]["tokens"]
+        torch.testing.assert_close(shared[rank]["pair"], ref_pair, atol=1e-5, rtol=1e-4)
+    assert tracer["stored"]["stored"] == tracer["traced"] + tracer["traced_for_pair"]  # it wrote every graph
+
+
+@pytest.mark.parametrize("fault", ["install", "publish"])
+def test_a_frame_that_is_not_shared_is_traced_by_each_rank_with_the_same_results(
+        first_job: tuple[Path, Path, list[dict]], tmp_path: Path, fault: str) -> None:
+    """Sharing frames where rank 0's install of each fails, or where the tracer publishes none (a
+    frame its package cannot hold): rank 0 traces every frame itself (saying why, for a failed
+    install), no rank waits for another, and the results are the first job's."""
+    folder, _, first = first_job
+    shared = run_ranks(_job, 2, str(folder), str(tmp_path / "cache"), 8, False, None, "1", fault)
+
+    assert shared[0]["traced"] == first[0]["traced"] >= 2
+    notes = shared[0]["stored"]["notes"]
+    if fault == "install":
+        assert len(notes) == first[0]["traced"]
+        assert all("did not install here (PackageError: injected" in n for n in notes)
+    else:
+        assert notes == []
+    for rank in range(2):
+        assert shared[rank]["plans"] == first[rank]["plans"]
+        assert torch.equal(shared[rank]["logits"], first[rank]["logits"])
+        assert shared[rank]["tokens"] == first[rank]["tokens"]
 
 
 def test_a_second_job_loading_two_models_of_one_class_runs_both_from_the_stored_graphs(tmp_path: Path) -> None:

@@ -314,3 +314,15 @@ def test_a_guard_filter_sees_the_entries_torch_makes_when_values_are_read_lazily
     model, x = torch.nn.Linear(3, 2), torch.randn(4, 3)
     eager = _filter_entries(model, x, lazily=False)
     assert eager and _filter_entries(model, x, lazily=True) == eager
+
+
+def test_ranks_share_traced_frames_only_when_asked() -> None:
+    """The gate of ``autotp/shared_frames.py``: the option wins, then ``AUTOTP_TRACE_ONCE``, else
+    off (its default is not on yet, see the module docstring)."""
+    from autotp.shared_frames import trace_once_default
+
+    assert not trace_once_default(None, {}, group_size=4, cores=2)
+    assert trace_once_default(None, {"AUTOTP_TRACE_ONCE": "1"}, group_size=2, cores=8)
+    assert not trace_once_default(None, {"AUTOTP_TRACE_ONCE": "off"}, group_size=4, cores=2)
+    assert trace_once_default(True, {"AUTOTP_TRACE_ONCE": "0"}, group_size=2, cores=8)
+    assert not trace_once_default(False, {}, group_size=4, cores=1)
