@@ -255,6 +255,17 @@ class _Ref:
         self.node, self.val = node, val
 
 
+def _not_node_local(n: torch.fx.Node) -> str | None:
+    """Why the node-by-node walk cannot decompose ``n`` on its own (None: it can): a node that is not
+    a call, or one that changes global state (grad mode, autocast), which only a whole-graph
+    trace sees applied to the nodes after it."""
+    if n.op not in ("call_function", "call_method", "output"):
+        return f"{n.op} node {n.name}"
+    if n.op == "call_function" and any(name in str(getattr(n.target, "__name__", n.target)) for name in _GLOBAL_STATE):
+        return f"{n.name} changes global state"
+    return None
+
+
 def _tensor_key(t: Tensor) -> tuple:
     return (tuple(t.shape), tuple(t.stride()), t.dtype, t.device.type, t.requires_grad)
 
@@ -534,11 +545,9 @@ class _NodeByNode:
                 shadow.placeholders.append((ph, n))
                 self.env[n] = _produced(ph, x) if isinstance(x, Tensor) else x
                 continue
-            if n.op not in ("call_function", "call_method", "output"):
-                raise NotNodeLocal(f"{n.op} node {n.name}")
-            if n.op == "call_function" and any(name in str(getattr(n.target, "__name__", n.target))
-                                               for name in _GLOBAL_STATE):
-                raise NotNodeLocal(f"{n.name} changes global state")
+            refused = _not_node_local(n)
+            if refused is not None:
+                raise NotNodeLocal(refused)
             args, kwargs = self.bracket_inputs(n, dst)
             if n.op == "output":
                 flat_out, spec_out = pytree.tree_flatten(args[0])
@@ -612,6 +621,8 @@ class _NodeByNode:
                     continue
                 if n.op not in ("call_function", "call_method"):
                     return pending, n.op == "output"
+                if _not_node_local(n) is not None:  # the walk refuses it; running it here would, e.g.,
+                    return pending, False  # switch grad mode for real (``_set_grad_enabled``)
                 args = torch.fx.node.map_arg(n.args, env.__getitem__)
                 kwargs = torch.fx.node.map_arg(n.kwargs, env.__getitem__)
                 flat, spec = pytree.tree_flatten((args, kwargs))

@@ -23,20 +23,12 @@ from autotp.passes.decompose import (
     decompose_by_node,
     decompose_whole,
 )
+from tests._capture import captured_graphs
 from tests._tiny import tiny_model
 
 
 def _capture(fn: Any, *args: Any, dynamic: bool | None = None, **kwargs: Any) -> tuple[torch.fx.GraphModule, list]:
-    captured: list = []
-
-    def backend(gm: torch.fx.GraphModule, example_inputs: list) -> Any:
-        captured.append((gm, example_inputs))
-        return gm.forward
-
-    torch._dynamo.reset()
-    with torch.no_grad():
-        torch.compile(fn, backend=backend, fullgraph=True, dynamic=dynamic)(*args, **kwargs)
-    return captured[0]
+    return captured_graphs(fn, lambda compiled: compiled(*args, **kwargs), dynamic=dynamic)[0]
 
 
 def _ops_per_dynamo_node(shadow: ShadowGraph) -> dict[int, Counter]:
@@ -97,9 +89,10 @@ def test_a_node_that_changes_global_state_falls_back_to_the_whole_graph_trace() 
         return y.sum()
 
     gm, example = _capture(f, torch.randn(4, 8))
+    grad_mode = torch.is_grad_enabled()
     with pytest.raises(NotNodeLocal, match="global state"):
         decompose_by_node(gm, example)
-    grad_mode = torch.is_grad_enabled()
+    assert torch.is_grad_enabled() == grad_mode  # nothing ran the switch (the batched prediction did, once)
     shadow = decompose(gm, example)
     assert torch.is_grad_enabled() == grad_mode  # the traced switch did not leak out
     (out,) = torch.fx.Interpreter(shadow.aten).run(*example)
@@ -127,18 +120,8 @@ def _capture_recompiled(model: torch.nn.Module, first: torch.Tensor, second: tor
     """The graph Dynamo compiles for a second call whose sequence length differs from the first:
     automatic dynamic shapes make the length symbolic (what parallelize_model's calls after the
     warm-up get)."""
-    captured: list = []
-
-    def backend(gm: torch.fx.GraphModule, example_inputs: list) -> Any:
-        captured.append((gm, example_inputs))
-        return gm.forward
-
-    torch._dynamo.reset()
-    compiled = torch.compile(model, backend=backend, fullgraph=True)
-    with torch.no_grad():
-        compiled(input_ids=first, use_cache=False)
-        compiled(input_ids=second, use_cache=False)
-    return captured[-1]
+    return captured_graphs(model, lambda compiled: (compiled(input_ids=first, use_cache=False),
+                                                    compiled(input_ids=second, use_cache=False)))[-1]
 
 
 def _symbolic(shadow: ShadowGraph) -> dict[str, Any]:
