@@ -10,6 +10,7 @@ import torch
 import torch.fx
 
 from autotp.cache_outputs import cache_entry_leaves
+from tests._capture import captured_graphs
 
 
 class _Layer:
@@ -28,15 +29,7 @@ class _Layer:
 
 
 def _capture(fn: Any, *args: Any) -> tuple[torch.fx.GraphModule, list[Any]]:
-    captured: list[tuple[torch.fx.GraphModule, list[Any]]] = []
-
-    def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
-        captured.append((gm, example_inputs))
-        return gm.forward
-
-    torch._dynamo.reset()
-    torch.compile(fn, backend=backend, fullgraph=True)(*args)
-    return captured[0]
+    return captured_graphs(fn, lambda compiled: compiled(*args))[0]
 
 
 def _leaf_shapes(gm: torch.fx.GraphModule, leaves: frozenset[int]) -> list[tuple[int, ...]]:

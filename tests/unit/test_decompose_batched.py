@@ -12,6 +12,7 @@ import torch
 
 from autotp.ops.registry import CONSTANT_VALUE
 from autotp.passes.decompose import SYMBOLIC_DIMS, ShadowGraph, _NodeByNode, decompose, mark_symbolic_dims
+from tests._capture import captured_graphs
 from tests._tiny import tiny_model
 from tests.unit.test_decompose import _capture, _capture_recompiled
 
@@ -43,18 +44,12 @@ def _tables(shadow: ShadowGraph) -> tuple:
 
 def _decode_step(model: torch.nn.Module) -> tuple[torch.fx.GraphModule, list]:
     """The graph of one cached decode step (after a prefill)."""
-    captured: list = []
 
-    def backend(gm: torch.fx.GraphModule, example_inputs: list) -> Any:
-        captured.append((gm, example_inputs))
-        return gm.forward
-
-    torch._dynamo.reset()
-    compiled = torch.compile(model, backend=backend, fullgraph=True)
-    with torch.no_grad():
+    def run(compiled: Any) -> Any:
         out = compiled(input_ids=torch.tensor([[1, 2, 3, 4, 5]]), use_cache=True)
-        compiled(input_ids=torch.tensor([[6]]), past_key_values=out.past_key_values, use_cache=True)
-    return captured[-1]
+        return compiled(input_ids=torch.tensor([[6]]), past_key_values=out.past_key_values, use_cache=True)
+
+    return captured_graphs(model, run)[-1]
 
 
 def _with_in_place_writes(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,7 @@ from autotp.passes.annotate import annotate
 from autotp.passes.decompose import decompose
 from autotp.passes.solve import ParamChoice, SolverOptions, solve
 from autotp.placement import R, Shard, shard_candidates
+from tests._capture import captured_graphs
 from tests._tiny import tiny_model
 
 
@@ -24,19 +25,8 @@ def _capture(model: torch.nn.Module, first: dict[str, Any] | None = None,
              **inputs: Any) -> tuple[torch.fx.GraphModule, list]:
     """The graph Dynamo compiles for a call with ``inputs``; after a call with ``first`` (other
     sizes) when given, so that graph is the dynamic-shape recompile."""
-    captured: list = []
-
-    def backend(gm: torch.fx.GraphModule, example_inputs: list) -> Any:
-        captured.append((gm, example_inputs))
-        return gm.forward
-
-    torch._dynamo.reset()
-    compiled = torch.compile(model, backend=backend, fullgraph=True)
-    with torch.no_grad():
-        if first is not None:
-            compiled(**first)
-        compiled(**inputs)
-    return captured[-1]
+    return captured_graphs(model, lambda compiled: (compiled(**first) if first is not None else None,
+                                                    compiled(**inputs)))[-1]
 
 
 def _plan(model: torch.nn.Module, world: int, recursion_limit: int | None = None, beam_width: int = 32,
