@@ -299,6 +299,17 @@ def _call(n: torch.fx.Node, args: tuple, kwargs: dict) -> Any:
     return n.target(*args, **kwargs)
 
 
+def _fresh_fake(v: Any) -> Tensor:
+    """A fresh fake tensor (under the caller's fake mode) with ``v``'s layout and ``requires_grad``:
+    a node's own input in its trace, sharing no storage with any other."""
+    return torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device).requires_grad_(v.requires_grad)
+
+
+def _mutates(m: torch.fx.Node) -> bool:
+    """Whether a traced ATen node writes through a mutable op (functionalization left it)."""
+    return m.op == "call_function" and isinstance(m.target, OpOverload) and m.target._schema.is_mutable
+
+
 def _trace_node(n: torch.fx.Node, flat: list[Any], spec: Any, fake_mode: FakeTensorMode,
                 table: dict) -> _NodeTrace:
     tensor_positions = [i for i, v in enumerate(flat) if isinstance(v, _Ref)]
@@ -317,8 +328,7 @@ def _trace_node(n: torch.fx.Node, flat: list[Any], spec: Any, fake_mode: FakeTen
 
     with fake_mode, lazy_traced_graphs():  # the trace is read and copied, never run: no Python code
         metas = [flat[i].val for i in tensor_positions]
-        fakes = [torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device).requires_grad_(v.requires_grad)
-                 for v in metas]
+        fakes = [_fresh_fake(v) for v in metas]
         graph = make_fx(torch.func.functionalize(run, remove="mutations_and_views"),
                         decomposition_table=table)(*fakes)
     inputs = [m for m in graph.graph.nodes if m.op == "placeholder"]
@@ -326,7 +336,7 @@ def _trace_node(n: torch.fx.Node, flat: list[Any], spec: Any, fake_mode: FakeTen
     for m in graph.graph.nodes:
         if m.op == "call_function" and m.target is torch.ops.aten.copy_.default and m.args[0] in inputs:
             mutated.add(inputs.index(m.args[0]))  # functionalization writes the new value back
-        elif m.op == "call_function" and isinstance(m.target, OpOverload) and m.target._schema.is_mutable:
+        elif _mutates(m):
             raise NotNodeLocal(f"{n.format_node()} mutates through {m.target}")
     return _NodeTrace(graph=graph, spec=holder["spec"], values=holder["values"], mutated=frozenset(mutated))
 
@@ -404,8 +414,7 @@ def _trace_batch(items: list[tuple[tuple, tuple[torch.fx.Node, list[Any], Any]]]
             plans.append((key, n, flat, spec, positions, len(fakes)))
             for i in positions:
                 v = flat[i].val
-                fakes.append(torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device)
-                             .requires_grad_(v.requires_grad))
+                fakes.append(_fresh_fake(v))
     windows: list[tuple[int, int, Any, list[Any], int]] = []
 
     def run(*tensors: Tensor) -> list[Tensor]:
@@ -443,8 +452,7 @@ def _trace_batch(items: list[tuple[tuple, tuple[torch.fx.Node, list[Any], Any]]]
         outs = list(output.args[0][k:k + count])
         k += count
         body = nodes[start:end]
-        if written & set(own_inputs) or any(m.op == "call_function" and isinstance(m.target, OpOverload)
-                                            and m.target._schema.is_mutable for m in body):
+        if written & set(own_inputs) or any(_mutates(m) for m in body):
             continue
         graph = torch.fx.Graph()
         mapping: dict[torch.fx.Node, torch.fx.Node] = {}
