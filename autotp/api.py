@@ -42,6 +42,7 @@ from autotp.mesh import MeshLayout, check_data_parallel, check_layout, check_tp_
 from autotp.placement import R, head_split
 from autotp.prefill_call import PrefillCall
 from autotp.progress import load_progress
+from autotp.regions import install_layer_regions
 from autotp.shared_frames import FrameChannel, available_cores, trace_once_agreed, trace_once_default
 from autotp.stored_graphs import GraphStore, StoredForward, StoredGraph, graph_key, storing_backend
 from autotp.weights import (
@@ -369,6 +370,7 @@ def parallelize_model(
     sequence_parallel: bool = False,
     fuse: bool = True,
     trace_once: bool | None = None,
+    layer_regions: bool | None = None,
     compile_inner: str | None = None,
     shared_memory: bool = True,
     mesh: Any = None,
@@ -406,6 +408,8 @@ def parallelize_model(
     ``trace_once``: one rank traces the model's frames and the others install them
     (``autotp/shared_frames.py``, with the cache on); None (default): as
     ``AUTOTP_TRACE_ONCE=1/0`` says, else off (not on by default yet, see that module).
+    ``layer_regions``: Dynamo traces a repeated decoder layer once and reuses it for the others
+    (``autotp/regions.py``); None (default): on unless ``AUTOTP_LAYER_REGIONS=0``.
     ``shared_memory`` (CPU ranks on one x86-64 host): all-reduces and small all-gathers (up to
     256 KB per rank, e.g. a decode step's logits) go through a shared-memory segment instead of
     gloo's TCP loopback (:class:`~autotp.collectives.SharedMemoryCollectives`); ``False`` keeps
@@ -434,7 +438,8 @@ def parallelize_model(
     config = AutoTPConfig(tp_size=tp_size, dtype=dtype, trace_dir=Path(trace_dir) if trace_dir else None,
                           overrides=dict(overrides.pop("overrides", {}) or {}), verify=bool(verify),
                           sequence_parallel=bool(sequence_parallel), fuse=bool(fuse),
-                          compile_inner=compile_inner or "eager", trace_once=trace_once)
+                          compile_inner=compile_inner or "eager", trace_once=trace_once,
+                          layer_regions=_layer_regions_wish(layer_regions, os.environ))
     if overrides:
         raise AutoTPError(f"unknown arguments to parallelize_model: {sorted(overrides)}")
     check_override_styles(config.overrides)  # before anything is downloaded
@@ -478,6 +483,8 @@ def parallelize_model(
     checkpoint = Checkpoint(folder)
     checkpoint.add_conversions_for(module)  # names transformers renames / converts on load
     _install_standins(module, checkpoint, dtype, device)
+    if config.layer_regions:
+        install_layer_regions(module)
     if device.type != "cpu":
         module.to(device)
 
@@ -549,6 +556,13 @@ def _frame_channel(ctx: TPContext, store: GraphStore, tracer: int) -> FrameChann
     if not trace_once_agreed(wish, ctx.comm, tracer):
         return None
     return FrameChannel(ctx.comm, tracer, ctx, StoredGraph, store.outcome.notes)
+
+
+def _layer_regions_wish(option: bool | None, environ: Mapping[str, str]) -> bool:
+    """``layer_regions`` as given, else on unless ``AUTOTP_LAYER_REGIONS`` says 0/false/off."""
+    if option is not None:
+        return bool(option)
+    return environ.get("AUTOTP_LAYER_REGIONS", "").strip().lower() not in ("0", "false", "off", "no")
 
 
 def _load_config(folder: Path, trust_remote_code: bool) -> Any:

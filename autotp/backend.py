@@ -42,6 +42,7 @@ from autotp.passes.annotate import Annotation, annotate, replicated_annotation
 from autotp.passes.checkpoint import inline_checkpoints, outline_checkpoints
 from autotp.passes.decompose import decompose
 from autotp.passes.fuse import fuse_sibling_matmuls
+from autotp.passes.inline import inline_subgraphs
 from autotp.passes.materialize import materialize
 from autotp.passes.pipeline import PassRunner
 from autotp.passes.rewrite import rewrite
@@ -216,8 +217,9 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: list[Any], ctx: TPCo
     graph_id = ctx.next_graph_id()
     folder = graph_folder(ctx.config.trace_dir, ctx.rank, graph_id) if ctx.config.trace_dir else None
     runner = PassRunner(folder)
+    inline_subgraphs(gm)  # a repeated layer Dynamo traced once is planned per call (passes/inline.py)
     if folder:
-        write_text(folder, "dynamo_graph.py", gm.code)
+        write_text(folder, "dynamo_graph.py", gm.code)  # as planned: layer regions inlined
     inputs = graph_inputs(gm, example_inputs, ctx)
     if ctx.gather_outputs:  # the torch.compile entry: no boundary of its own sees a changed cache
         refuse_spent_standins((str(grapharg_source(ph)), x) for ph, x in inputs.user)

@@ -1228,7 +1228,11 @@ def _guard_markings(package_module: Any, markings: dict[str, dict[str, Any]]) ->
     original = package_module.load_guards_state
 
     def load(data: bytes) -> Any:
-        state = original(data)
+        # unpickling some sources installs a guard into the current trace (``ImportSource``, e.g.
+        # ``torch.utils._pytree.SUPPORTED_NODES`` that a layer region's input flattening guards):
+        # a throwaway tracing context takes it; the loaded state carries its guards already
+        with torch._guards.tracing(torch._guards.TracingContext(None)):
+            state = original(data)
         scope = {"L": state.output_graph.local_scope}
         for source, marks in markings.items():
             try:

@@ -172,6 +172,8 @@ def _encode_value(v: Any) -> Any:
         return v
     if isinstance(v, float):
         return ["float", repr(v)]
+    if isinstance(v, torch.Size):  # a pickled graph's sizes come back as plain tuples
+        return ["tuple", [_encode_value(x) for x in v]]
     if isinstance(v, (tuple, list)):
         return [type(v).__qualname__, [_encode_value(x) for x in v]]
     if isinstance(v, dict):

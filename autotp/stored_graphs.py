@@ -73,6 +73,7 @@ from autotp.compat import (
 )
 from autotp.errors import AutoTPError
 from autotp.memory import cycle_collection_paused
+from autotp.passes.inline import inline_subgraphs
 from autotp.trace import write_json
 
 __all__ = ["FORMAT", "GraphStore", "StoredForward", "StoredGraph", "graph_key", "storing_backend"]
@@ -332,12 +333,13 @@ class StoredForward:
 
 def storing_backend(backend: Callable[..., Any], session: Any, share: Any = None) -> Callable[..., Any]:
     """``backend`` whose result is a :class:`StoredGraph`: the graph is pickled before the backend's
-    passes edit it, and the session's compiled code is its lowering for this session. With
+    passes edit it (its layer regions inlined, ``autotp/passes/inline.py``), and the session's compiled code is its lowering for this session. With
     ``share`` (the tracing rank of ``autotp/shared_frames.py``) the graph lowers on its first call,
     after the frame was published, as the other ranks' copies do; one that does not pickle is
     lowered now, after publishing that the others compile the frame themselves."""
 
     def store_and_compile(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        inline_subgraphs(gm)  # stored as the backend plans it: no higher-order op to unpickle
         try:
             stored = StoredGraph.of(gm, example_inputs)
         except Exception:  # noqa: BLE001 - a graph that does not pickle is compiled, not stored

@@ -32,7 +32,7 @@ import torch
 import torch.fx
 import torch.utils.checkpoint
 
-from autotp.errors import AutoTPError
+from autotp.passes.inline import inline_body
 
 __all__ = ["CheckpointReport", "CheckpointedRegion", "inline_checkpoints", "outline_checkpoints"]
 
@@ -45,49 +45,19 @@ def _is_checkpoint_op(n: torch.fx.Node) -> bool:
 
 def inline_checkpoints(gm: torch.fx.GraphModule) -> int:
     """Replace each ``tag_activation_checkpoint(body, *args)`` by a copy of ``body``'s nodes tagged
-    with its region number; returns how many regions there are."""
-    graph, regions = gm.graph, 0
-    for hop in [n for n in graph.nodes if _is_checkpoint_op(n)]:
+    with its region number (``autotp/passes/inline.py``); returns how many regions there are. A
+    body holding another checkpoint is refused there."""
+    regions = 0
+    for hop in [n for n in gm.graph.nodes if _is_checkpoint_op(n)]:
         body_node, *args = hop.args
-        if body_node.op != "get_attr":
-            raise AutoTPError(f"activation checkpoint {hop.name}: its body is not a submodule ({body_node.op})")
-        body: torch.fx.GraphModule = getattr(gm, body_node.target)
-        placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
-        if len(placeholders) != len(args):
-            raise AutoTPError(f"activation checkpoint {hop.name}: {len(args)} inputs for {len(placeholders)} "
-                              "body placeholders")
-        env: dict[torch.fx.Node, Any] = dict(zip(placeholders, args, strict=True))
-        outputs: Any = None
-        with graph.inserting_before(hop):
-            for n in body.graph.nodes:
-                if n.op == "placeholder":
-                    continue
-                if n.op == "output":
-                    outputs = torch.fx.node.map_arg(n.args[0], env.__getitem__)
-                    continue
-                if _is_checkpoint_op(n) or n.op in ("get_attr", "call_module"):
-                    raise AutoTPError(
-                        f"activation checkpoint {hop.name} holds a {n.op} ({n.target}), e.g. a nested "
-                        "checkpoint: autotp plans flat checkpointed blocks only; checkpoint the outer or the "
-                        "inner blocks, not both"
-                    )
-                copy = graph.node_copy(n, env.__getitem__)
-                copy.meta[REGION] = regions
-                env[n] = copy
-        outputs = tuple(outputs) if isinstance(outputs, (tuple, list)) else (outputs,)
-        for user in list(hop.users):
-            if user.op == "call_function" and user.target is operator.getitem:
-                user.replace_all_uses_with(outputs[user.args[1]])
-                graph.erase_node(user)
-            else:
-                raise AutoTPError(f"activation checkpoint {hop.name}: its result is used whole by {user.name}")
-        graph.erase_node(hop)
-        if not body_node.users:
-            graph.erase_node(body_node)
-            delattr(gm, body_node.target)
+
+        def tag(copy: torch.fx.Node, original: torch.fx.Node, region: int = regions) -> None:
+            copy.meta[REGION] = region
+
+        inline_body(gm, hop, body_node, args, "activation checkpoint", tag)
         regions += 1
     if regions:
-        graph.lint()
+        gm.graph.lint()
         gm.recompile()
     return regions
 

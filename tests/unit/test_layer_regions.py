@@ -1,0 +1,146 @@
+"""A repeated decoder layer is traced once (``autotp/regions.py``) and planned per call
+(``autotp/passes/inline.py``), with the tokens and logits of the plain model.
+
+One process: the regions are a Dynamo-level change, so a capturing backend sees them. Tolerance:
+none; a region runs the layer's own code on the same tensors, so every logit is bit-identical.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from autotp.api import _layer_regions_wish
+from autotp.compat import pickle_graph, unpickle_graph
+from autotp.passes.inline import inline_subgraphs, is_subgraph_call
+from autotp.plan_cache import graph_fingerprint
+from autotp.planner import _module_path
+from autotp.regions import install_layer_regions, regional_layers
+from tests._capture import captured_graphs
+from tests._tiny import tiny_model
+
+PROMPT = torch.tensor([[5, 17, 99, 3, 64, 12, 7, 9], [8, 1, 2, 3, 4, 77, 31, 40]])
+
+
+def _generate(model: torch.nn.Module, forward: object = None) -> object:
+    if forward is not None:
+        model.forward = forward
+    with torch.no_grad():
+        return model.generate(PROMPT, attention_mask=torch.ones_like(PROMPT), max_new_tokens=5, do_sample=False,
+                              output_logits=True, return_dict_in_generate=True)
+
+
+def _graphs(model: torch.nn.Module) -> list[torch.fx.GraphModule]:
+    fn = type(model).forward.__get__(model)
+    return [gm for gm, _ in captured_graphs(fn, lambda compiled: _generate(model, compiled), dynamic=None)]
+
+
+def _calls(gm: torch.fx.GraphModule) -> int:
+    return sum(1 for n in gm.graph.nodes if is_subgraph_call(n))
+
+
+def test_each_graph_of_a_generate_traces_one_layer_body_and_calls_it_once_per_layer() -> None:
+    model = tiny_model("llama", num_hidden_layers=4).eval()
+    assert install_layer_regions(model) == 4
+    graphs = _graphs(model)
+    assert len(graphs) >= 2  # the prefill and the decode steps
+    for gm in graphs:
+        bodies = [name for name, _ in gm.named_children()]
+        assert len(bodies) == 1, f"one traced body per graph, got {bodies}"
+        assert _calls(gm) == 4
+
+
+def _inlining_backend(gm: torch.fx.GraphModule, example_inputs: list) -> object:
+    """What autotp's backend does first: every region call replaced by its body."""
+    inline_subgraphs(gm)
+    return gm.forward
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma2", "mixtral", "gpt2", "olmo2"])
+def test_a_generate_through_inlined_regions_gives_the_plain_models_tokens_and_logits_exactly(arch: str) -> None:
+    plain = tiny_model(arch, num_hidden_layers=3).eval()
+    reference = _generate(plain)
+    model = tiny_model(arch, num_hidden_layers=3).eval()
+    install_layer_regions(model)
+    torch._dynamo.reset()
+    out = _generate(model, torch.compile(type(model).forward.__get__(model), backend=_inlining_backend, dynamic=None))
+    assert torch.equal(out.sequences, reference.sequences)
+    for step, (a, b) in enumerate(zip(out.logits, reference.logits, strict=True)):
+        assert torch.equal(a, b), f"{arch}: decode step {step} differs by {(a - b).abs().max().item()}"
+
+
+def test_inlined_regions_run_the_tensor_ops_dynamo_traces_without_them_in_order_and_in_their_modules() -> None:
+    plain = tiny_model("llama", num_hidden_layers=3).eval()
+    regional = tiny_model("llama", num_hidden_layers=3).eval()
+    install_layer_regions(regional)
+    for without, with_regions in zip(_graphs(plain), _graphs(regional), strict=True):
+        assert _calls(with_regions) == 3
+        assert inline_subgraphs(with_regions) == 3
+        assert not list(with_regions.named_children()) and _calls(with_regions) == 0
+
+        def ops(gm: torch.fx.GraphModule) -> list[tuple[str, str | None]]:
+            # tensor ops only: with symbolic sizes a body reads its inputs' sizes on its own
+            # (dead size getitems), where the one inlined trace computed them once (sym_sum)
+            return [(str(n.target), _module_path(n) if n.meta.get("nn_module_stack") else None)
+                    for n in gm.graph.nodes
+                    if n.op in ("call_function", "call_method") and isinstance(n.meta.get("example_value"), torch.Tensor)]
+
+        assert ops(with_regions) == ops(without)
+
+
+def test_sliding_window_layers_run_their_own_forward_and_global_ones_share_a_body() -> None:
+    # Gemma-2 alternates sliding (a DynamicSlidingWindowLayer cache: not eligible) and global layers
+    model = tiny_model("gemma2", num_hidden_layers=4).eval()
+    install_layer_regions(model)
+    for gm in _graphs(model):
+        assert _calls(gm) == 2  # the two global layers; the two sliding ones are inlined as before
+
+
+def test_a_call_without_a_cache_trains_through_the_layers_own_forward() -> None:
+    model = tiny_model("llama", num_hidden_layers=3)
+    reference = tiny_model("llama", num_hidden_layers=3)
+    install_layer_regions(model)
+    labels = PROMPT.clone()
+    loss = torch.compile(model, backend="eager")(input_ids=PROMPT, labels=labels, use_cache=False).loss
+    loss.backward()
+    ref = reference(input_ids=PROMPT, labels=labels, use_cache=False).loss
+    ref.backward()
+    assert torch.equal(loss.detach(), ref.detach())
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-6, atol=1e-7), name
+
+
+def test_models_without_one_stack_of_cached_layers_are_left_alone() -> None:
+    assert regional_layers(tiny_model("t5")) == []  # an encoder-decoder: two stacks
+    model = tiny_model("llama")
+    before = [type(layer) for layer in model.model.layers]
+    assert install_layer_regions(model) == 2 and install_layer_regions(model) == 2
+    assert [type(layer).__mro__[1] for layer in model.model.layers] == before  # swapped once, not twice
+
+
+def test_the_cache_layer_state_the_wrapper_sets_outside_the_region_is_what_dynamic_layer_initializes() -> None:
+    from transformers.cache_utils import DynamicLayer
+
+    layer = DynamicLayer()
+    before = set(vars(layer))
+    layer.lazy_initialization(torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 3, 4))
+    changed = {name for name, value in vars(layer).items() if name not in before or value is not None}
+    assert changed == {"device", "keys", "values", "is_initialized"}
+
+
+def test_layer_regions_are_on_unless_the_option_or_the_environment_turns_them_off() -> None:
+    assert _layer_regions_wish(None, {}) is True
+    assert _layer_regions_wish(None, {"AUTOTP_LAYER_REGIONS": "0"}) is False
+    assert _layer_regions_wish(None, {"AUTOTP_LAYER_REGIONS": "off"}) is False
+    assert _layer_regions_wish(False, {}) is False
+    assert _layer_regions_wish(True, {"AUTOTP_LAYER_REGIONS": "0"}) is True
+
+
+def test_an_inlined_graph_keys_the_plan_cache_as_its_stored_copy_does() -> None:
+    # a warm launch plans the stored (pickled) graph: its key must be the one the cold launch
+    # stored its plan under, symbolic decode graphs included (their bodies read torch.Size values)
+    model = tiny_model("llama", num_hidden_layers=3).eval()
+    install_layer_regions(model)
+    for gm in _graphs(model):
+        inline_subgraphs(gm)
+        assert graph_fingerprint(unpickle_graph(pickle_graph(gm))) == graph_fingerprint(gm)
