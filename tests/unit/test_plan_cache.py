@@ -241,7 +241,9 @@ def test_concurrent_writers_of_one_entry_both_succeed_and_readers_never_see_a_pa
     entry = _entry(cache)
     data = json.loads(entry.read_text())
     args = (str(cache.root), data["key"], entry.stem, data["payload"], 40)
-    with multiprocessing.get_context("spawn").Pool(2) as pool:
+    # forked, not spawned: a writer only stores JSON (no torch), and a spawned one would import
+    # this module, torch with it, to find _write_many (~4 CPU-s each)
+    with multiprocessing.get_context("fork").Pool(2) as pool:
         pending = [pool.apply_async(_write_many, args) for _ in range(2)]
         reads = 0
         while not all(p.ready() for p in pending):
