@@ -188,11 +188,11 @@ def test_a_parameter_pinned_elsewhere_misses_and_keeps_its_placement(first) -> N
     assert b["plans"][0]["parameters"][name]["placement"] == "R"
 
 
-def test_a_location_that_cannot_be_written_works_without_a_cache_and_warns_once(tmp_path: Path) -> None:
+def test_a_location_that_cannot_be_written_works_without_a_cache_and_warns_once(_first_compile, tmp_path: Path) -> None:
+    _, reference = _first_compile  # the same model compiled into a folder that could be written
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
     cache = PlanCache(blocker / "cache")
-    reference = _compile(PlanCache(tmp_path / "ok"))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         a = _compile(cache)
