@@ -442,12 +442,13 @@ def test_png_without_matplotlib_is_refused_before_planning(
 
 
 @pytest.mark.parametrize("arch", ["t5", "gpt2", "opt"])
-def test_the_drawings_show_every_collective_once_and_each_stack_apart(t5_command, arch: str) -> None:
+def test_the_drawings_show_every_collective_once_and_each_stack_apart(request: pytest.FixtureRequest, arch: str
+                                                                       ) -> None:
     from autotp.render import CollectiveRow, plan_blocks
 
-    # T5's is the plan autotp plan made (its forward is the prefill that fills the KV cache): the
-    # module plans tiny T5 once
-    report = t5_command[3] if arch == "t5" else tiny_plan(arch)
+    # T5's is the plan autotp plan made (t5_command; its forward is the prefill that fills the KV
+    # cache): the module plans tiny T5 once
+    report = request.getfixturevalue("t5_command")[3] if arch == "t5" else tiny_plan(arch)
     blocks = plan_blocks(report)
     drawn: Counter = Counter()
     for b in blocks:  # tied modules (T5's embed_tokens, GPT-2's lm_head) and sums outside blocks included
