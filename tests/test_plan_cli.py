@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -94,9 +95,33 @@ def test_a_decode_step_gives_collectives_per_token_and_the_kv_cache_per_rank(rep
     assert report.kv_cache_bytes_per_rank == report.kv_cache_bytes_total // 2
 
 
-def test_an_encoder_decoder_reports_each_stacks_blocks_in_its_forward_and_its_decode_steps(
-    monkeypatch: pytest.MonkeyPatch
-) -> None:
+@pytest.fixture(scope="module")
+def t5_command(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, str, PlanReport, list[Any]]:
+    """Tiny T5 (a config-only folder) planned at tp=2 once per module by ``autotp plan``, into an
+    empty report cache: the folder, the cache, what the command printed, the report the planner
+    made for it and the planner's traced runs (``planner._trace``). Two tests read it: the report's
+    graphs, and the command's text served again from the cache (planning it twice, once from the
+    config and once by the command, cost the same plan twice). Read it, never change it."""
+    import contextlib
+    import io
+
+    from autotp import planner
+
+    folder = tmp_path_factory.mktemp("t5") / "t5"
+    tiny_config("t5", pad_token_id=PAD_ID).save_pretrained(folder)
+    cache = tmp_path_factory.mktemp("t5-report-cache")
+    runs, reports, trace, plan = [], [], planner._trace, planner.plan_model
+    printed = io.StringIO()
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(printed):
+        patch.setenv("AUTOTP_CACHE_DIR", str(cache))
+        patch.setattr(planner, "_trace", lambda *a, **k: runs.append(trace(*a, **k)) or runs[-1])
+        patch.setattr(planner, "plan_model", lambda *a, **k: reports.append(plan(*a, **k)) or reports[-1])
+        assert main(["plan", str(folder), "--tp", "2"]) == 0
+    (report,) = reports
+    return folder, cache, printed.getvalue(), report, runs
+
+
+def test_an_encoder_decoder_reports_each_stacks_blocks_in_its_forward_and_its_decode_steps(t5_command) -> None:
     """T5 at tp=2: the forward runs both stacks, the decode steps the decoder alone: the first
     (``generate``'s first decoder call: an empty cache, the cross-attention's keys and values
     projected from the encoder's output and stored) and every later one (reading them from the
@@ -105,11 +130,7 @@ def test_an_encoder_decoder_reports_each_stacks_blocks_in_its_forward_and_its_de
     :meth:`PlanReport.block_collectives` counts them. Block 0 of each stack also looks up its
     relative-position bias, split by heads with no collective of its own
     (tests/distributed/test_architectures.py)."""
-    from autotp import planner
-
-    runs, trace = [], planner._trace
-    monkeypatch.setattr(planner, "_trace", lambda *a, **k: runs.append(trace(*a, **k)) or runs[-1])
-    report = plan_model(tiny_config("t5", pad_token_id=PAD_ID), 2)
+    *_, report, runs = t5_command
 
     assert report.decode is not None and report.first_decode is not None, report.decode_note
     decoder = {0: {"all_reduce": 3}, 1: {"all_reduce": 3}}
@@ -155,16 +176,14 @@ def test_a_decoder_only_model_has_no_first_decode_step_of_its_own(report: PlanRe
 
 
 def test_autotp_plan_prints_an_encoder_decoders_first_decode_step_and_its_cache_keeps_it(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    t5_command, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """The command's text names the first decode step; the report cache (autotp/report_cache.py)
     serves the same report again, first decode step included, in text and JSON."""
-    monkeypatch.setenv("AUTOTP_CACHE_DIR", str(tmp_path / "cache"))
-    folder = tmp_path / "t5"
-    tiny_config("t5", pad_token_id=PAD_ID).save_pretrained(folder)
+    folder, cache, planned, _, _ = t5_command  # planned into an empty cache
+    monkeypatch.setenv("AUTOTP_CACHE_DIR", str(cache))
 
-    assert main(["plan", str(folder), "--tp", "2"]) == 0
-    planned = capsys.readouterr().out
+    assert "timings: read from the report cache" not in planned
     assert main(["plan", str(folder), "--tp", "2"]) == 0
     again = capsys.readouterr().out
     assert main(["plan", str(folder), "--tp", "2", "--json"]) == 0
@@ -423,11 +442,13 @@ def test_png_without_matplotlib_is_refused_before_planning(
 
 
 @pytest.mark.parametrize("arch", ["t5", "gpt2", "opt"])
-def test_the_drawings_show_every_collective_once_and_each_stack_apart(arch: str) -> None:
+def test_the_drawings_show_every_collective_once_and_each_stack_apart(request: pytest.FixtureRequest, arch: str
+                                                                       ) -> None:
     from autotp.render import CollectiveRow, plan_blocks
-    from tests._tiny import tiny_plan
 
-    report = tiny_plan(arch)
+    # T5's is the plan autotp plan made (t5_command; its forward is the prefill that fills the KV
+    # cache): the module plans tiny T5 once
+    report = request.getfixturevalue("t5_command")[3] if arch == "t5" else tiny_plan(arch)
     blocks = plan_blocks(report)
     drawn: Counter = Counter()
     for b in blocks:  # tied modules (T5's embed_tokens, GPT-2's lm_head) and sums outside blocks included

@@ -30,6 +30,7 @@ for N = 2 and 4) sum partial results across ranks, which reorders fp32 additions
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -310,14 +311,18 @@ def test_t5_encoder_blocks_reduce_twice_and_decoder_blocks_three_times(tp: int) 
     hidden 64 it is a large parameter (``passes/solve.py``: objective), and it is no vocabulary (the
     graph computes its buckets), so it may be split by columns (``autotp/ops/embedding.py``): each
     rank looks up its own heads' biases, which is what attention wants, and the lookup issues no
-    collective. The least-communication plan is proved (certificate gap 0)."""
-    report = _plan("t5") if tp == 2 else tiny_plan("t5", tp, pad_token_id=PAD_ID)
+    collective. The least-communication plan is proved (certificate gap 0).
 
-    assert report.block_collectives() == _t5_blocks()
+    At tp=2 the batch-1 plan is read off :func:`_t5_at_batch_2`: its warm-up is that plan (the
+    parameters it fixed and the graph it solved freely), so tiny T5 is planned once for both tests."""
+    report, graph = (_t5_at_batch_2(), "warm-up") if tp == 2 else (tiny_plan("t5", tp, pad_token_id=PAD_ID), "forward")
+
+    assert report.graph(graph).input_shape == (1, 2 * tp + 1)
+    assert report.block_collectives(graph) == _t5_blocks()
     assert {name: p["placement"] for name, p in report.parameters.items() if "relative_attention_bias" in name} \
         == {f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias.weight": "S(1)"
             for stack in ("encoder", "decoder")}
-    assert report.forward.gap == 0
+    assert report.graph(graph).gap == 0
 
 
 def test_t5_position_bias_split_by_heads_is_an_override_and_its_row_split_costs_a_reduce_scatter() -> None:
@@ -331,7 +336,7 @@ def test_t5_position_bias_split_by_heads_is_an_override_and_its_row_split_costs_
                          overrides={"*relative_attention_bias*": "shard(0)"})
 
     assert by_heads.block_collectives() == _t5_blocks()
-    assert by_heads.forward.collectives == _plan("t5").forward.collectives
+    assert by_heads.forward.collectives == _t5_at_batch_2().warmup.collectives  # the free batch-1 plan's
     bias = {"reduce_scatter": 1}
     assert by_rows.block_collectives() == {stack: {0: blocks[0] | bias, 1: blocks[1]}
                                            for stack, blocks in _t5_blocks().items()}
@@ -342,16 +347,27 @@ def _t5_blocks() -> dict[str, dict[int, dict[str, int]]]:
     return {stack: {block: {"all_reduce": n} for block in range(2)} for stack, n in sorted(T5_ALL_REDUCES.items())}
 
 
+@functools.cache
+def _t5_at_batch_2() -> Any:
+    """Tiny T5 planned at tp=2 for a batch of 2 (once per session; read it, never change it): the
+    warm-up (batch 1, ``2*tp+1`` tokens) whose free solve fixes every placement, kept as
+    ``warmup`` (the batch-1 plan: ``tests/unit/test_plans_at_real_widths.py:
+    test_a_batch_2_plan_keeps_its_warm_up_which_is_the_batch_1_plan``), then the batch-2 forward
+    solved with them pinned."""
+    from autotp.planner import plan_model
+
+    return plan_model(tiny_config("t5", pad_token_id=PAD_ID), 2, decode=False, batch=2)
+
+
 def test_t5_at_batch_2_keeps_its_blocks_plan_where_the_certificate_widens_the_beam() -> None:
     """The batch-2 forward, solved with the batch-1 warm-up's parameters pinned, ended at a beam of
     32 in a costlier plan (64,592 against the certificate's 60,496: a reduce-scatter, a batch-sharded
     norm and two all-gathers at the encoder's end); the certificate's gap makes the solver search
     again with a wider beam (``passes/solve.py: GAP_WIDENING``), which finds the batch-1 blocks and
     proves them optimal."""
-    from autotp.planner import plan_model
+    report = _t5_at_batch_2()
 
-    report = plan_model(tiny_config("t5"), 2, decode=False, batch=2)
-
+    assert report.forward.input_shape == (2, 5)
     assert report.block_collectives() == _t5_blocks()
     assert report.forward.gap == 0
 

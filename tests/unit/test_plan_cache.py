@@ -188,11 +188,11 @@ def test_a_parameter_pinned_elsewhere_misses_and_keeps_its_placement(first) -> N
     assert b["plans"][0]["parameters"][name]["placement"] == "R"
 
 
-def test_a_location_that_cannot_be_written_works_without_a_cache_and_warns_once(tmp_path: Path) -> None:
+def test_a_location_that_cannot_be_written_works_without_a_cache_and_warns_once(_first_compile, tmp_path: Path) -> None:
+    _, reference = _first_compile  # the same model compiled into a folder that could be written
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
     cache = PlanCache(blocker / "cache")
-    reference = _compile(PlanCache(tmp_path / "ok"))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         a = _compile(cache)
@@ -241,7 +241,9 @@ def test_concurrent_writers_of_one_entry_both_succeed_and_readers_never_see_a_pa
     entry = _entry(cache)
     data = json.loads(entry.read_text())
     args = (str(cache.root), data["key"], entry.stem, data["payload"], 40)
-    with multiprocessing.get_context("spawn").Pool(2) as pool:
+    # forked, not spawned: a writer only stores JSON (no torch), and a spawned one would import
+    # this module, torch with it, to find _write_many (~4 CPU-s each)
+    with multiprocessing.get_context("fork").Pool(2) as pool:
         pending = [pool.apply_async(_write_many, args) for _ in range(2)]
         reads = 0
         while not all(p.ready() for p in pending):

@@ -131,6 +131,10 @@ CASES = [pytest.param(arch, tp, 1, id=f"{arch}-tp{tp}") for arch in REAL_WIDTHS 
 #: batch-2 case (then dropped)
 _BATCH2_PLANS: dict[str, Any] = {}
 
+#: (arch, tp) -> a batch-1 plan of the matrix that a later test reads too (None until the matrix
+#: made it): GPT-2's at tp=2 is :func:`test_a_batch_2_plan_keeps_its_warm_up_which_is_the_batch_1_plan`'s
+_READ_AGAIN: dict[tuple[str, int], Any] = {("gpt2", 2): None}
+
 
 def _planned(arch: str, tp: int, batch: int) -> tuple[Any, Any]:
     """The plan of ``arch`` at ``tp`` and ``batch`` (decode not planned) and its forward graph at that
@@ -146,6 +150,8 @@ def _planned(arch: str, tp: int, batch: int) -> tuple[Any, Any]:
     if largest and batch == 1:
         _BATCH2_PLANS[arch] = report
         return report, report.warmup
+    if (arch, tp) in _READ_AGAIN and batch == 1:
+        _READ_AGAIN[arch, tp] = report
     return report, report.forward
 
 
@@ -180,7 +186,8 @@ def test_a_batch_2_plan_keeps_its_warm_up_which_is_the_batch_1_plan() -> None:
     its forward (the same collectives, at the same sites, of the same bytes), with the same
     parameter placements. A plan at the warm-up shape has no separate warm-up."""
     config = _config("gpt2")
-    one, two = plan_model(config, 2, decode=False), plan_model(config, 2, decode=False, batch=2)
+    one = _READ_AGAIN["gpt2", 2] or plan_model(config, 2, decode=False)  # the matrix's, where it ran first
+    two = plan_model(config, 2, decode=False, batch=2)
 
     assert one.warmup is None and two.warmup is not None
     assert (two.warmup.input_shape, two.forward.input_shape) == ((1, 5), (2, 5))
