@@ -73,7 +73,14 @@ the frontier at once. When the frontier outgrows ``beam_width``, states another 
 go first (exact, :meth:`_Search.dominates`); then a beam keeps the ``beam_width`` cheapest states
 and, for every placement any live value takes, the cheapest state with that placement (a *cover*:
 a choice with few follow-up variants, such as an all-reduce, is not crowded out by one with many,
-such as a reduce-scatter whose all-gather is still unpaid). States are ranked by the cost paid so
+such as a reduce-scatter whose all-gather is still unpaid), and, for every *signature* (the
+placements of the live values an op computed: no edge can change them before their Dynamo node's
+later ops read them together), the cheapest state with it. The per-value cover alone lost every
+feasible plan of T5's cache-free forward at a beam of 32: in the cross-attention's
+``q @ k^T`` both projections arrive ``Partial``, the edge into the attention node decides each
+(kept ``Partial`` for free, or reduced), and the cheapest states kept both free, so the beam
+held a state with q's heads split and one with k's, never one with both; the ``bmm`` then took
+only ``Partial`` scores, which the softmax rejects. States are ranked by the cost paid so
 far (ties: the one owing the least reduction first); ranking a live ``Partial`` by the reduction it still owes, and a live ``Shard`` by
 nothing, lost Megatron's plan in block 1 of a 4-layer Gemma-2-9B at tp=8 (its ``o_proj`` output
 is ``Partial`` where the plan that gathers the attention output is not yet charged for it).
@@ -789,6 +796,8 @@ class _Search:
         self.movable = {s.index for s in steps if s.kind == "mark"
                         and all(u.target is EDGE and step_of.get(u) is not None and step_of[u] not in pinned_edges
                                 for u in s.node.users)}
+        #: op outputs: no edge lies between them and the ops of their Dynamo node that read them
+        self.computed = {s.index for s in steps if s.kind in ("op", "getitem")}
         #: (value, placement in a, in b[, ready in a, ready in b]) -> :meth:`conversion`
         self.conversions: dict[tuple, float] = {}
         #: value -> its position in the live tuples of the states :meth:`undominated` compares
@@ -796,7 +805,7 @@ class _Search:
         self.live_at: dict[int, int] = {}
         #: every parameter placed by an earlier graph: :meth:`dominates` also compares states that
         #: hold values ready differently (that costs a search with free parameters more than it
-        #: saves: 2x the CPU of tiny T5's, whose beam widens to 256)
+        #: saves: 2x the CPU of tiny T5's, when its beam widened to 256)
         self.pinned = not free
         #: id of a state :meth:`undominated` compares -> its ready and live (value, placement) pairs
         self.covers: dict[int, frozenset] = {}
@@ -1005,8 +1014,10 @@ class _Search:
         state, the best-ranked state that has it. Without that cover a placement with few variants
         is crowded out by one with many (a reduce-scatter whose all-gather is still to come spawns
         more partial plans than the all-reduce it competes with, and looks cheaper until the
-        all-gather is paid), and the beam loses the cheaper plan for good. The cheapest state the
-        beam drops bounds the optimum from below (the certificate)."""
+        all-gather is paid), and the beam loses the cheaper plan for good. The same for every
+        :meth:`signature_of` some state shows: a cover of single placements does not keep the
+        combinations that a later op reads together (the module docstring's T5 case). The
+        cheapest state the beam drops bounds the optimum from below (the certificate)."""
         survivors = self.undominated(states)
         if len(survivors) <= self.opts.beam_width:
             return dict(survivors)
@@ -1065,10 +1076,24 @@ class _Search:
             if new:
                 kept[key] = value
                 covered.update(new)
+        signatures = {self.signature_of(key) for key in kept}
+        for key, value in ranked[self.opts.beam_width:]:
+            if key not in kept and (sig := self.signature_of(key)) not in signatures:
+                kept[key] = value
+                signatures.add(sig)
         self.trace.pruned_states += len(ranked) - len(kept)
         dropped = min((v[0] for k, v in ranked[self.opts.beam_width:] if k not in kept), default=float("inf"))
         self.trace.pruned_min = min(self.trace.pruned_min, dropped)
         return kept
+
+    def signature_of(self, key: State) -> tuple:
+        """The placements of ``key``'s live op outputs (:attr:`computed`): fixed until the later
+        ops of their Dynamo node read them, which may accept only some combinations of them
+        (``bmm`` needs q and k split alike), so :meth:`rank` keeps the cheapest state of each.
+        Parameters and Dynamo-node outputs are left out: the per-placement cover keeps theirs,
+        and their combinations would multiply the states (at most a few dozen extra states on
+        the real-width plan matrix as it is)."""
+        return tuple(item for item in key[0] if item[0] in self.computed)
 
     def dominates(self, a: State, cost_a: float, b: State, cost_b: float,
                   loose: list[int] | None = None) -> bool:

@@ -18,7 +18,7 @@ from autotp.passes.decompose import decompose
 from autotp.passes.solve import ParamChoice, SolverOptions, solve
 from autotp.placement import R, Shard, shard_candidates
 from tests._capture import captured_graphs
-from tests._tiny import tiny_model
+from tests._tiny import tiny_model, tiny_plan
 
 
 def _capture(model: torch.nn.Module, first: dict[str, Any] | None = None,
@@ -304,6 +304,17 @@ def test_where_the_beam_drops_partial_plans_the_linear_program_proves_its_plan_o
     assert uncertified.trace.pruned_states > 0 and uncertified.gap > 0
     assert solution.trace.certificate["method"] == "lp"
     assert solution.gap == 0 and solution.lower_bound == solution.cost == uncertified.cost
+
+
+def test_t5s_forward_keeps_a_feasible_plan_in_a_beam_of_32() -> None:
+    """Tiny T5's cross-attention reads q and k, both ``Partial`` from their projections, in one
+    ``bmm``: only some pairs of their placements lead to a plan. The beam keeps the cheapest state
+    of each pair (the live op outputs' signature), so the first search ends in a plan and the
+    solver never widens the beam to find one (it lost every plan at 32 and reran at 256)."""
+    trace = tiny_plan("t5").record.solution.trace
+
+    assert trace.widened_to is None
+    assert trace.backtrack_count > 0  # the pairs that lead nowhere were there, and were abandoned
 
 
 def test_without_scipys_highs_bindings_the_linear_program_goes_through_linprog_to_the_same_bound(
