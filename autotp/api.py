@@ -408,8 +408,9 @@ def parallelize_model(
     ``trace_once``: one rank traces the model's frames and the others install them
     (``autotp/shared_frames.py``, with the cache on); None (default): as
     ``AUTOTP_TRACE_ONCE=1/0`` says, else off (not on by default yet, see that module).
-    ``layer_regions``: Dynamo traces a repeated decoder layer once and reuses it for the others
-    (``autotp/regions.py``); None (default): on unless ``AUTOTP_LAYER_REGIONS=0``.
+    ``layer_regions``: Dynamo traces a repeated decoder layer of a decode step once and reuses it
+    for the others (``autotp/regions.py``); None (default): as ``AUTOTP_LAYER_REGIONS=1/0`` says,
+    else off (experimental: torch 2.13 fails some recompiles of a stamped-out region).
     ``shared_memory`` (CPU ranks on one x86-64 host): all-reduces and small all-gathers (up to
     256 KB per rank, e.g. a decode step's logits) go through a shared-memory segment instead of
     gloo's TCP loopback (:class:`~autotp.collectives.SharedMemoryCollectives`); ``False`` keeps
@@ -559,10 +560,11 @@ def _frame_channel(ctx: TPContext, store: GraphStore, tracer: int) -> FrameChann
 
 
 def _layer_regions_wish(option: bool | None, environ: Mapping[str, str]) -> bool:
-    """``layer_regions`` as given, else on unless ``AUTOTP_LAYER_REGIONS`` says 0/false/off."""
+    """``layer_regions`` as given, else off unless ``AUTOTP_LAYER_REGIONS`` says 1/true/on (opt-in:
+    torch 2.13 fails some recompiles of a stamped-out region, see ``autotp/regions.py``)."""
     if option is not None:
         return bool(option)
-    return environ.get("AUTOTP_LAYER_REGIONS", "").strip().lower() not in ("0", "false", "off", "no")
+    return environ.get("AUTOTP_LAYER_REGIONS", "").strip().lower() in ("1", "true", "on", "yes")
 
 
 def _load_config(folder: Path, trust_remote_code: bool) -> Any:

@@ -34,8 +34,8 @@ class AutoTPConfig:
     ``trace_once``: one rank traces the model's frames and the others install them
     (``autotp/shared_frames.py``; needs the cache on); None: as ``AUTOTP_TRACE_ONCE=1/0`` says,
     else off (not on by default yet, see that module).
-    ``layer_regions``: Dynamo traces a repeated decoder layer once and stamps out the others
-    (``autotp/regions.py``); False: every layer is traced (Dynamo's inlining, as before).
+    ``layer_regions``: Dynamo traces a repeated decoder layer of a decode step once and stamps out
+    the others (``autotp/regions.py``; opt-in, ``parallelize_model`` reads ``AUTOTP_LAYER_REGIONS``).
     """
 
     tp_size: int | None = None
@@ -49,7 +49,7 @@ class AutoTPConfig:
     sequence_parallel: bool = False
     fuse: bool = True
     trace_once: bool | None = None
-    layer_regions: bool = True
+    layer_regions: bool = False
 
     def __post_init__(self) -> None:
         if self.tp_size is not None and (not isinstance(self.tp_size, int) or self.tp_size < 1):

@@ -21,10 +21,12 @@ would have. The layer's own ``forward`` runs unchanged inside the region.
 
 Which calls go through the region (:func:`_eligible`, decided while Dynamo traces, from what the
 call holds): a KV cache whose ``update`` is transformers' ``Cache.update`` (not overridden),
-without offloading, that already holds a layer at this index, and that layer exactly a
-``DynamicLayer``. Every other call (training without a cache, sliding-window, static or quantized
+without offloading, that already holds a layer at this index, that layer exactly a
+``DynamicLayer`` and already holding keys: decode steps (and later chunks of a prompt). Every other
+call (a prefill into an empty cache, training without a cache, sliding-window, static or quantized
 cache layers, a cache that grows its layer list on demand) runs the layer's own ``forward``,
-inlined as before. The attention reads the stand-in cache through ``update`` only; a layer that
+inlined as before; a prefill is left out because torch 2.13 failed to stamp out its region after
+a recompile (:func:`_eligible`). The attention reads the stand-in cache through ``update`` only; a layer that
 reads anything else of it (its length, its mask sizes) gets the one layer's answer
 (:class:`_OneLayerCache` answers ``get_seq_length`` and ``get_mask_sizes`` from that layer, which
 is what transformers' cache answers for that index).
@@ -39,8 +41,12 @@ parameters of every layer are still graph inputs with their own guards, so the t
 
 :func:`install_layer_regions` swaps each layer of the one layer stack (``depth.layer_stack``) to a
 subclass made once per layer class (its ``forward`` is :func:`_regional_forward`, its name
-``Regional<Name>_<digest>``); the layer's attributes and parameters are its own. ``AutoTPConfig.layer_regions=False`` leaves
-the model alone.
+``Regional<Name>_<digest>``); the layer's attributes and parameters are its own. It runs only
+where ``parallelize_model(layer_regions=True)`` / ``AUTOTP_LAYER_REGIONS=1`` asks: **opt-in**,
+because torch 2.13 fails to recompile a graph whose stamped-out region bound a size that the
+recompile specializes (``InternalTorchDynamoError: KeyError: <size>`` in ``stamp_out_subgraph``;
+measured: forwards at batch 1, then a generate at batch 2; and, before prefills were left out, a
+32-token forward then a generate from 8 tokens). A crash, never a wrong result, but a user flow.
 """
 
 from __future__ import annotations
@@ -68,10 +74,9 @@ class _OneLayerCache:
     """The KV cache a layer sees inside its region: one ``DynamicLayer`` (fresh, made inside the
     region from the keys and values passed in) answering for every layer index."""
 
-    def __init__(self, keys: torch.Tensor | None, values: torch.Tensor | None) -> None:
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         self.layer = DynamicLayer()
-        if keys is not None:
-            _hold(self.layer, keys, values)
+        _hold(self.layer, keys, values)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,17 +90,20 @@ class _OneLayerCache:
 
 
 @torch.compiler.nested_compile_region
-def _layer_region(layer: torch.nn.Module, past: tuple[torch.Tensor, torch.Tensor] | None, keyword: str,
+def _layer_region(layer: torch.nn.Module, keys: torch.Tensor, values: torch.Tensor, keyword: str,
                   args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, torch.Tensor, torch.Tensor]:
     """One decoder layer's forward on its cache layer's tensors: (output, new keys, new values)."""
-    cache = _OneLayerCache(*(past if past is not None else (None, None)))
+    cache = _OneLayerCache(keys, values)
     out = _own_class(layer).forward(layer, *args, **{**kwargs, keyword: cache})
     return out, cache.layer.keys, cache.layer.values
 
 
 def _eligible(cache: Any, index: Any) -> Any:
     """The cache layer this call's region reads and writes, or None where the call runs as it is
-    (see the module docstring)."""
+    (see the module docstring). The caller also runs a layer whose cache layer holds nothing yet
+    (a prefill) as it is: torch 2.13 failed to stamp out that region once a prefill graph was
+    traced again for another prompt length (``InternalTorchDynamoError: KeyError`` in
+    ``stamp_out_subgraph``; measured: a 32-token forward, then a generate from 8 tokens)."""
     if not isinstance(index, int) or not isinstance(cache, Cache) or getattr(cache, "offloading", False):
         return None
     if type(cache).update is not Cache.update or index >= len(cache.layers):
@@ -120,11 +128,10 @@ def _regional_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     keyword = type(self)._autotp_cache_keyword
     cache = kwargs.get(keyword)
     target = _eligible(cache, self._autotp_layer_index) if cache is not None else None
-    if target is None:
+    if target is None or not target.is_initialized:  # a prefill into an empty cache layer: see _eligible
         return own(self, *args, **kwargs)
-    past = (target.keys, target.values) if target.is_initialized else None
     rest = {k: v for k, v in kwargs.items() if k != keyword}
-    out, keys, values = _layer_region(self, past, keyword, args, rest)
+    out, keys, values = _layer_region(self, target.keys, target.values, keyword, args, rest)
     _hold(target, keys, values)
     return out
 
