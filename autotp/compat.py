@@ -1340,9 +1340,18 @@ class FrameShare(Protocol):
     def begin(self, name: tuple[str, str, int]) -> None:
         """Tracer: a frame callback for the frame ``name`` starts; one publication is owed."""
 
+    def prepare(self, entry: FrameEntry) -> tuple[FrameEntry, dict[str, Callable[..., Any]],
+                                                  dict[str, dict[str, Any]]] | None:
+        """Tracer: what :meth:`receive` will give the followers for ``entry`` (its graphs, the
+        markings), for the tracer to install it too; None where the entry cannot be sent."""
+
+    def not_installed(self, error: Exception) -> None:
+        """Tracer: its own install of the prepared entry failed (it publishes None)."""
+
     def publish(self, item: FrameEntry | FrameSkip | None) -> None:
-        """Tracer: publish what is owed; a no-op where this callback already published. After a
-        :class:`FrameEntry`, waits for the others to say whether it installed."""
+        """Tracer: publish what is owed (a :class:`FrameEntry` that was prepared); a no-op where
+        this callback already published. After a :class:`FrameEntry`, waits for the others to say
+        whether it installed."""
 
     def receive(self, name: tuple[str, str, int]) -> tuple[FrameEntry, dict[str, Callable[..., Any]],
                                                            dict[str, dict[str, Any]]] | FrameSkip | None:
@@ -1436,11 +1445,33 @@ def _publishing_callback(frame: Any, cache_entry: Any, frame_state: Any, *, inne
         result = inner(frame, cache_entry, frame_state)
         if getattr(result, "guarded_code", None) is not None:
             item = entry_of(frame.f_code, frame.f_globals)
+            shared = None if item is None else share.prepare(item)
+            if shared is None:
+                item = None
+            else:  # run the frame as the followers will: its guards loaded from the same state
+                try:
+                    installed = _install_frame(frame, *shared)
+                    _move_cleanup(result.guarded_code.code, installed.guarded_code.code)
+                    result = installed
+                except Exception as e:  # noqa: BLE001 - any failure: no rank installs it
+                    share.not_installed(e)
+                    item = None
         elif result is not None:
             item = FrameSkip.of(result)
         return result
     finally:
         share.publish(item)
+
+
+def _move_cleanup(compiled: types.CodeType, installed: types.CodeType) -> None:
+    """Dynamo takes the globals a compile installed (compiled functions, resume functions) out of
+    the module when the code it made is collected (``utils.CleanupManager``); the tracer runs the
+    installed ``installed`` instead of ``compiled``, so the globals go with ``installed``."""
+    manager = require("torch._dynamo.utils", "CleanupManager").instance
+    hooks = manager.get(compiled)
+    if hooks is not None:
+        manager[compiled] = []
+        manager[installed] = hooks
 
 
 def _receiving_callback(frame: Any, cache_entry: Any, frame_state: Any, *, inner: Callable[..., Any],

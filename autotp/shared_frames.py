@@ -112,6 +112,7 @@ class FrameChannel:
         self.graphs: Callable[[], dict[str, Any]] = dict
         self._owed: tuple[str, str, int] | None = None
         self._sent: set[str] = set()
+        self._new: dict[str, Any] = {}  # the graphs of the prepared entry the followers have not had
         self._code_state: dict[Any, Any] = {}
         self._received_name = ("", "", 0)
         self.received: dict[str, Any] = {}
@@ -125,27 +126,34 @@ class FrameChannel:
     def begin(self, name: tuple[str, str, int]) -> None:
         self._owed = name
 
+    def prepare(self, entry: FrameEntry) -> tuple[FrameEntry, dict[str, Any], dict[str, dict[str, Any]]] | None:
+        graphs = self.graphs()
+        new = {}
+        for graph_name in entry.backend_ids():
+            g = graphs.get(graph_name)
+            if not isinstance(g, self.graph_type):  # lowered while tracing: the others trace too
+                return None
+            if graph_name not in self._sent:
+                new[graph_name] = (g.data, g.markings)
+        self._new = new
+        for graph_name in new:
+            for source, m in graphs[graph_name].markings.items():
+                self.markings.setdefault(source, {}).update(m)
+        return entry, graphs, self.markings
+
+    def not_installed(self, error: Exception) -> None:
+        self.notes.append(f"a frame this rank compiled did not install here ({type(error).__name__}: {error})")
+
     def publish(self, item: FrameEntry | FrameSkip | None) -> None:
         if self._owed is None:
             return
         name, self._owed = self._owed, None
-        message: Any = item
-        if isinstance(item, FrameEntry):
-            graphs = self.graphs()
-            new = {}
-            for graph_name in item.backend_ids():
-                g = graphs.get(graph_name)
-                if not isinstance(g, self.graph_type):  # lowered while tracing: the others trace too
-                    new = None
-                    break
-                if graph_name not in self._sent:
-                    new[graph_name] = (g.data, g.markings)
-            message = None if new is None else (item, new)
+        message: Any = (item, self._new) if isinstance(item, FrameEntry) else item
         broadcast_object((name, message, code_state_changes(self._code_state)), self.comm, src=self.src)
         if message is None:
             self._stop(f"the tracing rank could not share {_where(name)}")
         elif isinstance(item, FrameEntry):
-            self._sent.update(message[1])
+            self._sent.update(self._new)
             if not all_ranks(True, self.comm):
                 self._stop(f"a rank could not install the tracing rank's frame {_where(name)}")
 
