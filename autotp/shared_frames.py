@@ -18,8 +18,12 @@ callback returned), or None; and the tracer's Dynamo code state changed since th
 updates none of its own). The followers' callback (``compat._receiving_callback``) waits in that
 broadcast, checks that the frame is its own, and installs the entry (the globals in place, each
 graph a :class:`StoredGraph`, the guard state loaded into a guard manager on its own frame) or
-returns the skip, as Dynamo's callback would, tracing nothing. Installing runs no Python frame of
-autotp's (the eval-frame hook would call back on it on that rank only). The tracer's backend does
+returns the skip, as Dynamo's callback would, tracing nothing. The tracer runs the frame installed
+from the same entry too (Dynamo's cleanup of the globals it installed moved to that code), so
+every rank's guards are loaded from the same state with the same markings: a live guard that
+failed where a follower's loaded one passed (a cache hit on one rank, a compile on the other)
+hung a generating model. Installing runs no Python frame of autotp's (the eval-frame hook would
+call back on it on that rank only). The tracer's backend does
 not lower while tracing (the followers are in the broadcast, not in the plan broadcast): it
 returns the :class:`StoredGraph` unlowered, and every rank lowers it on its first call, after the
 callback, where rank 0 plans and broadcasts as on any compile.
@@ -34,20 +38,20 @@ frame is not the one the tracer published (the ranks' frames diverged: a frame t
 ranks only) raises an :class:`AutoTPError` saying to turn sharing off, instead of pairing the wrong
 frames; a rank that dies is noticed in the broadcast as in any collective.
 
-**Gate: opt-in for now.** The intended gate: shipping the frames adds to the cold launch's critical path (the tracer's pickling, the
-broadcast, the followers' install), so sharing pays only where the followers' traces took cores
-from the tracer's: on by default where this host's ranks (``LOCAL_WORLD_SIZE``, else the group)
-outnumber the cores this process may run on (``os.sched_getaffinity``). ``AutoTPConfig.trace_once``
-(``parallelize_model(trace_once=...)``) or ``AUTOTP_TRACE_ONCE=1/0`` forces it; the tracer's choice
-is broadcast so that every rank agrees. Only with the cache on: the package and graph pickling are
-the stored-graph machinery's. Not for a data-parallel model (``mesh=`` with ``data_parallel=``):
-a 2x2 mesh training under FSDP2 with sharing hung after loading (not diagnosed), so its ranks trace
-their own.
+**Gate: opt-in for now.** ``AutoTPConfig.trace_once`` (``parallelize_model(trace_once=...)``) or
+``AUTOTP_TRACE_ONCE=1``; the tracer's choice is broadcast so that every rank agrees. The test
+suite's harness turns it on (``tests/_dist.py``). The intended default: shipping the frames adds
+to the cold launch's critical path (the tracer's pickling, the broadcast, the followers' install),
+so sharing pays only where the followers' traces took cores from the tracer's: on where this
+host's ranks (``LOCAL_WORLD_SIZE``, else the group) outnumber the cores this process may run on
+(``os.sched_getaffinity``); not implemented yet. Only with the cache on: the package and graph
+pickling are the stored-graph machinery's. Not for a data-parallel model (``mesh=`` with
+``data_parallel=``): a 2x2 mesh training under FSDP2 with sharing hung after loading (not
+diagnosed), so its ranks trace their own.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -55,32 +59,17 @@ from autotp.collectives import Comm, all_ranks, broadcast_object
 from autotp.compat import FrameEntry, FrameSkip, apply_code_state, code_state_changes
 from autotp.errors import AutoTPError
 
-__all__ = ["FrameChannel", "available_cores", "trace_once_agreed", "trace_once_default"]
+__all__ = ["FrameChannel", "trace_once_agreed", "trace_once_default"]
 
 _ON = ("1", "true", "on", "yes")
-_OFF = ("0", "false", "off", "no")
 
 
-def trace_once_default(option: bool | None, environ: Mapping[str, str], group_size: int, cores: int) -> bool:
-    """This rank's wish: ``option`` if set, else ``AUTOTP_TRACE_ONCE``, else off. (The intended
-    default, where this host's ranks outnumber ``cores``, is not on: see the module docstring.)"""
+def trace_once_default(option: bool | None, environ: Mapping[str, str]) -> bool:
+    """This rank's wish: ``option`` if set, else ``AUTOTP_TRACE_ONCE``, else off (not on by
+    default yet: see the module docstring, Gate)."""
     if option is not None:
         return bool(option)
-    env = environ.get("AUTOTP_TRACE_ONCE", "").strip().lower()
-    if env in _ON:
-        return True
-    if env in _OFF:
-        return False
-    return False  # see the module docstring (Gate): not on by default until a follower that
-    # compiles a frame itself after installing others works (a graph-breaking model hangs there)
-
-
-def available_cores() -> int:
-    """The cores this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
+    return environ.get("AUTOTP_TRACE_ONCE", "").strip().lower() in _ON
 
 
 def trace_once_agreed(wish: bool, comm: Comm, tracer: int) -> bool:

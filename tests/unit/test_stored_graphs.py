@@ -320,14 +320,14 @@ def test_a_guard_filter_sees_the_entries_torch_makes_when_values_are_read_lazily
 
 def test_ranks_share_traced_frames_only_when_asked() -> None:
     """The gate of ``autotp/shared_frames.py``: the option wins, then ``AUTOTP_TRACE_ONCE``, else
-    off (its default is not on yet, see the module docstring)."""
+    off (no default is on yet, see the module docstring)."""
     from autotp.shared_frames import trace_once_default
 
-    assert not trace_once_default(None, {}, group_size=4, cores=2)
-    assert trace_once_default(None, {"AUTOTP_TRACE_ONCE": "1"}, group_size=2, cores=8)
-    assert not trace_once_default(None, {"AUTOTP_TRACE_ONCE": "off"}, group_size=4, cores=2)
-    assert trace_once_default(True, {"AUTOTP_TRACE_ONCE": "0"}, group_size=2, cores=8)
-    assert not trace_once_default(False, {}, group_size=4, cores=1)
+    assert not trace_once_default(None, {})
+    assert trace_once_default(None, {"AUTOTP_TRACE_ONCE": "1"})
+    assert not trace_once_default(None, {"AUTOTP_TRACE_ONCE": "off"})
+    assert trace_once_default(True, {"AUTOTP_TRACE_ONCE": "0"})
+    assert not trace_once_default(False, {"AUTOTP_TRACE_ONCE": "1"})
 
 
 def test_a_resume_function_with_free_variables_is_made_without_running_a_python_frame() -> None:
