@@ -43,7 +43,7 @@ from autotp.placement import R, head_split
 from autotp.prefill_call import PrefillCall
 from autotp.progress import load_progress
 from autotp.regions import install_layer_regions
-from autotp.shared_frames import FrameChannel, available_cores, trace_once_agreed, trace_once_default
+from autotp.shared_frames import FrameChannel, trace_once_agreed, trace_once_default
 from autotp.stored_graphs import GraphStore, StoredForward, StoredGraph, graph_key, storing_backend
 from autotp.weights import (
     Checkpoint,
@@ -553,7 +553,7 @@ def _frame_channel(ctx: TPContext, store: GraphStore, tracer: int) -> FrameChann
     every rank traces."""
     if ctx.world_size == 1 or ctx.comm.simulated:
         return None
-    wish = trace_once_default(ctx.config.trace_once, os.environ, ctx.world_size, available_cores())
+    wish = trace_once_default(ctx.config.trace_once, os.environ)
     if not trace_once_agreed(wish, ctx.comm, tracer):
         return None
     return FrameChannel(ctx.comm, tracer, ctx, StoredGraph, store.outcome.notes)

@@ -104,6 +104,7 @@ from autotp.placement import (
 __all__ = [
     "KINDS",
     "Comm",
+    "all_ranks",
     "backward_kind_of",
     "barrier",
     "broadcast_object",
@@ -333,6 +334,18 @@ def broadcast_object(obj: Any, comm: Comm, src: int = 0) -> Any:
     with _guard(comm, "broadcast"):
         dist.broadcast_object_list(box, group=comm.group, group_src=src)
     return box[0]
+
+
+def all_ranks(ok: bool, comm: Comm) -> bool:
+    """Whether ``ok`` holds on every rank of the group (a one-integer all-reduce; not counted
+    among the forward's collectives)."""
+    if comm.world_size == 1 or comm.simulated:
+        return ok
+    device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in (comm.backend or "") else None
+    flag = torch.tensor([0 if ok else 1], dtype=torch.int32, device=device)
+    with _guard(comm, "all-reduce"):
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=comm.group)
+    return int(flag.item()) == 0
 
 
 def sum_over_ranks(x: Tensor, comm: Comm) -> Tensor:

@@ -88,6 +88,7 @@ missing or changed it returns None and the caller takes ``linprog``.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import datetime
 import functools
@@ -1329,24 +1330,42 @@ def highs_lp(cost: Any, matrix: Any, lower: Any, upper: Any) -> tuple[float | No
 
 class FrameShare(Protocol):
     """How a compiled forward's frames travel within a launch (``autotp/shared_frames.py``):
-    the tracing rank publishes one :class:`FrameEntry` (or None) per call of Dynamo's frame
-    callback, the others receive it in the same call of theirs."""
+    the tracing rank publishes one message per call of Dynamo's frame callback, naming the frame
+    (:func:`_code_name`) and carrying a :class:`FrameEntry` (the others install it), a
+    :class:`FrameSkip` (Dynamo compiled no code: the others do what it said) or None (the frame
+    is not shared: from here on every rank traces its own). While :attr:`active`, the others
+    receive it in the same call of theirs; after a None, or a follower's failed install, nothing
+    is exchanged any more."""
 
     tracer: bool
+    #: frames are still exchanged (False for good once one was not shared)
+    active: bool
 
-    def begin(self) -> None:
-        """Tracer: a frame callback starts; one publication is owed."""
+    def begin(self, name: tuple[str, str, int]) -> None:
+        """Tracer: a frame callback for the frame ``name`` starts; one publication is owed."""
 
-    def publish(self, entry: FrameEntry | None) -> None:
-        """Tracer: publish what is owed (None: the others compile the frame themselves); a
-        no-op where this callback already published."""
+    def prepare(self, entry: FrameEntry) -> tuple[FrameEntry, dict[str, Callable[..., Any]],
+                                                  dict[str, dict[str, Any]]] | None:
+        """Tracer: what :meth:`receive` will give the followers for ``entry`` (its graphs, the
+        markings), for the tracer to install it too; None where the entry cannot be sent."""
 
-    def receive(self) -> tuple[FrameEntry, dict[str, Callable[..., Any]], dict[str, dict[str, Any]]] | None:
-        """Follower: the tracer's frame with the callables its graph names call and the inputs'
-        dim markings, or None (compile the frame here)."""
+    def not_installed(self, error: Exception) -> None:
+        """Tracer: its own install of the prepared entry failed (it publishes None)."""
 
-    def failed(self, error: Exception) -> None:
-        """Follower: the received frame did not install (this rank compiles it itself)."""
+    def publish(self, item: FrameEntry | FrameSkip | None) -> None:
+        """Tracer: publish what is owed (a :class:`FrameEntry` that was prepared); a no-op where
+        this callback already published. After a :class:`FrameEntry`, waits for the others to say
+        whether it installed."""
+
+    def receive(self, name: tuple[str, str, int]) -> tuple[FrameEntry, dict[str, Callable[..., Any]],
+                                                           dict[str, dict[str, Any]]] | FrameSkip | None:
+        """Follower, in the frame callback for ``name``: the tracer's frame with the callables its
+        graph names call and the inputs' dim markings, its :class:`FrameSkip`, or None (compile the
+        frame here); raises an AutoTPError where the tracer published another frame."""
+
+    def installed(self, error: Exception | None) -> None:
+        """Follower: whether the received :class:`FrameEntry` installed (``error`` None) or not; the
+        group agrees, and where one rank's did not, sharing stops on every rank."""
 
 
 @dataclasses.dataclass
@@ -1354,7 +1373,7 @@ class FrameEntry:
     """One compiled frame as another process of the launch installs it: the tracing rank's whole
     package :meth:`DynamoPackage.entry` (its module aliases renamed, ``aliases``) and which of its
     codes the frame runs (``index``; its newest guarded code is the frame's). ``name``: the code's
-    name, file and first line, checked against the frame the receiver is in."""
+    name, file and first line."""
 
     name: tuple[str, str, int]
     entry: Any
@@ -1366,43 +1385,118 @@ class FrameEntry:
         return list(self.entry.codes[self.index].backend_ids)
 
 
+@dataclasses.dataclass(frozen=True)
+class FrameSkip:
+    """What Dynamo's frame callback returned for a frame it compiled no code for (a frame of no
+    tensor work, one it gave up on, the recompile limit reached): how the eval-frame hook runs this
+    frame and, with ``apply_to_code``, later ones of its code (``FrameExecStrategy``'s two actions,
+    by value). A follower returns the same, without tracing the frame to find out."""
+
+    cur_action: int
+    recursive_action: int
+    apply_to_code: bool
+    skip_reason: str | None
+
+    @classmethod
+    def of(cls, result: Any) -> FrameSkip:
+        strategy = result.frame_exec_strategy
+        return cls(int(strategy.cur_action.value), int(strategy.recursive_action.value),
+                   bool(result.apply_to_code), result.skip_reason)
+
+    def result(self) -> Any:
+        """The ``ConvertFrameReturn`` the tracer's callback returned."""
+        dynamo_types = require_module("torch._dynamo.types")
+        action = dynamo_types.FrameAction
+        strategy = dynamo_types.FrameExecStrategy(action(self.cur_action), action(self.recursive_action))
+        return dynamo_types.ConvertFrameReturn(frame_exec_strategy=strategy, apply_to_code=self.apply_to_code,
+                                               skip_reason=self.skip_reason)
+
+
+def code_state_changes(sent: dict[Any, Any]) -> dict[Any, Any]:
+    """The entries of this process's Dynamo code state (``torch._dynamo.pgo``: per code, the input
+    sizes seen, from which a recompile marks dims dynamic) that differ from ``sent``, which is
+    updated with copies of them. Shipped with each shared frame: a follower that installs frames
+    updates no code state of its own, so a frame it later compiles itself would be traced static
+    where the tracer's recompile went dynamic (another graph, another plan)."""
+    state = require("torch._dynamo.pgo", "get_code_state")()
+    changed = {key: value for key, value in state.items() if sent.get(key) != value}
+    sent.update(copy.deepcopy(changed))
+    return changed
+
+
+def apply_code_state(changes: dict[Any, Any]) -> None:
+    """Make this process's Dynamo code state hold the tracer's ``changes`` (:func:`code_state_changes`)."""
+    if changes:
+        require("torch._dynamo.pgo", "get_code_state")().update(changes)
+
+
 def _code_name(code: types.CodeType) -> tuple[str, str, int]:
     return code.co_name, code.co_filename, code.co_firstlineno
 
 
 def _publishing_callback(frame: Any, cache_entry: Any, frame_state: Any, *, inner: Callable[..., Any],
                          share: FrameShare, entry_of: Callable[..., FrameEntry | None]) -> Any:
-    """The tracing rank's frame callback: Dynamo's (``inner``), then the frame's entry published
-    (None when Dynamo compiled no code for it, or it raised). The backend must not run a
-    collective before this publication (the others wait in it): it lowers on the graph's first
-    call, or publishes None first (``FrameShare.publish``)."""
-    share.begin()
-    entry = None
+    """The tracing rank's frame callback: Dynamo's (``inner``), then what it made of the frame
+    published: its entry, a :class:`FrameSkip` where it compiled no code, None where Dynamo raised
+    or the entry cannot be shared. The backend must not run a collective before this publication
+    (the others wait in it): it lowers on the graph's first call, or publishes None first
+    (``FrameShare.publish``)."""
+    if not share.active:
+        return inner(frame, cache_entry, frame_state)
+    share.begin(_code_name(frame.f_code))
+    item: FrameEntry | FrameSkip | None = None
     try:
         result = inner(frame, cache_entry, frame_state)
         if getattr(result, "guarded_code", None) is not None:
-            entry = entry_of(frame.f_code, frame.f_globals)
+            item = entry_of(frame.f_code, frame.f_globals)
+            shared = None if item is None else share.prepare(item)
+            if shared is None:
+                item = None
+            else:  # run the frame as the followers will: its guards loaded from the same state
+                try:
+                    installed = _install_frame(frame, *shared)
+                    _move_cleanup(result.guarded_code.code, installed.guarded_code.code)
+                    result = installed
+                except Exception as e:  # noqa: BLE001 - any failure: no rank installs it
+                    share.not_installed(e)
+                    item = None
+        elif result is not None:
+            item = FrameSkip.of(result)
         return result
     finally:
-        share.publish(entry)
+        share.publish(item)
+
+
+def _move_cleanup(compiled: types.CodeType, installed: types.CodeType) -> None:
+    """Dynamo takes the globals a compile installed (compiled functions, resume functions) out of
+    the module when the code it made is collected (``utils.CleanupManager``); the tracer runs the
+    installed ``installed`` instead of ``compiled``, so the globals go with ``installed``."""
+    manager = require("torch._dynamo.utils", "CleanupManager").instance
+    hooks = manager.get(compiled)
+    if hooks is not None:
+        manager[compiled] = []
+        manager[installed] = hooks
 
 
 def _receiving_callback(frame: Any, cache_entry: Any, frame_state: Any, *, inner: Callable[..., Any],
                         share: FrameShare) -> Any:
     """A following rank's frame callback: the tracer's entry for this frame installed as the
-    frame's compiled code (:func:`_install_frame`); where there is none, or it does not install,
-    Dynamo's own (``inner``) compiles the frame here."""
-    received = share.receive()
+    frame's compiled code (:func:`_install_frame`), or its :class:`FrameSkip` returned; where it
+    published none, or the entry does not install, Dynamo's own (``inner``) compiles the frame
+    here (and every rank traces its own from then on)."""
+    if not share.active:
+        return inner(frame, cache_entry, frame_state)
+    received = share.receive(_code_name(frame.f_code))
+    if isinstance(received, FrameSkip):
+        return received.result()
     if received is not None:
-        if received[0].name != _code_name(frame.f_code):
-            raise AutoTPError(
-                f"autotp: the tracing rank compiled {received[0].name} where this rank runs "
-                f"{_code_name(frame.f_code)}: the ranks' frames diverged (a finalizer of model code run on one "
-                "rank only?). Set AUTOTP_TRACE_ONCE=0 (or trace_once=False) so that every rank traces its own.")
         try:
-            return _install_frame(frame, *received)
+            result = _install_frame(frame, *received)
         except Exception as e:  # noqa: BLE001 - any failure: this rank compiles the frame itself
-            share.failed(e)
+            share.installed(e)
+        else:
+            share.installed(None)
+            return result
     return inner(frame, cache_entry, frame_state)
 
 
@@ -1441,6 +1535,10 @@ def _install_frame(frame: Any, entry: FrameEntry, backends: dict[str, Callable[.
         for function_name in code.function_names:
             if function_name not in frame.f_globals:
                 put(function_name, _resume_function(package_module, code, home, function_name))
+            elif _function_code(frame.f_globals[function_name]) not in (
+                    None, package_module.SerializedCode.to_code_object(code.python_code)):
+                # a resume function this rank compiled itself (in an earlier model) has the name
+                raise PackageError(f"{function_name} is another function here")
     for backend_id in code_entry.backend_ids:
         if backend_id not in frame.f_globals:
             put(backend_id, torch._dynamo.disable(backends[backend_id]))
@@ -1475,13 +1573,23 @@ def _reserve_unique_id(name: str) -> None:
     transformation._unique_id_counter = itertools.count(max(following, taken + 1))
 
 
+def _function_code(value: Any) -> types.CodeType | None:
+    """The code of a resume function as :func:`_resume_function` or Dynamo installs it (a function,
+    or a factory ``functools.partial`` of ``types.FunctionType``); None for anything else."""
+    if isinstance(value, functools.partial) and value.func is types.FunctionType:
+        return value.args[0]
+    return getattr(value, "__code__", None)
+
+
 def _resume_function(package_module: Any, code: Any, home: dict[str, Any], name: str) -> Any:
     """A resume function as ``CompilePackage.install`` makes it: the function, or for one with
-    free variables the factory Dynamo's code calls with its closure."""
+    free variables the factory Dynamo's code calls with its closure. The factory runs no Python
+    frame of its own: the eval-frame hook would call the frame callback on it (autotp's code is no
+    code Dynamo skips) on the rank that installed it only, whose next frame would then take the
+    tracer's next publication as its own and wait in a broadcast the tracer never sends (the hang
+    of a gradient-checkpointed Llama, whose resume functions after the checkpointing warning's
+    graph break have free variables)."""
     python_code = package_module.SerializedCode.to_code_object(code.python_code)
-    if python_code.co_freevars:
-        def make(closure: tuple[types.CellType, ...]) -> types.FunctionType:
-            return types.FunctionType(python_code, home, name, None, closure)
-
-        return make
+    if python_code.co_freevars:  # a partial, not a Python function: see the docstring
+        return functools.partial(types.FunctionType, python_code, home, name, None)
     return types.FunctionType(python_code, home, name)

@@ -9,75 +9,67 @@ what it compiled, frame by frame, in the same launch.
 
 **Protocol.** Every rank compiles the same frames in the same order (same code, same guards), so
 each call of Dynamo's frame callback (a cache miss) on the tracer has its twin on every follower.
-The tracer's callback (``compat._publishing_callback``) runs Dynamo's and then broadcasts the
-frame's :class:`~autotp.compat.FrameEntry` (its package entry: the transformed bytecode, the guard
-state, the compiled functions' names) with the pickled graphs not sent before; the followers'
-callback (``compat._receiving_callback``) waits in that broadcast, loads the guard state into a
-guard manager on its own frame, puts the globals in place (each graph a :class:`StoredGraph`) and
-returns the guarded code as Dynamo's callback would. The tracer's backend does not lower while
-tracing (the followers are in the broadcast, not in the plan broadcast): it returns the
-:class:`StoredGraph` unlowered, and every rank lowers it on its first call, after the callback,
-where rank 0 plans and broadcasts as on any compile.
+The tracer's callback (``compat._publishing_callback``) runs Dynamo's and then broadcasts one
+message naming the frame: its :class:`~autotp.compat.FrameEntry` (its package entry: the
+transformed bytecode, the guard state, the compiled functions' names) with the pickled graphs not
+sent before, a :class:`~autotp.compat.FrameSkip` where Dynamo compiled no code for it (what its
+callback returned), or None; and the tracer's Dynamo code state changed since the last message
+(the input sizes per code from which a recompile marks dims dynamic: a follower that installs
+updates none of its own). The followers' callback (``compat._receiving_callback``) waits in that
+broadcast, checks that the frame is its own, and installs the entry (the globals in place, each
+graph a :class:`StoredGraph`, the guard state loaded into a guard manager on its own frame) or
+returns the skip, as Dynamo's callback would, tracing nothing. The tracer runs the frame installed
+from the same entry too (Dynamo's cleanup of the globals it installed moved to that code), so
+every rank's guards are loaded from the same state with the same markings: a live guard that
+failed where a follower's loaded one passed (a cache hit on one rank, a compile on the other)
+hung a generating model. Installing runs no Python frame of autotp's (the eval-frame hook would
+call back on it on that rank only). The tracer's backend does
+not lower while tracing (the followers are in the broadcast, not in the plan broadcast): it
+returns the :class:`StoredGraph` unlowered, and every rank lowers it on its first call, after the
+callback, where rank 0 plans and broadcasts as on any compile.
 
-**Failures.** The tracer publishes exactly once per callback, also when Dynamo raised or compiled
-no code for the frame, or its package cannot hold it (``PackageError``): then it publishes None
-and each follower compiles that frame itself (Dynamo's own callback), as without sharing. A graph
-that does not pickle is lowered while tracing: the tracer publishes None first. A follower whose
-install fails compiles the frame itself and notes why in ``stored_graphs`` (its trace still meets
-the tracer's graph at the same plan broadcast, since both lower before any other collective). No
-rank waits on another's install, so no agreement round is needed; a rank that dies is noticed in
-the broadcast as in any collective.
+**Failures: sharing stops, at the same frame on every rank.** After each entry the group agrees
+(one all-reduce) that every follower installed it. Where the tracer publishes None (Dynamo raised,
+its package cannot hold the frame, a graph does not pickle: that one is lowered while tracing,
+after publishing) or a follower's install failed (it says why in ``stored_graphs``), every rank
+stops sharing for this compiled forward and compiles this frame and all later ones itself, as
+without sharing: no frame is exchanged any more, so no rank can wait for one. A follower whose
+frame is not the one the tracer published (the ranks' frames diverged: a frame that runs on some
+ranks only) raises an :class:`AutoTPError` saying to turn sharing off, instead of pairing the wrong
+frames; a rank that dies is noticed in the broadcast as in any collective.
 
-**Gate: opt-in for now.** A follower that compiles a frame itself after installing the tracer's
-(gradient checkpointing: the tracer publishes None for a frame after a graph break) hung in
-``tests/distributed/test_gradient_checkpointing.py`` (after fixing what it failed on first: the
-compile id, ``orig_code_map``, the builtins-dict and resume-function names, the resume functions'
-module aliases). Until that works, sharing is off unless asked for. The intended gate: shipping the frames adds to the cold launch's critical path (the tracer's pickling, the
-broadcast, the followers' install), so sharing pays only where the followers' traces took cores
-from the tracer's: on by default where this host's ranks (``LOCAL_WORLD_SIZE``, else the group)
-outnumber the cores this process may run on (``os.sched_getaffinity``). ``AutoTPConfig.trace_once``
-(``parallelize_model(trace_once=...)``) or ``AUTOTP_TRACE_ONCE=1/0`` forces it; the tracer's choice
-is broadcast so that every rank agrees. Only with the cache on: the package and graph pickling are
-the stored-graph machinery's. Not for a data-parallel model (``mesh=`` with ``data_parallel=``):
-a 2x2 mesh training under FSDP2 with sharing hung after loading (not diagnosed), so its ranks trace
-their own.
+**Gate: opt-in for now.** ``AutoTPConfig.trace_once`` (``parallelize_model(trace_once=...)``) or
+``AUTOTP_TRACE_ONCE=1``; the tracer's choice is broadcast so that every rank agrees. The test
+suite's harness turns it on (``tests/_dist.py``). The intended default: shipping the frames adds
+to the cold launch's critical path (the tracer's pickling, the broadcast, the followers' install),
+so sharing pays only where the followers' traces took cores from the tracer's: on where this
+host's ranks (``LOCAL_WORLD_SIZE``, else the group) outnumber the cores this process may run on
+(``os.sched_getaffinity``); not implemented yet. Only with the cache on: the package and graph
+pickling are the stored-graph machinery's. Not for a data-parallel model (``mesh=`` with
+``data_parallel=``): a 2x2 mesh training under FSDP2 with sharing hung after loading (not
+diagnosed), so its ranks trace their own.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from autotp.collectives import Comm, broadcast_object
-from autotp.compat import FrameEntry
+from autotp.collectives import Comm, all_ranks, broadcast_object
+from autotp.compat import FrameEntry, FrameSkip, apply_code_state, code_state_changes
+from autotp.errors import AutoTPError
 
-__all__ = ["FrameChannel", "available_cores", "trace_once_agreed", "trace_once_default"]
+__all__ = ["FrameChannel", "trace_once_agreed", "trace_once_default"]
 
 _ON = ("1", "true", "on", "yes")
-_OFF = ("0", "false", "off", "no")
 
 
-def trace_once_default(option: bool | None, environ: Mapping[str, str], group_size: int, cores: int) -> bool:
-    """This rank's wish: ``option`` if set, else ``AUTOTP_TRACE_ONCE``, else off. (The intended
-    default, where this host's ranks outnumber ``cores``, is not on: see the module docstring.)"""
+def trace_once_default(option: bool | None, environ: Mapping[str, str]) -> bool:
+    """This rank's wish: ``option`` if set, else ``AUTOTP_TRACE_ONCE``, else off (not on by
+    default yet: see the module docstring, Gate)."""
     if option is not None:
         return bool(option)
-    env = environ.get("AUTOTP_TRACE_ONCE", "").strip().lower()
-    if env in _ON:
-        return True
-    if env in _OFF:
-        return False
-    return False  # see the module docstring (Gate): not on by default until a follower that
-    # compiles a frame itself after installing others works (a graph-breaking model hangs there)
-
-
-def available_cores() -> int:
-    """The cores this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
+    return environ.get("AUTOTP_TRACE_ONCE", "").strip().lower() in _ON
 
 
 def trace_once_agreed(wish: bool, comm: Comm, tracer: int) -> bool:
@@ -88,62 +80,114 @@ def trace_once_agreed(wish: bool, comm: Comm, tracer: int) -> bool:
 class FrameChannel:
     """The :class:`autotp.compat.FrameShare` of one compiled forward: the tracer (``comm`` rank
     ``src``) broadcasts each frame with its new graphs, the followers receive them as
-    :class:`StoredGraph` s of ``session``. ``graphs`` (tracer): the package's graphs by compiled
-    function name; ``notes``: where a follower says why a frame did not install."""
+    :class:`StoredGraph` s of ``session``. ``graphs`` (tracer): the forward's stored graphs by
+    compiled function name; ``notes``: where a follower says why a frame did not install, and
+    where sharing stopped.
+
+    A message is ``(name, item, code_state)``: the frame the tracer is in, what the followers do
+    with it (``(FrameEntry, new graphs)``, a :class:`FrameSkip`, or None: not shared) and the
+    tracer's Dynamo code state changed since the last message (:func:`compat.code_state_changes`).
+    After a None, or a :class:`FrameEntry` that did not install on some follower (the group agrees
+    in one all-reduce after each), :attr:`active` is False on every rank, at the same frame."""
 
     def __init__(self, comm: Comm, src: int, session: Any, graph_type: type, notes: list[str]) -> None:
         self.comm = comm
         self.src = src
         self.tracer = comm.rank == src
+        self.active = True
         self.session = session
         self.graph_type = graph_type
         self.notes = notes
         self.graphs: Callable[[], dict[str, Any]] = dict
-        self._owed = False
+        self._owed: tuple[str, str, int] | None = None
         self._sent: set[str] = set()
+        self._new: dict[str, Any] = {}  # the graphs of the prepared entry the followers have not had
+        self._code_state: dict[Any, Any] = {}
+        self._received_name = ("", "", 0)
         self.received: dict[str, Any] = {}
         self.markings: dict[str, dict[str, Any]] = {}
-        #: frames installed from the tracer, frames compiled here after the tracer published none
-        self.installed = 0
+        #: frames installed from the tracer, frames whose skip was taken from it, frames compiled
+        #: here (the tracer published none, or one did not install) while sharing was on
+        self.installed_count = 0
+        self.skipped = 0
         self.compiled_here = 0
 
-    def begin(self) -> None:
-        self._owed = True
+    def begin(self, name: tuple[str, str, int]) -> None:
+        self._owed = name
 
-    def publish(self, entry: FrameEntry | None) -> None:
-        if not self._owed:
+    def prepare(self, entry: FrameEntry) -> tuple[FrameEntry, dict[str, Any], dict[str, dict[str, Any]]] | None:
+        graphs = self.graphs()
+        new = {}
+        for graph_name in entry.backend_ids():
+            g = graphs.get(graph_name)
+            if not isinstance(g, self.graph_type):  # lowered while tracing: the others trace too
+                return None
+            if graph_name not in self._sent:
+                new[graph_name] = (g.data, g.markings)
+        self._new = new
+        for graph_name in new:
+            for source, m in graphs[graph_name].markings.items():
+                self.markings.setdefault(source, {}).update(m)
+        return entry, graphs, self.markings
+
+    def not_installed(self, error: Exception) -> None:
+        self.notes.append(f"a frame this rank compiled did not install here ({type(error).__name__}: {error})")
+
+    def publish(self, item: FrameEntry | FrameSkip | None) -> None:
+        if self._owed is None:
             return
-        self._owed = False
-        message = None
-        if entry is not None:
-            graphs = self.graphs()
-            new = {}
-            for name in entry.backend_ids():
-                g = graphs.get(name)
-                if not isinstance(g, self.graph_type):  # lowered while tracing: the others trace too
-                    new = None
-                    break
-                if name not in self._sent:
-                    new[name] = (g.data, g.markings)
-            if new is not None:
-                message = (entry, new)
-                self._sent.update(new)
-        broadcast_object(message, self.comm, src=self.src)
+        name, self._owed = self._owed, None
+        message: Any = (item, self._new) if isinstance(item, FrameEntry) else item
+        broadcast_object((name, message, code_state_changes(self._code_state)), self.comm, src=self.src)
+        if message is None:
+            self._stop(f"the tracing rank could not share {_where(name)}")
+        elif isinstance(item, FrameEntry):
+            self._sent.update(self._new)
+            if not all_ranks(True, self.comm):
+                self._stop(f"a rank could not install the tracing rank's frame {_where(name)}")
 
-    def receive(self) -> tuple[FrameEntry, dict[str, Any], dict[str, dict[str, Any]]] | None:
-        message = broadcast_object(None, self.comm, src=self.src)
+    def receive(self, name: tuple[str, str, int]) -> tuple[FrameEntry, dict[str, Any], dict[str, dict[str, Any]]] \
+            | FrameSkip | None:
+        published, message, code_state = broadcast_object(None, self.comm, src=self.src)
+        if published != name:
+            self.active = False
+            raise AutoTPError(
+                f"autotp: the tracing rank compiled {_where(published)} where this rank compiles {_where(name)}: "
+                "the ranks' frames diverged (a frame that runs on some ranks only, such as a finalizer of model "
+                "code). Set AUTOTP_TRACE_ONCE=0 (or parallelize_model(trace_once=False)) so that every rank "
+                "traces its own frames.")
+        apply_code_state(code_state)
+        self._received_name = name
         if message is None:
             self.compiled_here += 1
+            self._stop(f"the tracing rank could not share {_where(name)}")
             return None
+        if isinstance(message, FrameSkip):
+            self.skipped += 1
+            return message
         entry, new = message
-        for name, (data, marks) in new.items():
-            self.received[name] = self.graph_type(data, marks, self.session)
+        for graph_name, (data, marks) in new.items():
+            self.received[graph_name] = self.graph_type(data, marks, self.session)
             for source, m in marks.items():
                 self.markings.setdefault(source, {}).update(m)
-        self.installed += 1
         return entry, self.received, self.markings
 
-    def failed(self, error: Exception) -> None:
-        self.installed -= 1
-        self.compiled_here += 1
-        self.notes.append(f"a frame the tracing rank compiled did not install here ({type(error).__name__}: {error})")
+    def installed(self, error: Exception | None) -> None:
+        if error is None:
+            self.installed_count += 1
+        else:
+            self.compiled_here += 1
+            self.notes.append(f"a frame the tracing rank compiled did not install here "
+                              f"({type(error).__name__}: {error})")
+        if not all_ranks(error is None, self.comm):
+            self._stop(f"a rank could not install the tracing rank's frame {_where(self._received_name)}")
+
+    def _stop(self, why: str) -> None:
+        """Every rank traces its own frames from here on (each rank calls this at the same frame)."""
+        self.active = False
+        self.notes.append(f"frames no longer shared: {why}; every rank traces its own")
+
+
+def _where(name: tuple[str, str, int]) -> str:
+    function, filename, line = name
+    return f"{function} ({filename}:{line})"

@@ -279,7 +279,7 @@ class StoredForward:
             DynamoPackage(fn, backend, share=share) if self.write or (share is not None and share.tracer) else \
             DynamoCompiled(fn, backend, share=share)
         if share is not None and share.tracer:
-            share.graphs = self.package.graphs
+            share.graphs = self.graphs
         store.outcome.load_s = time.perf_counter() - start
         self._written = len(self.loaded)
         self._write_trace()

@@ -21,8 +21,9 @@ per session (:data:`PRELOAD`): a ``spawn``-ed rank spent ~5 s of CPU importing t
 rank of every test, before doing anything. A forked rank is still a fresh process (the server only
 imports and fills pure caches, never runs a model, so no state of one test reaches another), and it gets the caller's
 environment as it is at ``run_ranks`` time (tests set ``HF_HUB_OFFLINE``, ``AUTOTP_CACHE_DIR``
-...); settings the preloaded libraries read from the environment at import are read again
-(:func:`_apply_environment`).
+...), with ``AUTOTP_TRACE_ONCE=1`` unless the caller set it (:func:`_rank_environment`: one rank
+traces, the others install its frames); settings the preloaded libraries read from the environment
+at import are read again (:func:`_apply_environment`).
 """
 
 from __future__ import annotations
@@ -69,6 +70,16 @@ def _context() -> Any:
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)  # read when the server starts (the first rank of the session)
     return ctx
+
+
+def _rank_environment() -> dict[str, str]:
+    """The ranks' environment: the caller's, with ``AUTOTP_TRACE_ONCE=1`` unless it says otherwise
+    (the ranks share traced frames, ``autotp/shared_frames.py``: the suite's ranks share cores with
+    each other and with the other xdist workers, where one rank tracing for all pays; a test of the
+    per-rank path sets it to 0, in its own environment or the rank's)."""
+    env = dict(os.environ)
+    env.setdefault("AUTOTP_TRACE_ONCE", "1")
+    return env
 
 
 def _apply_environment(env: dict[str, str]) -> None:
@@ -174,7 +185,7 @@ def run_ranks(
         recv, send = ctx.Pipe(duplex=False)
         p = ctx.Process(
             target=_child,
-            args=(rank, world_size, store.port, timeout, dict(os.environ), send, fn, args, kwargs),
+            args=(rank, world_size, store.port, timeout, _rank_environment(), send, fn, args, kwargs),
             name=f"rank{rank}",
             daemon=True,
         )

@@ -25,18 +25,21 @@ IDS = torch.tensor([[5, 17, 99, 3, 64, 12, 7, 9], [8, 1, 2, 3, 4, 77, 31, 40]])
 
 
 def _rank_train(rank: int, world: int, folder: str) -> dict:
+    from torch._dynamo.utils import counters
+
     import autotp
     from autotp.training import saved_activation_bytes
 
     out = {}
     for checkpointing in (False, True):
-        model = autotp.parallelize_model(folder, tp_size=world)
+        model = autotp.parallelize_model(folder, tp_size=world, trace_once=True)
         if checkpointing:
             model.gradient_checkpointing_enable()
         model.train()
         loss, saved = saved_activation_bytes(lambda m=model: m(input_ids=IDS, labels=LABELS).loss)
         loss.backward()
         out[checkpointing] = {"loss": float(loss.detach()), "saved": saved, "grads": _gathered_grads(model)}
+    out["traced"] = counters["frames"]["ok"]
     return out
 
 
@@ -83,6 +86,12 @@ def _rank_user_checkpoint(rank: int, world: int) -> dict:
 
 
 def test_gradient_checkpointing_trains_like_one_process_and_saves_fewer_activations(tmp_path: Path) -> None:
+    """With the ranks sharing frames (``trace_once=True``: the last rank traces, rank 0 installs
+    its frames), also through the graph break of transformers' checkpointing warning and the
+    resume functions after it, which have free variables (rank 0 once hung there: installing
+    such a function ran a frame of autotp's code on rank 0 only, which took the tracer's next
+    frame as its own; now such a divergence raises at the tracer's next frame). Two models of one
+    folder in one process, checkpointing off then on."""
     from transformers import AutoModelForCausalLM
 
     from autotp.training import saved_activation_bytes
@@ -92,7 +101,11 @@ def test_gradient_checkpointing_trains_like_one_process_and_saves_fewer_activati
     reference.train()
     ref_loss, ref_saved = saved_activation_bytes(lambda: reference(input_ids=IDS, labels=LABELS).loss)
     ref_loss.backward()
-    for r in run_ranks(_rank_train, 2, str(folder)):
+    ranks = run_ranks(_rank_train, 2, str(folder), timeout=300)
+    # the last rank traced, rank 0 installed its frames (all of them, or up to one that did not install here,
+    # from which on each rank traced its own: the install reads a guard's pickled transformers registry)
+    assert ranks[0]["traced"] < ranks[1]["traced"]
+    for r in ranks:
         for checkpointing in (False, True):
             got = r[checkpointing]
             assert got["loss"] == pytest.approx(float(ref_loss), rel=1e-5)

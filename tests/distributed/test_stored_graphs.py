@@ -194,18 +194,21 @@ def test_a_cold_job_whose_ranks_share_the_tracing_ranks_frames_matches_every_ran
 def test_a_frame_that_is_not_shared_is_traced_by_each_rank_with_the_same_results(
         first_job: tuple[Path, Path, list[dict]], tmp_path: Path, fault: str) -> None:
     """Sharing frames where rank 0's install of each fails, or where the tracer publishes none (a
-    frame its package cannot hold): rank 0 traces every frame itself (saying why, for a failed
-    install), no rank waits for another, and the results are the first job's."""
+    frame its package cannot hold): at that first frame every rank stops sharing (saying why, and
+    why the install failed) and traces its own frames from then on, so rank 0 traces every frame
+    itself, no rank waits for another, and the results are the first job's."""
     folder, _, first = first_job
     shared = run_ranks(_job, 2, str(folder), str(tmp_path / "cache"), 8, False, None, "1", fault)
 
     assert shared[0]["traced"] == first[0]["traced"] >= 2
-    notes = shared[0]["stored"]["notes"]
+    stopped = "frames no longer shared: " + (
+        "a rank could not install the tracing rank's frame" if fault == "install" else "the tracing rank could not share")
+    follower, tracer = (shared[rank]["stored"]["notes"] for rank in range(2))
     if fault == "install":
-        assert len(notes) == first[0]["traced"]
-        assert all("did not install here (PackageError: injected" in n for n in notes)
-    else:
-        assert notes == []
+        assert len(follower) == 2 and "did not install here (PackageError: injected" in follower[0]
+        follower = follower[1:]
+    assert len(follower) == len(tracer) == 1
+    assert follower[0].startswith(stopped) and tracer[0].startswith(stopped)
     for rank in range(2):
         assert shared[rank]["plans"] == first[rank]["plans"]
         assert torch.equal(shared[rank]["logits"], first[rank]["logits"])

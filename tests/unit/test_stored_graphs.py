@@ -11,7 +11,9 @@ import os
 import pickle
 import sys
 import threading
+import types
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -318,11 +320,55 @@ def test_a_guard_filter_sees_the_entries_torch_makes_when_values_are_read_lazily
 
 def test_ranks_share_traced_frames_only_when_asked() -> None:
     """The gate of ``autotp/shared_frames.py``: the option wins, then ``AUTOTP_TRACE_ONCE``, else
-    off (its default is not on yet, see the module docstring)."""
+    off (no default is on yet, see the module docstring)."""
     from autotp.shared_frames import trace_once_default
 
-    assert not trace_once_default(None, {}, group_size=4, cores=2)
-    assert trace_once_default(None, {"AUTOTP_TRACE_ONCE": "1"}, group_size=2, cores=8)
-    assert not trace_once_default(None, {"AUTOTP_TRACE_ONCE": "off"}, group_size=4, cores=2)
-    assert trace_once_default(True, {"AUTOTP_TRACE_ONCE": "0"}, group_size=2, cores=8)
-    assert not trace_once_default(False, {}, group_size=4, cores=1)
+    assert not trace_once_default(None, {})
+    assert trace_once_default(None, {"AUTOTP_TRACE_ONCE": "1"})
+    assert not trace_once_default(None, {"AUTOTP_TRACE_ONCE": "off"})
+    assert trace_once_default(True, {"AUTOTP_TRACE_ONCE": "0"})
+    assert not trace_once_default(False, {"AUTOTP_TRACE_ONCE": "1"})
+
+
+def test_a_resume_function_with_free_variables_is_made_without_running_a_python_frame() -> None:
+    """A follower of ``autotp/shared_frames.py`` installs the tracer's resume functions; Dynamo's
+    code calls the factory of one with free variables with its closure. A Python frame there would
+    be a frame only that rank runs: the eval-frame hook calls the frame callback on it, which takes
+    the tracer's next frame as its own (a gradient-checkpointed Llama hung so). The factory runs
+    none, and makes the function on the given closure."""
+    import torch._dynamo.package as package_module
+
+    def outer() -> object:
+        x = 3
+
+        def inner() -> int:
+            return x + 1
+
+        return inner
+
+    serialized = SimpleNamespace(python_code=package_module.SerializedCode.from_code_object(outer().__code__))
+    factory = compat._resume_function(package_module, serialized, {}, "__resume_at_0_0")
+    calls = []
+    sys.setprofile(lambda frame, event, arg: calls.append(frame.f_code.co_name) if event == "call" else None)
+    try:
+        function = factory((types.CellType(41),))
+    finally:
+        sys.setprofile(None)
+    assert [c for c in calls if c != "<lambda>"] == []
+    assert function() == 42
+
+
+def test_a_frame_dynamo_compiled_no_code_for_is_returned_alike_on_the_followers() -> None:
+    """What Dynamo's callback returns for a frame it compiles no code for (its default: skip this
+    frame and later ones of its code) travels as a :class:`compat.FrameSkip` and comes back equal."""
+    import torch._dynamo.types as dynamo_types
+
+    for result in (dynamo_types.ConvertFrameReturn(), dynamo_types.ConvertFrameReturn(
+            frame_exec_strategy=dynamo_types.FrameExecStrategy(dynamo_types.FrameAction.RUN_ONLY,
+                                                               dynamo_types.FrameAction.RUN_ONLY),
+            apply_to_code=False, skip_reason="recompile limit")):
+        back = pickle.loads(pickle.dumps(compat.FrameSkip.of(result))).result()
+        assert back.guarded_code is None and back.apply_to_code == result.apply_to_code
+        assert back.skip_reason == result.skip_reason
+        assert back.frame_exec_strategy.cur_action == result.frame_exec_strategy.cur_action
+        assert back.frame_exec_strategy.recursive_action == result.frame_exec_strategy.recursive_action
