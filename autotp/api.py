@@ -32,7 +32,7 @@ from autotp.backend import check_override_styles, check_overrides, make_backend,
 from autotp.checkpoint_match import match_parameters
 from autotp.collectives import Comm, attach_health, ensure_process_group, peer_failures, redistribute
 from autotp.compat import BackendCompilerFailed, maybe_mark_dynamic, no_guard_latency_profile
-from autotp.config import AutoTPConfig, parse_dtype
+from autotp.config import AutoTPConfig, opt_in, parse_dtype
 from autotp.context import TPContext, attach_meta, meta_of, shard_of, standin
 from autotp.errors import AutoTPError
 from autotp.hf_config import read_config
@@ -562,9 +562,7 @@ def _frame_channel(ctx: TPContext, store: GraphStore, tracer: int) -> FrameChann
 def _layer_regions_wish(option: bool | None, environ: Mapping[str, str]) -> bool:
     """``layer_regions`` as given, else off unless ``AUTOTP_LAYER_REGIONS`` says 1/true/on (opt-in:
     torch 2.13 fails some recompiles of a stamped-out region, see ``autotp/regions.py``)."""
-    if option is not None:
-        return bool(option)
-    return environ.get("AUTOTP_LAYER_REGIONS", "").strip().lower() in ("1", "true", "on", "yes")
+    return opt_in(option, environ, "AUTOTP_LAYER_REGIONS")
 
 
 def _load_config(folder: Path, trust_remote_code: bool) -> Any:

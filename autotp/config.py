@@ -62,6 +62,14 @@ class AutoTPConfig:
             object.__setattr__(self, "trace_dir", Path(self.trace_dir))
 
 
+def opt_in(option: bool | None, environ: Mapping[str, str], variable: str) -> bool:
+    """An opt-in switch: ``option`` if the caller set it, else on where the environment variable
+    ``variable`` says 1/true/on/yes, else off."""
+    if option is not None:
+        return bool(option)
+    return environ.get(variable, "").strip().lower() in ("1", "true", "on", "yes")
+
+
 DTYPES = {
     "fp32": torch.float32, "float32": torch.float32,
     "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,

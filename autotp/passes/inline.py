@@ -106,8 +106,7 @@ def inline_subgraphs(gm: torch.fx.GraphModule) -> int:
         call_stack = hop.meta.get(STACK)
 
         def tag(copy: torch.fx.Node, original: torch.fx.Node, call_stack: Any = call_stack) -> None:
-            copy.meta = dict(copy.meta)
-            copy.meta[STACK] = _restacked(call_stack, original.meta.get(STACK))
+            copy.meta[STACK] = _restacked(call_stack, original.meta.get(STACK))  # node_copy copied meta
 
         inline_body(gm, hop, body_node, operands, "layer region", tag)
     if calls:
