@@ -32,7 +32,7 @@ from autotp.backend import check_override_styles, check_overrides, make_backend,
 from autotp.checkpoint_match import match_parameters
 from autotp.collectives import Comm, attach_health, ensure_process_group, peer_failures, redistribute
 from autotp.compat import BackendCompilerFailed, maybe_mark_dynamic, no_guard_latency_profile
-from autotp.config import AutoTPConfig, opt_in, parse_dtype
+from autotp.config import AutoTPConfig, parse_dtype, switch
 from autotp.context import TPContext, attach_meta, meta_of, shard_of, standin
 from autotp.errors import AutoTPError
 from autotp.hf_config import read_config
@@ -408,9 +408,8 @@ def parallelize_model(
     ``trace_once``: one rank traces the model's frames and the others install them
     (``autotp/shared_frames.py``, with the cache on); None (default): as
     ``AUTOTP_TRACE_ONCE=1/0`` says, else off (not on by default yet, see that module).
-    ``layer_regions``: Dynamo traces a repeated decoder layer of a decode step once and reuses it
-    for the others (``autotp/regions.py``); None (default): as ``AUTOTP_LAYER_REGIONS=1/0`` says,
-    else off (experimental: torch 2.13 fails some recompiles of a stamped-out region).
+    ``layer_regions``: Dynamo traces a repeated decoder layer once per graph and reuses it for the
+    others (``autotp/regions.py``); None (default): as ``AUTOTP_LAYER_REGIONS=1/0`` says, else on.
     ``shared_memory`` (CPU ranks on one x86-64 host): all-reduces and small all-gathers (up to
     256 KB per rank, e.g. a decode step's logits) go through a shared-memory segment instead of
     gloo's TCP loopback (:class:`~autotp.collectives.SharedMemoryCollectives`); ``False`` keeps
@@ -560,9 +559,8 @@ def _frame_channel(ctx: TPContext, store: GraphStore, tracer: int) -> FrameChann
 
 
 def _layer_regions_wish(option: bool | None, environ: Mapping[str, str]) -> bool:
-    """``layer_regions`` as given, else off unless ``AUTOTP_LAYER_REGIONS`` says 1/true/on (opt-in:
-    torch 2.13 fails some recompiles of a stamped-out region, see ``autotp/regions.py``)."""
-    return opt_in(option, environ, "AUTOTP_LAYER_REGIONS")
+    """``layer_regions`` as given, else on unless ``AUTOTP_LAYER_REGIONS`` says 0/false/off/no."""
+    return switch(option, environ, "AUTOTP_LAYER_REGIONS", default=True)
 
 
 def _load_config(folder: Path, trust_remote_code: bool) -> Any:

@@ -73,6 +73,13 @@ Probed when first used (``autotp/stored_graphs.py``).
 **Data-parallel composition (2-D mesh).** DDP's graph splitting and FSDP2's parameter objects,
 which the 2-D mesh reaches into (``tests/distributed/test_mesh.py`` notices a change).
 
+**Dynamo's subgraph reuse.** :func:`stamped_regions_keep_bound_sizes` wraps
+``torch._dynamo.variables.invoke_subgraph.build_subgraph_input_mapping`` (the record of what a traced
+``nested_compile_region`` call passed, which later calls of the region are stamped out from): a size
+specialized by a guard after the region bound it is recorded by its own symbol, not by the constant
+that the shape environment's replacement gives, so a recompile that specializes a size a layer
+region read no longer fails (``autotp/regions.py``).
+
 **Process groups' timeouts.** :func:`group_timeout` reads the collective timeout a process group
 was made with (``ProcessGroup._get_backend(device).options._timeout``): torch sets it but offers no
 getter. Not probed: where it is missing or changed it returns None, and the caller assumes the
@@ -140,6 +147,7 @@ __all__ = [
     "require_module",
     "rope_init_functions",
     "source_of",
+    "stamped_regions_keep_bound_sizes",
     "traced_node_count",
     "unpickle_graph",
     "use_as_unsharded_param",
@@ -1280,6 +1288,57 @@ def _guard_tensors_in_one_fake_mode() -> Iterator[None]:
         yield
     finally:
         pickler._unpickle_tensor = original
+
+
+# -- Dynamo's subgraph reuse (layer regions, ``autotp/regions.py``) -------------------------
+_REGION_SIZES_KEPT = False
+
+
+def stamped_regions_keep_bound_sizes() -> None:
+    """Make Dynamo's stamped-out region calls pass a size the first call bound by the proxy that
+    call passed, also after the size was specialized (process-wide, once; see the module docstring).
+
+    torch 2.13's ``invoke_subgraph`` records, for each size a traced region reads from outside, the
+    size's sympy expression (``LiftedBoundSymbol(example.node.expr)``), and a later call of the
+    region looks that expression up among the graph's bound symbols to find the proxy to pass.
+    ``SymNode.expr`` applies the shape environment's replacements: once a guard specialized the
+    size (``s52`` -> ``2``: a recompile at batch 2 where transformers compares the batch), the
+    recorded expression is the constant ``2``, which is bound to nothing, and every stamp-out fails
+    with ``InternalTorchDynamoError: KeyError: 2`` (measured: forwards at batch 1, then a generate at
+    batch 2). Where the recorded expression is not bound but the size's own symbol
+    (``SymNode._expr``, before replacements) is, the record names that symbol instead: the stamped
+    call then passes the same proxy the first call passed, whose value the guard fixed. Records that
+    are bound already are left as they are, so no call Dynamo could stamp out before changes. On a
+    torch without these names nothing is changed (regions then fail as before: a compile error,
+    never a wrong result)."""
+    global _REGION_SIZES_KEPT
+    if _REGION_SIZES_KEPT:
+        return
+    _REGION_SIZES_KEPT = True
+    try:
+        reuse = importlib.import_module("torch._dynamo.variables.invoke_subgraph")
+    except ImportError:
+        return
+    original = getattr(reuse, "build_subgraph_input_mapping", None)
+    bound_symbol = getattr(reuse, "LiftedBoundSymbol", None)
+    if original is None or bound_symbol is None:
+        return
+
+    @functools.wraps(original)
+    def build_subgraph_input_mapping(tx: Any, p_args: tuple[Any, ...], flat_vts: list[Any]) -> list[Any]:
+        mapping = original(tx, p_args, flat_vts)
+        bound = tx.output.current_tracer.bound_symbols
+        for i, (record, outer) in enumerate(zip(mapping, p_args[2:], strict=True)):
+            if not isinstance(record, bound_symbol) or record.expr in bound:
+                continue
+            grapharg = outer.node.meta.get("grapharg")
+            example = grapharg.example if grapharg is not None else outer.node.meta.get("example_value")
+            symbol = getattr(getattr(example, "node", None), "_expr", None)
+            if symbol is not None and symbol in bound:
+                mapping[i] = bound_symbol(symbol)
+        return mapping
+
+    reuse.build_subgraph_input_mapping = build_subgraph_input_mapping
 
 
 # -- process groups' timeouts (read when present, see the module docstring) ----------------

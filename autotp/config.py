@@ -34,8 +34,8 @@ class AutoTPConfig:
     ``trace_once``: one rank traces the model's frames and the others install them
     (``autotp/shared_frames.py``; needs the cache on); None: as ``AUTOTP_TRACE_ONCE=1/0`` says,
     else off (not on by default yet, see that module).
-    ``layer_regions``: Dynamo traces a repeated decoder layer of a decode step once and stamps out
-    the others (``autotp/regions.py``; opt-in, ``parallelize_model`` reads ``AUTOTP_LAYER_REGIONS``).
+    ``layer_regions``: Dynamo traces a repeated decoder layer once per graph and stamps out the
+    others (``autotp/regions.py``; ``parallelize_model`` turns it on unless ``AUTOTP_LAYER_REGIONS=0``).
     """
 
     tp_size: int | None = None
@@ -62,12 +62,18 @@ class AutoTPConfig:
             object.__setattr__(self, "trace_dir", Path(self.trace_dir))
 
 
-def opt_in(option: bool | None, environ: Mapping[str, str], variable: str) -> bool:
-    """An opt-in switch: ``option`` if the caller set it, else on where the environment variable
-    ``variable`` says 1/true/on/yes, else off."""
+def switch(option: bool | None, environ: Mapping[str, str], variable: str, *, default: bool) -> bool:
+    """A switch the caller may set and the environment may override: ``option`` if the caller set
+    it, else on where the environment variable ``variable`` says 1/true/on/yes, off where it says
+    0/false/off/no, else ``default``."""
     if option is not None:
         return bool(option)
-    return environ.get(variable, "").strip().lower() in ("1", "true", "on", "yes")
+    word = environ.get(variable, "").strip().lower()
+    if word in ("1", "true", "on", "yes"):
+        return True
+    if word in ("0", "false", "off", "no"):
+        return False
+    return default
 
 
 DTYPES = {

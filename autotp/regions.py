@@ -22,14 +22,13 @@ would have. The layer's own ``forward`` runs unchanged inside the region.
 Which calls go through the region (:func:`_eligible`, decided while Dynamo traces, from what the
 call holds): a KV cache whose ``update`` is transformers' ``Cache.update`` (not overridden),
 without offloading, that already holds a layer at this index, that layer exactly a
-``DynamicLayer`` and already holding keys: decode steps (and later chunks of a prompt). Every other
-call (a prefill into an empty cache, training without a cache, sliding-window, static or quantized
-cache layers, a cache that grows its layer list on demand) runs the layer's own ``forward``,
-inlined as before; a prefill is left out because torch 2.13 failed to stamp out its region after
-a recompile (:func:`_eligible`). The attention reads the stand-in cache through ``update`` only; a layer that
-reads anything else of it (its length, its mask sizes) gets the one layer's answer
-(:class:`_OneLayerCache` answers ``get_seq_length`` and ``get_mask_sizes`` from that layer, which
-is what transformers' cache answers for that index).
+``DynamicLayer``: prefills (the layer's keys and values come in as None, and its first ``update``
+initializes the stand-in) and decode steps. Every other call (training without a cache,
+sliding-window, static or quantized cache layers, a cache that grows its layer list on demand) runs
+the layer's own ``forward``, inlined as before. The attention reads the stand-in cache through
+``update`` only; a layer that reads anything else of it (its length, its mask sizes) gets the one
+layer's answer (:class:`_OneLayerCache` answers ``get_seq_length`` and ``get_mask_sizes`` from
+that layer, which is what transformers' cache answers for that index).
 
 What is guaranteed: the region body is the layer's own code and Dynamo re-checks every guard the
 body needed before reusing it, so a layer of another kind (a different class, sliding window,
@@ -41,12 +40,12 @@ parameters of every layer are still graph inputs with their own guards, so the t
 
 :func:`install_layer_regions` swaps each layer of the one layer stack (``depth.layer_stack``) to a
 subclass made once per layer class (its ``forward`` is :func:`_regional_forward`, its name
-``Regional<Name>_<digest>``); the layer's attributes and parameters are its own. It runs only
-where ``parallelize_model(layer_regions=True)`` / ``AUTOTP_LAYER_REGIONS=1`` asks: **opt-in**,
-because torch 2.13 fails to recompile a graph whose stamped-out region bound a size that the
-recompile specializes (``InternalTorchDynamoError: KeyError: <size>`` in ``stamp_out_subgraph``;
-measured: forwards at batch 1, then a generate at batch 2; and, before prefills were left out, a
-32-token forward then a generate from 8 tokens). A crash, never a wrong result, but a user flow.
+``Regional<Name>_<digest>``); the layer's attributes and parameters are its own. ``parallelize_model``
+installs it unless ``layer_regions=False`` / ``AUTOTP_LAYER_REGIONS=0``. torch 2.13 failed to
+recompile a graph whose stamped-out region had read a size that the recompile specializes
+(``InternalTorchDynamoError: KeyError: 2`` in ``stamp_out_subgraph``: forwards at batch 1, then a
+generate at batch 2; a 32-token forward, then a generate from 8 tokens);
+:func:`autotp.compat.stamped_regions_keep_bound_sizes`, installed with the first region, mends it.
 """
 
 from __future__ import annotations
@@ -61,6 +60,7 @@ from transformers.cache_utils import (  # at import: Dynamo cannot store a guard
     DynamicLayer,
 )
 
+from autotp.compat import stamped_regions_keep_bound_sizes
 from autotp.depth import CannotShorten, _text_config, layer_stack
 from autotp.kv_cache import cache_keyword
 
@@ -74,9 +74,10 @@ class _OneLayerCache:
     """The KV cache a layer sees inside its region: one ``DynamicLayer`` (fresh, made inside the
     region from the keys and values passed in) answering for every layer index."""
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+    def __init__(self, past: tuple[torch.Tensor, torch.Tensor] | None) -> None:
         self.layer = DynamicLayer()
-        _hold(self.layer, keys, values)
+        if past is not None:  # None: a prefill, whose first update initializes the layer
+            _hold(self.layer, *past)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,20 +91,69 @@ class _OneLayerCache:
 
 
 @torch.compiler.nested_compile_region
-def _layer_region(layer: torch.nn.Module, keys: torch.Tensor, values: torch.Tensor, keyword: str,
-                  args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, torch.Tensor, torch.Tensor]:
-    """One decoder layer's forward on its cache layer's tensors: (output, new keys, new values)."""
-    cache = _OneLayerCache(keys, values)
+def _layer_region(layer: torch.nn.Module, keyword: str, layout: str,
+                  *leaves: Any) -> tuple[Any, torch.Tensor, torch.Tensor]:
+    """One decoder layer's forward on its cache layer's (keys, values), None in a prefill, and its
+    own arguments, all packed by :func:`_pack` into ``leaves`` laid out as ``layout`` says:
+    (output, new keys, new values)."""
+    past, args, kwargs = _unpack(layout, leaves)
+    cache = _OneLayerCache(past)
     out = _own_class(layer).forward(layer, *args, **{**kwargs, keyword: cache})
     return out, cache.layer.keys, cache.layer.values
 
 
+#: the layout name of the cache layer's (keys, values) entry (no keyword argument can be named so)
+_PAST = "*past"
+#: what a region takes as one argument (Dynamo's "leaf" inputs of a region: tensors, sizes, constants)
+_LEAVES = (torch.Tensor, int, float, bool, str, type(None))
+
+
+def _pack(past: tuple[torch.Tensor, torch.Tensor] | None, args: tuple[Any, ...],
+          kwargs: dict[str, Any]) -> tuple[str, list[Any]] | None:
+    """The region's arguments as a flat list of leaves and the layout that rebuilds them
+    (``"*past:2;:-1;attention_mask:-1;position_embeddings:2;..."``: each entry's name, empty for a
+    positional one, and its tuple length, -1 for a leaf), or None where a value is neither a leaf
+    nor a tuple of leaves (the call then runs the layer's own forward).
+
+    Why flat: Dynamo fingerprints a region call's inputs to look for a body to reuse, and for any
+    keyword or nested argument it traces ``pytree.tree_flatten`` over all of them, on every layer
+    call; with leaves only it reads them as they are (``build_input_fingerprint``'s fast path).
+    Profiled (tiny Llama, hidden 256, 14 layers, a 16-token prefill, one process): that flatten was
+    6.9 of the 16.8 s Dynamo spent in the region calls. The layout is one string, a constant: a
+    call with another layout is another input to Dynamo's reuse check, never the same body."""
+    parts, leaves = [], []
+    for name, value in ((_PAST, past), *(("", a) for a in args), *kwargs.items()):
+        if type(value) is tuple and all(isinstance(v, _LEAVES) for v in value):
+            parts.append(f"{name}:{len(value)}")
+            leaves.extend(value)
+        elif isinstance(value, _LEAVES):
+            parts.append(f"{name}:-1")
+            leaves.append(value)
+        else:
+            return None
+    return ";".join(parts), leaves
+
+
+def _unpack(layout: str, leaves: tuple[Any, ...]) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:
+    """(past, args, kwargs) from :func:`_pack`'s layout and leaves."""
+    past, args, kwargs, i = None, [], {}, 0
+    for part in layout.split(";"):
+        name, size = part.rsplit(":", 1)
+        n = int(size)
+        value = leaves[i] if n < 0 else tuple(leaves[i:i + n])
+        i += 1 if n < 0 else n
+        if name == _PAST:
+            past = value
+        elif name:
+            kwargs[name] = value
+        else:
+            args.append(value)
+    return past, tuple(args), kwargs
+
+
 def _eligible(cache: Any, index: Any) -> Any:
     """The cache layer this call's region reads and writes, or None where the call runs as it is
-    (see the module docstring). The caller also runs a layer whose cache layer holds nothing yet
-    (a prefill) as it is: torch 2.13 failed to stamp out that region once a prefill graph was
-    traced again for another prompt length (``InternalTorchDynamoError: KeyError`` in
-    ``stamp_out_subgraph``; measured: a 32-token forward, then a generate from 8 tokens)."""
+    (see the module docstring)."""
     if not isinstance(index, int) or not isinstance(cache, Cache) or getattr(cache, "offloading", False):
         return None
     if type(cache).update is not Cache.update or index >= len(cache.layers):
@@ -128,10 +178,14 @@ def _regional_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     keyword = type(self)._autotp_cache_keyword
     cache = kwargs.get(keyword)
     target = _eligible(cache, self._autotp_layer_index) if cache is not None else None
-    if target is None or not target.is_initialized:  # a prefill into an empty cache layer: see _eligible
+    if target is None:
         return own(self, *args, **kwargs)
-    rest = {k: v for k, v in kwargs.items() if k != keyword}
-    out, keys, values = _layer_region(self, target.keys, target.values, keyword, args, rest)
+    past = (target.keys, target.values) if target.is_initialized else None
+    packed = _pack(past, args, {k: v for k, v in kwargs.items() if k != keyword})
+    if packed is None:
+        return own(self, *args, **kwargs)
+    layout, leaves = packed
+    out, keys, values = _layer_region(self, keyword, layout, *leaves)
     _hold(target, keys, values)
     return out
 
@@ -182,6 +236,8 @@ def install_layer_regions(module: torch.nn.Module) -> int:
     """Route each eligible layer call of ``module``'s layer stack through its region (see the
     module docstring); returns how many layers were swapped."""
     layers = regional_layers(module)
+    if layers:
+        stamped_regions_keep_bound_sizes()
     for layer in layers:
         cls = type(layer)
         if not getattr(cls, _REGIONAL, False):

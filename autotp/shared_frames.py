@@ -57,7 +57,7 @@ from typing import Any
 
 from autotp.collectives import Comm, all_ranks, broadcast_object
 from autotp.compat import FrameEntry, FrameSkip, apply_code_state, code_state_changes
-from autotp.config import opt_in
+from autotp.config import switch
 from autotp.errors import AutoTPError
 
 __all__ = ["FrameChannel", "trace_once_agreed", "trace_once_default"]
@@ -65,7 +65,7 @@ __all__ = ["FrameChannel", "trace_once_agreed", "trace_once_default"]
 def trace_once_default(option: bool | None, environ: Mapping[str, str]) -> bool:
     """This rank's wish: ``option`` if set, else ``AUTOTP_TRACE_ONCE``, else off (not on by
     default yet: see the module docstring, Gate)."""
-    return opt_in(option, environ, "AUTOTP_TRACE_ONCE")
+    return switch(option, environ, "AUTOTP_TRACE_ONCE", default=False)
 
 
 def trace_once_agreed(wish: bool, comm: Comm, tracer: int) -> bool:
