@@ -61,9 +61,13 @@ def _reload_and_continue(rank: int, world: int, folder: str, ckpt: str) -> list[
     return [_step(model, optimizer) for _ in range(2)]
 
 
-def _check_round_trip(tmp_path: Path, folder: Path) -> dict:
+def _train_and_save(tmp_path: Path, folder: Path) -> tuple[Path, Path, list[dict]]:
+    """(the sharded checkpoint, the export, the ranks' :func:`_train_save_continue_export` results) at tp=2."""
     ckpt, export = tmp_path / "sharded", tmp_path / "export"
-    first = run_ranks(_train_save_continue_export, 2, str(folder), str(ckpt), str(export))
+    return ckpt, export, run_ranks(_train_save_continue_export, 2, str(folder), str(ckpt), str(export))
+
+
+def _check_round_trip(folder: Path, ckpt: Path, export: Path, first: list[dict]) -> dict:
     resumed = run_ranks(_reload_and_continue, 2, str(folder), str(ckpt))
     for before, after in zip(first, resumed, strict=True):
         assert after == before["curve"][2:]  # exact: bit-identical state, same plan, same order
@@ -81,15 +85,26 @@ def _check_round_trip(tmp_path: Path, folder: Path) -> dict:
     return first[0]
 
 
-def test_llama_resumes_exactly_and_exports_a_checkpoint_transformers_loads(tmp_path: Path) -> None:
-    folder = save_tiny("llama", tmp_path / "llama", seed=0, num_hidden_layers=2)
-    result = _check_round_trip(tmp_path, folder)
+@pytest.fixture(scope="module")
+def llama_at_tp2(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path, list[dict]]:
+    """(the checkpoint, the sharded save, the export, the ranks' results) of a 1-layer tiny Llama
+    trained at tp=2 (:func:`_train_and_save`): the round trip resumes its save at tp=2, and the
+    across-tp test at tp=4 (its first two steps and save are :func:`_resume`'s at tp=2: same seed,
+    same steps; the step after the save is its third)."""
+    root = tmp_path_factory.mktemp("llama-tp2")
+    folder = save_tiny("llama", root / "llama", seed=0, num_hidden_layers=1)
+    return folder, *_train_and_save(root, folder)
+
+
+def test_llama_resumes_exactly_and_exports_a_checkpoint_transformers_loads(
+        llama_at_tp2: tuple[Path, Path, Path, list[dict]]) -> None:
+    result = _check_round_trip(*llama_at_tp2)
     assert result["plan"]["model.layers.0.self_attn.q_proj.weight"] == "S(0)"
 
 
 def test_gpt2_fused_and_tied_weights_round_trip_with_dropout_on(tmp_path: Path) -> None:
     folder = save_tiny("gpt2", tmp_path / "gpt2", seed=0)  # dropout 0.1 everywhere: the rng state matters
-    result = _check_round_trip(tmp_path, folder)
+    result = _check_round_trip(folder, *_train_and_save(tmp_path, folder))
     assert result["plan"]["transformer.h.0.attn.c_attn.weight"].startswith("S(1|")  # fused q|k|v, strided
     from safetensors import safe_open
 
@@ -115,28 +130,36 @@ def _resume(rank: int, world: int, folder: str, load: str | None, save: str | No
     return {"curve": curve, "next": _step(model, optimizer), "plan": plan}
 
 
-def _check_across_tp(tmp_path: Path, folder: Path, first: int, second: int) -> tuple[dict, dict, dict]:
-    """tp=first trains 2 steps and saves; tp=second resumes, takes the step tp=first took next (same
-    loss), trains it, saves, and takes one more; tp=first resumes that and takes the same step.
+def _check_across_tp(tmp_path: Path, folder: Path, first: int, second: int,
+                     saved: tuple[Path, dict] | None = None) -> tuple[dict, dict, dict]:
+    """tp=first trains 2 steps and saves (or ``saved``: such a save, and rank 0's ``curve`` and
+    ``next`` step of that run); tp=second resumes, takes the step tp=first took next (same loss),
+    trains it, saves, and takes one more; tp=first resumes that and takes the same step.
 
     Tolerance: rtol 1e-4 on the losses: another tp sums the row-parallel products in another order
     (fp32, ~1e-6 relative per step), and AdamW's first steps amplify that in elements whose gradient
     is near zero."""
     at_first, at_second = tmp_path / f"at_tp{first}", tmp_path / f"at_tp{second}"
-    a = run_ranks(_resume, first, str(folder), None, str(at_first), 2)
+    if saved is None:
+        a = run_ranks(_resume, first, str(folder), None, str(at_first), 2)[0]
+    else:
+        at_first, a = saved
     b = run_ranks(_resume, second, str(folder), str(at_first), str(at_second), 1)
     c = run_ranks(_resume, first, str(folder), str(at_second), None, 0)
     for r in b:
-        assert r["curve"][0] == pytest.approx(a[0]["next"], rel=1e-4)  # tp=first's third step, at tp=second
+        assert r["curve"][0] == pytest.approx(a["next"], rel=1e-4)  # tp=first's third step, at tp=second
     for r in c:
         assert r["next"] == pytest.approx(b[0]["next"], rel=1e-4)  # tp=second's fourth step, at tp=first
-    assert a[0]["curve"][1] < a[0]["curve"][0]  # it trains
-    return a[0], b[0], c[0]
+    assert a["curve"][1] < a["curve"][0]  # it trains
+    return a, b[0], c[0]
 
 
-def test_a_checkpoint_saved_at_tp2_resumes_at_tp4_and_one_saved_at_tp4_at_tp2(tmp_path: Path) -> None:
-    folder = save_tiny("llama", tmp_path / "llama", seed=0, num_hidden_layers=1)
-    a, b, _ = _check_across_tp(tmp_path, folder, 2, 4)
+def test_a_checkpoint_saved_at_tp2_resumes_at_tp4_and_one_saved_at_tp4_at_tp2(
+        llama_at_tp2: tuple[Path, Path, Path, list[dict]], tmp_path: Path) -> None:
+    folder, ckpt, _, first = llama_at_tp2
+    trained = first[0]  # its two steps before the save, and the step after it
+    saved = ckpt, {"curve": trained["curve"][:2], "next": trained["curve"][2], "plan": trained["plan"]}
+    a, b, _ = _check_across_tp(tmp_path, folder, 2, 4, saved)
     assert a["plan"]["model.layers.0.self_attn.q_proj.weight"] == "S(0)"
     assert b["plan"]["model.layers.0.self_attn.q_proj.weight"] == "S(0)"  # 2 heads a rank, not 4
 

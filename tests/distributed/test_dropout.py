@@ -6,6 +6,7 @@ heads) draw from per-rank streams derived from the seed and the rank (``autotp/r
 
 * same seed on every rank -> every rank returns the same logits and loss (replicated masks agree),
   and the sharded attention dropout ran on per-rank streams (``rank_rng`` rewrites in the trace);
+  GPT-2's (SDPA's dropout mask over its 8 heads split 4 + 4) keeps Megatron's plan;
 * the mean training loss over 12 seeds is statistically equal to one process's: the two means may
   differ by at most 4 standard errors of a difference of two 12-sample means, 4 * s * sqrt(2 / 12),
   with s the per-seed loss spread one process shows (a false failure about once in 16 000 runs),
@@ -31,6 +32,7 @@ pytestmark = pytest.mark.dist
 
 IDS = torch.tensor([[5, 17, 99, 3, 64, 12, 7, 9], [8, 1, 2, 3, 4, 77, 31, 40]])
 SEEDS = range(12)
+LAYERS = 2  # tests/_tiny.py's
 
 
 def _tiny_llama(folder: Path, dropout: float) -> Path:
@@ -62,12 +64,16 @@ def _rank_losses(rank: int, world: int, folder: str, trace: str) -> dict:
     from autotp import parallelize_model
 
     model = parallelize_model(folder, tp_size=world, trace_dir=trace, logits_with_loss=True)
+    warmup = len(model.autotp.plans)
     losses, logits = _losses(model)
+    model(input_ids=IDS, labels=IDS).loss.backward()  # the training graph compiled above, backward
+    finite = all(bool(p.grad.isfinite().all()) for p in model.parameters() if p.grad is not None)
     rewrites: dict[str, int] = {}
     for summary in sorted(Path(trace, f"rank{rank}").glob("graph*/summary.json")):
         for tag, count in json.loads(summary.read_text()).get("local_rewrites", {}).items():
             rewrites[tag] = rewrites.get(tag, 0) + count
-    return {"losses": losses, "logits": logits, "rewrites": rewrites}
+    return {"losses": losses, "logits": logits, "rewrites": rewrites, "finite": finite,
+            "training_collectives": [plan["collectives"] for plan in model.autotp.plans[warmup:]]}
 
 
 def _one_process(folder: Path) -> list[float]:
@@ -121,3 +127,18 @@ def test_training_with_dropout_zero_equals_one_process(trained, build) -> None:
 def test_eager_attention_dropout_runs_on_the_ranks_own_streams(trained) -> None:
     _, (rank0, _) = trained(_tiny_llama, 0.1)
     assert rank0["rewrites"].get("rank_rng", 0) >= 2  # one per layer: each rank's heads, its own stream
+
+
+def test_training_gpt2_with_attention_dropout_over_heads_split_evenly_keeps_megatrons_plan(trained) -> None:
+    """With GPT-2's attention dropout SDPA's math kernel draws the mask as ``empty_like(attn).bernoulli_``:
+    over 8 heads split 4 + 4 the mask keeps the probabilities' head split, each rank drawing its
+    heads' mask from its own stream (one ``rank_rng`` per block), and the training graph
+    communicates as Megatron's (2 all-reduces per block and the embedding's, no all-gather; before,
+    evenly split heads ran attention replicated). Gradients are finite. (Heads split 2 + 1:
+    tests/distributed/test_uneven_heads.py.)"""
+    _, ranks = trained(_gpt2, 0.1)
+    for r in ranks:
+        # the model's graph; the loss function's own graph then gathers the vocab-sharded logits
+        assert r["training_collectives"][0] == {"all_reduce": 2 * LAYERS + 1}, r["training_collectives"]
+        assert r["rewrites"].get("rank_rng", 0) == LAYERS
+        assert r["finite"]

@@ -213,31 +213,3 @@ def test_a_frame_that_is_not_shared_is_traced_by_each_rank_with_the_same_results
         assert shared[rank]["plans"] == first[rank]["plans"]
         assert torch.equal(shared[rank]["logits"], first[rank]["logits"])
         assert shared[rank]["tokens"] == first[rank]["tokens"]
-
-
-def test_a_second_job_loading_two_models_of_one_class_runs_both_from_the_stored_graphs(tmp_path: Path) -> None:
-    """Two models of one class in one process (eager then inductor inner graphs, the first released
-    when the second is assigned), in a second job whose stored entries they install: both install
-    frames on the class's one forward code, and the first model's release must not take away what
-    the second installed (it did: the second job's second model failed with a NameError on a
-    Dynamo module alias). Checked as the inner-compiler test checks one job: same logits and tokens.
-    One layer: what is installed is per forward code object and per model, not per block (with 2,
-    inductor compiled twice the C++ in each of the 4 rank processes for the same check)."""
-    folder = save_tiny("llama", tmp_path / "llama", pad_token_id=0, num_hidden_layers=1)
-    cache = tmp_path / "cache"
-    jobs = []
-    for job in range(2):
-        jobs.append(run_ranks(_job_in_cache, 2, str(cache), str(folder), str(tmp_path / f"trace{job}")))
-    for first, second in zip(*jobs, strict=True):
-        for inner in ("eager", "inductor"):
-            assert second[inner]["tokens"] == first[inner]["tokens"]
-            torch.testing.assert_close(second[inner]["logits"], first[inner]["logits"], atol=1e-5, rtol=1e-4)
-
-
-def _job_in_cache(rank: int, world: int, cache_dir: str, folder: str, trace: str) -> dict:
-    import os
-
-    os.environ["AUTOTP_CACHE_DIR"] = cache_dir
-    from tests.distributed.test_inner_compile import _run
-
-    return _run(rank, world, folder, trace)

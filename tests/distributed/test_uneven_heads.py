@@ -297,17 +297,16 @@ def _rank_dropout(rank: int, world: int, folder: str, trace: str) -> dict[str, A
             "finite": all(bool(p.grad.isfinite().all()) for p in model.parameters() if p.grad is not None)}
 
 
-@pytest.mark.parametrize("heads", [3, 4], ids=["3-heads-split-2-1", "4-heads-split-evenly"])
-def test_training_gpt2_with_attention_dropout_keeps_megatrons_plan(tmp_path: Path, heads: int) -> None:
+def test_training_gpt2_with_attention_dropout_keeps_megatrons_plan(tmp_path: Path) -> None:
     """With GPT-2's attention dropout (0.1) SDPA's math kernel draws the dropout mask as
     ``empty_like(attn).bernoulli_(1 - p)``: the mask keeps the probabilities' head split (3 heads
-    over 2 ranks as 2 + 1, or 4 as 2 + 2), each rank drawing its heads' mask from its own stream
-    (``rank_rng``), so the training graph communicates as Megatron's (2 all-reduces per block and
-    the embedding's, no all-gather; before, 3 heads found no plan and 4 ran attention replicated).
-    The replicated regions' dropout draws alike on every rank: the ranks' losses are equal. (Values
-    differ from one process's with dropout on; at dropout 0 the test above compares the step
-    exactly, and ``tests/distributed/test_dropout.py`` the loss's distribution.)"""
-    folder = save_tiny("gpt2", tmp_path / "gpt2", pad_token_id=PAD_ID, n_embd=48, n_head=heads, n_layer=LAYERS)
+    over 2 ranks as 2 + 1), each rank drawing its heads' mask from its own stream (``rank_rng``), so
+    the training graph communicates as Megatron's (2 all-reduces per block and the embedding's, no
+    all-gather; before, 3 heads found no plan). The replicated regions' dropout draws alike on every
+    rank: the ranks' losses are equal. (Values differ from one process's with dropout on; at
+    dropout 0 the test above compares the step exactly, and ``tests/distributed/test_dropout.py``
+    the loss's distribution, and GPT-2's heads split evenly, 4 + 4, the same way.)"""
+    folder = save_tiny("gpt2", tmp_path / "gpt2", pad_token_id=PAD_ID, n_embd=48, n_head=3, n_layer=LAYERS)
     results = run_ranks(_rank_dropout, 2, str(folder), str(tmp_path / "trace"))
     for r in results:
         # the model's graph; the loss function's own graph then gathers the vocab-sharded logits

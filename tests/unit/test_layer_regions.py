@@ -7,6 +7,8 @@ none; a region runs the layer's own code on the same tensors, so every logit is 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
@@ -39,18 +41,54 @@ def _calls(gm: torch.fx.GraphModule) -> int:
     return sum(1 for n in gm.graph.nodes if is_subgraph_call(n))
 
 
-@pytest.fixture(scope="module")
-def regional_llama() -> list[tuple[int, list[str], torch.fx.GraphModule]]:
-    """Each graph of a generate of a 3-layer tiny Llama with regions: its call count and bodies as
-    Dynamo traced it, then the graph with every call inlined (as autotp's backend gets it)."""
-    model = tiny_model("llama", num_hidden_layers=3).eval()
-    assert install_layer_regions(model) == 3
-    out = []
-    for gm in _graphs(model):
+#: a regional run: the generate's output, and each graph Dynamo traced as (its call count and bodies
+#: as traced, the graph with every call inlined)
+Regional = tuple[object, list[tuple[int, list[str], torch.fx.GraphModule]]]
+
+
+def _regional_generate(arch: str, layers: int) -> Regional:
+    """A generate of a tiny ``arch`` with ``layers`` layers and regions, compiled with what autotp's
+    backend does first (every region call replaced by its body) and run: its output, and what each
+    graph held before and after inlining."""
+    model = tiny_model(arch, num_hidden_layers=layers).eval()
+    install_layer_regions(model)
+    graphs = []
+
+    def inlining_backend(gm: torch.fx.GraphModule, example_inputs: list) -> object:
         calls, bodies = _calls(gm), [name for name, _ in gm.named_children()]
         assert inline_subgraphs(gm) == calls
-        out.append((calls, bodies, gm))
-    return out
+        graphs.append((calls, bodies, gm))
+        return gm.forward
+
+    torch._dynamo.reset()
+    out = _generate(model, torch.compile(type(model).forward.__get__(model), backend=inlining_backend, dynamic=None))
+    return out, graphs
+
+
+#: architecture -> layers of its regional run: 3, and Gemma-2's 4 (2 sliding-window layers, 2 global)
+REGIONAL = {"llama": 3, "gemma2": 4, "mixtral": 3, "gpt2": 3}
+
+
+@pytest.fixture(scope="module")
+def regional() -> Callable[[str], Regional]:
+    """``regional(arch)``: :func:`_regional_generate` of ``arch`` at :data:`REGIONAL`'s depth, once per
+    module: the tokens-and-logits test compares its output, the other tests read its graphs (a
+    second trace of the same generate cost as much and showed the same graphs)."""
+    runs: dict[str, Regional] = {}
+
+    def run(arch: str) -> Regional:
+        if arch not in runs:
+            runs[arch] = _regional_generate(arch, REGIONAL[arch])
+        return runs[arch]
+
+    return run
+
+
+@pytest.fixture(scope="module")
+def regional_llama(regional: Callable[[str], Regional]) -> list[tuple[int, list[str], torch.fx.GraphModule]]:
+    """Each graph of a generate of a 3-layer tiny Llama with regions: its call count and bodies as
+    Dynamo traced it, then the graph with every call inlined (as autotp's backend gets it)."""
+    return regional("llama")[1]
 
 
 def test_each_graph_traces_one_layer_body_and_calls_it_once_per_layer(regional_llama: list) -> None:
@@ -66,14 +104,11 @@ def _inlining_backend(gm: torch.fx.GraphModule, example_inputs: list) -> object:
     return gm.forward
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma2", "mixtral", "gpt2"])
-def test_a_generate_through_inlined_regions_gives_the_plain_models_tokens_and_logits_exactly(arch: str) -> None:
-    plain = tiny_model(arch, num_hidden_layers=3).eval()
-    reference = _generate(plain)
-    model = tiny_model(arch, num_hidden_layers=3).eval()
-    install_layer_regions(model)
-    torch._dynamo.reset()
-    out = _generate(model, torch.compile(type(model).forward.__get__(model), backend=_inlining_backend, dynamic=None))
+@pytest.mark.parametrize("arch", list(REGIONAL))
+def test_a_generate_through_inlined_regions_gives_the_plain_models_tokens_and_logits_exactly(
+        regional: Callable[[str], Regional], arch: str) -> None:
+    reference = _generate(tiny_model(arch, num_hidden_layers=REGIONAL[arch]).eval())
+    out, _ = regional(arch)
     assert torch.equal(out.sequences, reference.sequences)
     for step, (a, b) in enumerate(zip(out.logits, reference.logits, strict=True)):
         assert torch.equal(a, b), f"{arch}: decode step {step} differs by {(a - b).abs().max().item()}"
@@ -95,12 +130,13 @@ def test_inlined_regions_run_the_tensor_ops_dynamo_traces_without_them_in_order_
         assert ops(inlined) == ops(without)
 
 
-def test_sliding_window_layers_run_their_own_forward_and_global_ones_share_a_body() -> None:
+def test_sliding_window_layers_run_their_own_forward_and_global_ones_share_a_body(
+        regional: Callable[[str], Regional]) -> None:
     # Gemma-2 alternates sliding (a DynamicSlidingWindowLayer cache: not eligible) and global layers
-    model = tiny_model("gemma2", num_hidden_layers=4).eval()
-    install_layer_regions(model)
-    for gm in _graphs(model)[1:]:  # the decode graphs
-        assert _calls(gm) == 2  # the two global layers; the two sliding ones are inlined as before
+    _, (_, *decode) = regional("gemma2")  # 4 layers
+    assert decode
+    for calls, _, _ in decode:
+        assert calls == 2  # the two global layers; the two sliding ones are inlined as before
 
 
 def test_a_call_without_a_cache_trains_through_the_layers_own_forward() -> None:
