@@ -1496,7 +1496,7 @@ def _code_name(code: types.CodeType) -> tuple[str, str, int]:
 
 
 def _publishing_callback(frame: Any, cache_entry: Any, frame_state: Any, *, inner: Callable[..., Any],
-                         share: FrameShare, entry_of: Callable[..., FrameEntry]) -> Any:
+                         share: FrameShare, entry_of: Callable[..., FrameEntry | None]) -> Any:
     """The tracing rank's frame callback: Dynamo's (``inner``), then what it made of the frame
     published: its entry, a :class:`FrameSkip` where it compiled no code, None where Dynamo raised
     or the entry cannot be shared (``share.not_shared`` says why). The backend must not run a
@@ -1515,6 +1515,8 @@ def _publishing_callback(frame: Any, cache_entry: Any, frame_state: Any, *, inne
         if getattr(result, "guarded_code", None) is not None:
             try:  # run the frame as the followers will: its guards loaded from the same state
                 item = entry_of(frame.f_code, frame.f_globals)
+                if item is None:
+                    raise PackageError("no entry for it")
                 installed = _install_frame(frame, *share.prepare(item))
                 _move_cleanup(result.guarded_code.code, installed.guarded_code.code)
                 result = installed

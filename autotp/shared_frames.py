@@ -33,7 +33,9 @@ callback, where rank 0 plans and broadcasts as on any compile.
 its package cannot hold the frame, a graph does not pickle: that one is lowered while tracing,
 after publishing) or a follower's install failed (it says why in ``stored_graphs``), every rank
 stops sharing for this compiled forward and compiles this frame and all later ones itself, as
-without sharing: no frame is exchanged any more, so no rank can wait for one. A follower whose
+without sharing: no frame is exchanged any more, so no rank can wait for one. The tracer's message
+says why it shared none; every rank notes the stop with the frames shared before and logs it
+(:data:`log`, INFO). A follower whose
 frame is not the one the tracer published (the ranks' frames diverged: a frame that runs on some
 ranks only) raises an :class:`AutoTPError` saying to turn sharing off, instead of pairing the wrong
 frames; a rank that dies is noticed in the broadcast as in any collective.
@@ -45,9 +47,9 @@ to the cold launch's critical path (the tracer's pickling, the broadcast, the fo
 so sharing pays only where the followers' traces took cores from the tracer's: on where this
 host's ranks (``LOCAL_WORLD_SIZE``, else the group) outnumber the cores this process may run on
 (``os.sched_getaffinity``); not implemented yet. Only with the cache on: the package and graph
-pickling are the stored-graph machinery's. Not for a data-parallel model (``mesh=`` with
-``data_parallel=``): a 2x2 mesh training under FSDP2 with sharing hung after loading (not
-diagnosed), so its ranks trace their own.
+pickling are the stored-graph machinery's. Not under FSDP2 (``data_parallel="fsdp"``): with
+sharing, a 2x2 mesh's step resumed after ``load_checkpoint`` had the first step's loss (not
+diagnosed; it used to hang after loading), so its ranks trace their own; DDP shares.
 """
 
 from __future__ import annotations
@@ -204,4 +206,5 @@ class FrameChannel:
 def _where(name: tuple[str, str, int]) -> str:
     function, filename, line = name
     return f"{function} ({filename}:{line})"
+
 
