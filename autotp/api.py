@@ -491,7 +491,7 @@ def parallelize_model(
     ctx = TPContext(comm=comm, config=config, sharded_outputs=True, plan_once=timeout is None,
                     threads_before=threads_before if threads is not None else None)
     weakref.finalize(module, ctx.close)  # what the session installed goes when the model does
-    compiled = _compiled_forward(module, ctx, device, data_parallel=layout.data_parallel is not None)
+    compiled = _compiled_forward(module, ctx, device, fsdp=layout.data_parallel == "fsdp")
     slots = [(m, n, p) for fqn, p in module.named_parameters(remove_duplicate=False)
              for m, n in [_resolve_module(module, fqn)]]
     forward = _SwappingForward(compiled, slots, comm, InputGuard(TokenIdCheck.for_model(module, module.forward)),
@@ -517,11 +517,11 @@ def parallelize_model(
 
 
 def _compiled_forward(module: torch.nn.Module, ctx: TPContext, device: torch.device,
-                      data_parallel: bool = False) -> Callable[..., Any]:
+                      fsdp: bool = False) -> Callable[..., Any]:
     """The model's compiled forward: with the cache on, one whose graphs are stored for the next
     launch and installed from the last one (``autotp/stored_graphs.py``), else ``torch.compile``;
-    its frames shared within the group where the gate says so and the model is not data-parallel
-    (``autotp/shared_frames.py``)."""
+    its frames shared within the group where the gate says so and the model is not under FSDP2
+    (``autotp/shared_frames.py``, Gate)."""
     fn = type(module).forward.__get__(module)
     if not ctx.plan_cache.enabled:
         return torch.compile(fn, backend=make_backend(ctx), dynamic=None)
@@ -537,7 +537,7 @@ def _compiled_forward(module: torch.nn.Module, ctx: TPContext, device: torch.dev
     # once its trace is done (measured: as fast as rank 0 tracing, tp=4 on 2 cores)
     writer = ctx.world_size - 1
     writes = ctx.rank == writer
-    share = None if data_parallel else _frame_channel(ctx, store, tracer=writer)
+    share = None if fsdp else _frame_channel(ctx, store, tracer=writer)
     backend = storing_backend(make_backend(ctx), ctx, share) if writes else make_backend(ctx)
     trace = Path(ctx.config.trace_dir) / f"rank{ctx.rank}" if ctx.config.trace_dir else None
     compiled = StoredForward(fn, backend, store, write=writes, session=ctx, trace=trace, share=share)

@@ -96,6 +96,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import copyreg
 import dataclasses
 import datetime
 import functools
@@ -897,21 +898,22 @@ class DynamoPackage:
             for code in entry.codes]
         return dataclasses.replace(entry, codes=codes), aliases
 
-    def frame_entry(self, code: types.CodeType, scope: dict[str, Any]) -> FrameEntry | None:
+    def frame_entry(self, code: types.CodeType, scope: dict[str, Any]) -> FrameEntry:
         """What another process of this launch installs to run ``code``'s newest compiled version
         (:func:`_install_frame`): this package's :meth:`entry` and where the frame's code is in it;
-        None where the package holds no guarded code for it or cannot be stored (:class:`PackageError`).
+        a :class:`PackageError` where the package holds no guarded code for it or cannot be stored.
         The module aliases :meth:`entry` did not rename (those of a frame whose globals are not the
         forward's, a resume function's in the model's module) are sent by the names the code reads,
         looked up in the frame's globals ``scope``."""
         package_module = require_module("torch._dynamo.package")
-        index = next((i for i, c in enumerate(self.package._codes) if c is code), None)
-        if index is None or not self.package._codes[code].guarded_codes:
-            return None
-        try:
-            entry, aliases = self.entry()
-        except PackageError:
-            return None
+        # by value, as the package's own table: a resume function's code the frame runs may be an
+        # equal copy of the one recorded (one the code installed from an entry made, see
+        # _install_frame), which its compile recorded under the original
+        codes = self.package._codes
+        if code not in codes or not codes[code].guarded_codes:
+            raise PackageError(f"the package holds no compiled code for {code.co_name}")
+        index = list(codes).index(code)
+        entry, aliases = self.entry()
 
         def module_names(serialized: Any) -> Iterator[str]:
             yield from (n for n in serialized.co_names if n.startswith("___module_"))
@@ -1149,8 +1151,66 @@ def _storable_guards() -> Iterator[None]:
             return _UNSTORABLE + f"{type(e).__name__}: {e}".encode()
 
     pickle_or_mark._autotp_storable = True  # type: ignore[attr-defined]
-    with _swapped(guards, "pickle_guards_state", pickle_or_mark):
+    with _swapped(guards, "pickle_guards_state", pickle_or_mark), _dicts_pickled_as_held(guards.GuardsStatePickler):
         yield
+
+
+@contextlib.contextmanager
+def _dicts_pickled_as_held(pickler: type) -> Iterator[None]:
+    """Within the block, ``pickler`` (Dynamo's ``GuardsStatePickler``) pickles a dict subclass whose
+    ``__setitem__`` is its own (:func:`_rekeying_dict`) with its keys as it holds them
+    (:func:`_dict_as_held`). Pickle's default replays the items through ``__setitem__``, which such
+    a class may re-key: transformers' ``_CanRecordRegistry`` (``utils/output_capturing.py``, read by
+    the output-capturing wrapper's guards, which check its keys' order) keys an item by
+    ``str(key.__class__)``, so unpickled, every key was ``"<class 'str'>"``; the loaded guard state
+    then failed to build (``IndexError``), and so did every install of that frame's entry (shared
+    frames, ``autotp/shared_frames.py``, and the stored graphs of a later launch). Held as pickled,
+    the loaded state is the tracer's own, so its guards are the tracer's: they pass where the
+    tracer's would. Through the pickler's ``dispatch_table`` (consulted after its
+    ``reducer_override``, which returns ``NotImplemented`` for a plain dict subclass), which falls
+    back to :mod:`copyreg`'s as the pickler's default does."""
+    had = "dispatch_table" in pickler.__dict__
+    original = pickler.__dict__.get("dispatch_table")
+    pickler.dispatch_table = _HeldDictReducers()
+    try:
+        yield
+    finally:
+        if had:
+            pickler.dispatch_table = original
+        else:
+            del pickler.dispatch_table
+
+
+class _HeldDictReducers:
+    """A pickler's ``dispatch_table``: :func:`_dict_as_held` for a re-keying dict subclass, else
+    :data:`copyreg.dispatch_table`'s entry (``KeyError`` where it has none, as the table's protocol wants)."""
+
+    def __getitem__(self, cls: type) -> Callable[[Any], Any]:
+        if _rekeying_dict(cls):
+            return _dict_as_held
+        return copyreg.dispatch_table[cls]
+
+
+def _rekeying_dict(cls: type) -> bool:
+    """A dict subclass with its own ``__setitem__`` and pickle's default reduction (which replays
+    the items through it); an OrderedDict or defaultdict (their own ``__reduce__``) is not one."""
+    return (isinstance(cls, type) and issubclass(cls, dict) and cls is not dict
+            and cls.__setitem__ is not dict.__setitem__
+            and cls.__reduce_ex__ is object.__reduce_ex__ and cls.__reduce__ is object.__reduce__)
+
+
+def _dict_as_held(value: dict[Any, Any]) -> tuple[Any, ...]:
+    """``value`` reduced to its class, its items as held and its attributes (:func:`_held_dict`)."""
+    return _held_dict, (type(value), list(dict.items(value)), getattr(value, "__dict__", None) or None)
+
+
+def _held_dict(cls: type, items: list[tuple[Any, Any]], attributes: dict[str, Any] | None) -> dict[Any, Any]:
+    """A ``cls`` holding ``items`` as given (``dict.update``, not ``cls.__setitem__``) and ``attributes``."""
+    value = cls.__new__(cls)
+    dict.update(value, items)
+    if attributes:
+        value.__dict__.update(attributes)
+    return value
 
 
 #: the fields of ``torch._dynamo.types.GuardFilterEntry`` :func:`_guard_values_read_lazily` knows
@@ -1404,12 +1464,13 @@ class FrameShare(Protocol):
         """Tracer: a frame callback for the frame ``name`` starts; one publication is owed."""
 
     def prepare(self, entry: FrameEntry) -> tuple[FrameEntry, dict[str, Callable[..., Any]],
-                                                  dict[str, dict[str, Any]]] | None:
+                                                  dict[str, dict[str, Any]]]:
         """Tracer: what :meth:`receive` will give the followers for ``entry`` (its graphs, the
-        markings), for the tracer to install it too; None where the entry cannot be sent."""
+        markings), for the tracer to install it too; a :class:`PackageError` where the entry
+        cannot be sent."""
 
-    def not_installed(self, error: Exception) -> None:
-        """Tracer: its own install of the prepared entry failed (it publishes None)."""
+    def not_shared(self, why: str) -> None:
+        """Tracer: why the frame of this callback is not shared (it publishes None)."""
 
     def publish(self, item: FrameEntry | FrameSkip | None) -> None:
         """Tracer: publish what is owed (a :class:`FrameEntry` that was prepared); a no-op where
@@ -1497,28 +1558,30 @@ def _publishing_callback(frame: Any, cache_entry: Any, frame_state: Any, *, inne
                          share: FrameShare, entry_of: Callable[..., FrameEntry | None]) -> Any:
     """The tracing rank's frame callback: Dynamo's (``inner``), then what it made of the frame
     published: its entry, a :class:`FrameSkip` where it compiled no code, None where Dynamo raised
-    or the entry cannot be shared. The backend must not run a collective before this publication
-    (the others wait in it): it lowers on the graph's first call, or publishes None first
-    (``FrameShare.publish``)."""
+    or the entry cannot be shared (``share.not_shared`` says why). The backend must not run a
+    collective before this publication (the others wait in it): it lowers on the graph's first
+    call, or publishes None first (``FrameShare.publish``)."""
     if not share.active:
         return inner(frame, cache_entry, frame_state)
     share.begin(_code_name(frame.f_code))
     item: FrameEntry | FrameSkip | None = None
     try:
-        result = inner(frame, cache_entry, frame_state)
+        try:
+            result = inner(frame, cache_entry, frame_state)
+        except BaseException as e:
+            share.not_shared(f"Dynamo raised {type(e).__name__}: {e}")
+            raise
         if getattr(result, "guarded_code", None) is not None:
-            item = entry_of(frame.f_code, frame.f_globals)
-            shared = None if item is None else share.prepare(item)
-            if shared is None:
+            try:  # run the frame as the followers will: its guards loaded from the same state
+                item = entry_of(frame.f_code, frame.f_globals)
+                if item is None:
+                    raise PackageError("no entry for it")
+                installed = _install_frame(frame, *share.prepare(item))
+                _move_cleanup(result.guarded_code.code, installed.guarded_code.code)
+                result = installed
+            except Exception as e:  # noqa: BLE001 - any failure: no rank installs it
+                share.not_shared(f"{type(e).__name__}: {e}")
                 item = None
-            else:  # run the frame as the followers will: its guards loaded from the same state
-                try:
-                    installed = _install_frame(frame, *shared)
-                    _move_cleanup(result.guarded_code.code, installed.guarded_code.code)
-                    result = installed
-                except Exception as e:  # noqa: BLE001 - any failure: no rank installs it
-                    share.not_installed(e)
-                    item = None
         elif result is not None:
             item = FrameSkip.of(result)
         return result
@@ -1633,11 +1696,23 @@ def _reserve_unique_id(name: str) -> None:
 
 
 def _function_code(value: Any) -> types.CodeType | None:
-    """The code of a resume function as :func:`_resume_function` or Dynamo installs it (a function,
-    or a factory ``functools.partial`` of ``types.FunctionType``); None for anything else."""
+    """The code of a resume function as :func:`_resume_function` or Dynamo installs it: a function,
+    or for one with free variables a factory of it: :func:`_resume_function`'s
+    ``functools.partial`` of ``types.FunctionType``, or Dynamo's closure
+    (``OutputGraph.install_resume_function_global``'s ``_make_fn``, whose cell ``code`` holds the
+    resume function's code: read as the factory's own code, the tracer's resume function was
+    "another function" than its own entry's, and sharing stopped at the first resume function with
+    free variables); None for anything else."""
     if isinstance(value, functools.partial) and value.func is types.FunctionType:
         return value.args[0]
-    return getattr(value, "__code__", None)
+    code = getattr(value, "__code__", None)
+    closure = getattr(value, "__closure__", None)
+    if isinstance(code, types.CodeType) and code.co_name == "_make_fn" and closure is not None \
+            and "code" in code.co_freevars:
+        made = closure[code.co_freevars.index("code")].cell_contents
+        if isinstance(made, types.CodeType):
+            return made
+    return code
 
 
 def _resume_function(package_module: Any, code: Any, home: dict[str, Any], name: str) -> Any:

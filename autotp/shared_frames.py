@@ -33,7 +33,9 @@ callback, where rank 0 plans and broadcasts as on any compile.
 its package cannot hold the frame, a graph does not pickle: that one is lowered while tracing,
 after publishing) or a follower's install failed (it says why in ``stored_graphs``), every rank
 stops sharing for this compiled forward and compiles this frame and all later ones itself, as
-without sharing: no frame is exchanged any more, so no rank can wait for one. A follower whose
+without sharing: no frame is exchanged any more, so no rank can wait for one. The tracer's message
+says why it shared none; every rank notes the stop with the frames shared before and logs it
+(:data:`log`, INFO). A follower whose
 frame is not the one the tracer published (the ranks' frames diverged: a frame that runs on some
 ranks only) raises an :class:`AutoTPError` saying to turn sharing off, instead of pairing the wrong
 frames; a rank that dies is noticed in the broadcast as in any collective.
@@ -45,22 +47,26 @@ to the cold launch's critical path (the tracer's pickling, the broadcast, the fo
 so sharing pays only where the followers' traces took cores from the tracer's: on where this
 host's ranks (``LOCAL_WORLD_SIZE``, else the group) outnumber the cores this process may run on
 (``os.sched_getaffinity``); not implemented yet. Only with the cache on: the package and graph
-pickling are the stored-graph machinery's. Not for a data-parallel model (``mesh=`` with
-``data_parallel=``): a 2x2 mesh training under FSDP2 with sharing hung after loading (not
-diagnosed), so its ranks trace their own.
+pickling are the stored-graph machinery's. Not under FSDP2 (``data_parallel="fsdp"``): with
+sharing, a 2x2 mesh's step resumed after ``load_checkpoint`` had the first step's loss (not
+diagnosed; it used to hang after loading), so its ranks trace their own; DDP shares.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from autotp.collectives import Comm, all_ranks, broadcast_object
-from autotp.compat import FrameEntry, FrameSkip, apply_code_state, code_state_changes
+from autotp.compat import FrameEntry, FrameSkip, PackageError, apply_code_state, code_state_changes
 from autotp.config import switch
 from autotp.errors import AutoTPError
 
 __all__ = ["FrameChannel", "trace_once_agreed", "trace_once_default"]
+
+#: where sharing stopping is logged (INFO: which frame, why, how many frames were shared before)
+log = logging.getLogger(__name__)
 
 def trace_once_default(option: bool | None, environ: Mapping[str, str]) -> bool:
     """This rank's wish: ``option`` if set, else ``AUTOTP_TRACE_ONCE``, else off (not on by
@@ -80,11 +86,13 @@ class FrameChannel:
     compiled function name; ``notes``: where a follower says why a frame did not install, and
     where sharing stopped.
 
-    A message is ``(name, item, code_state)``: the frame the tracer is in, what the followers do
-    with it (``(FrameEntry, new graphs)``, a :class:`FrameSkip`, or None: not shared) and the
-    tracer's Dynamo code state changed since the last message (:func:`compat.code_state_changes`).
-    After a None, or a :class:`FrameEntry` that did not install on some follower (the group agrees
-    in one all-reduce after each), :attr:`active` is False on every rank, at the same frame."""
+    A message is ``(name, item, code_state, why)``: the frame the tracer is in, what the followers
+    do with it (``(FrameEntry, new graphs)``, a :class:`FrameSkip`, or None: not shared, ``why``
+    says why) and the tracer's Dynamo code state changed since the last message
+    (:func:`compat.code_state_changes`). After a None, or a :class:`FrameEntry` that did not
+    install on some follower (the group agrees in one all-reduce after each), :attr:`active` is
+    False on every rank, at the same frame; each rank notes it with the counts below and logs it
+    (:data:`log`)."""
 
     def __init__(self, comm: Comm, src: int, session: Any, graph_type: type, notes: list[str]) -> None:
         self.comm = comm
@@ -96,28 +104,30 @@ class FrameChannel:
         self.notes = notes
         self.graphs: Callable[[], dict[str, Any]] = dict
         self._owed: tuple[str, str, int] | None = None
+        self._why = ""  # why the owed frame is not shared (tracer)
         self._sent: set[str] = set()
         self._new: dict[str, Any] = {}  # the graphs of the prepared entry the followers have not had
         self._code_state: dict[Any, Any] = {}
         self._received_name = ("", "", 0)
         self.received: dict[str, Any] = {}
         self.markings: dict[str, dict[str, Any]] = {}
-        #: frames installed from the tracer, frames whose skip was taken from it, frames compiled
-        #: here (the tracer published none, or one did not install) while sharing was on
+        #: frames installed from the tracer (on the tracer: installed on every rank), frames whose
+        #: skip was taken from it (published), frames not shared (the tracer published none, or
+        #: one did not install here) while sharing was on
         self.installed_count = 0
         self.skipped = 0
         self.compiled_here = 0
 
     def begin(self, name: tuple[str, str, int]) -> None:
-        self._owed = name
+        self._owed, self._why = name, ""
 
-    def prepare(self, entry: FrameEntry) -> tuple[FrameEntry, dict[str, Any], dict[str, dict[str, Any]]] | None:
+    def prepare(self, entry: FrameEntry) -> tuple[FrameEntry, dict[str, Any], dict[str, dict[str, Any]]]:
         graphs = self.graphs()
         new = {}
         for graph_name in entry.backend_ids():
             g = graphs.get(graph_name)
             if not isinstance(g, self.graph_type):  # lowered while tracing: the others trace too
-                return None
+                raise PackageError(f"its graph {graph_name} does not pickle")
             if graph_name not in self._sent:
                 new[graph_name] = (g.data, g.markings)
         self._new = new
@@ -126,25 +136,31 @@ class FrameChannel:
                 self.markings.setdefault(source, {}).update(m)
         return entry, graphs, self.markings
 
-    def not_installed(self, error: Exception) -> None:
-        self.notes.append(f"a frame this rank compiled did not install here ({type(error).__name__}: {error})")
+    def not_shared(self, why: str) -> None:
+        self._why = why
 
     def publish(self, item: FrameEntry | FrameSkip | None) -> None:
         if self._owed is None:
             return
         name, self._owed = self._owed, None
         message: Any = (item, self._new) if isinstance(item, FrameEntry) else item
-        broadcast_object((name, message, code_state_changes(self._code_state)), self.comm, src=self.src)
+        why = self._why or "its callback was left"
+        broadcast_object((name, message, code_state_changes(self._code_state), why), self.comm, src=self.src)
         if message is None:
-            self._stop(f"the tracing rank could not share {_where(name)}")
+            self.compiled_here += 1
+            self._stop(f"the tracing rank could not share {_where(name)} ({why})")
         elif isinstance(item, FrameEntry):
             self._sent.update(self._new)
             if not all_ranks(True, self.comm):
                 self._stop(f"a rank could not install the tracing rank's frame {_where(name)}")
+            else:
+                self.installed_count += 1
+        else:
+            self.skipped += 1
 
     def receive(self, name: tuple[str, str, int]) -> tuple[FrameEntry, dict[str, Any], dict[str, dict[str, Any]]] \
             | FrameSkip | None:
-        published, message, code_state = broadcast_object(None, self.comm, src=self.src)
+        published, message, code_state, why = broadcast_object(None, self.comm, src=self.src)
         if published != name:
             self.active = False
             raise AutoTPError(
@@ -156,7 +172,7 @@ class FrameChannel:
         self._received_name = name
         if message is None:
             self.compiled_here += 1
-            self._stop(f"the tracing rank could not share {_where(name)}")
+            self._stop(f"the tracing rank could not share {_where(name)} ({why})")
             return None
         if isinstance(message, FrameSkip):
             self.skipped += 1
@@ -181,9 +197,14 @@ class FrameChannel:
     def _stop(self, why: str) -> None:
         """Every rank traces its own frames from here on (each rank calls this at the same frame)."""
         self.active = False
-        self.notes.append(f"frames no longer shared: {why}; every rank traces its own")
+        note = (f"frames no longer shared: {why}; every rank traces its own (shared before: "
+                f"{self.installed_count} installed, {self.skipped} skipped)")
+        self.notes.append(note)
+        log.info("autotp rank %d: %s", self.comm.rank, note)
 
 
 def _where(name: tuple[str, str, int]) -> str:
     function, filename, line = name
     return f"{function} ({filename}:{line})"
+
+

@@ -124,3 +124,52 @@ def test_a_stored_graph_s_node_arguments_are_read_back_as_pytree_reads_them() ->
         theirs = compat.pytree.tree_map_only(compat._NodeRecord, mapping.__getitem__, value)
     assert typed(ours) == typed(theirs)
     assert ours[0] == "node a" and ours[5] == slice("node a", None, 2) and ours[6] == pair("node a", 3)
+
+
+class _ByClassName(dict):
+    """A dict that keys each item by its key's class name, as transformers' ``_CanRecordRegistry``."""
+
+    def __setitem__(self, key: object, value: object) -> None:
+        super().__setitem__(type(key).__name__, value)
+
+
+def test_a_guard_state_keeps_a_re_keying_dict_s_keys_as_held() -> None:
+    """Pickle's default replays a dict subclass's items through its own ``__setitem__``, which
+    here re-keys them all to ``"str"``; a guard state holds them as they were (guards on the keys'
+    order then load), and other values pickle as they did."""
+    import io
+    import pickle
+
+    guards = compat.require_module("torch._dynamo.guards")
+    registry = _ByClassName()
+    registry[1], registry["a"] = "int", "str"
+    assert list(pickle.loads(pickle.dumps(registry))) == ["str"]  # what a plain pickle makes of it
+    with compat._dicts_pickled_as_held(guards.GuardsStatePickler):
+        buffer = io.BytesIO()
+        guards.GuardsStatePickler({}, {}, {}, buffer).dump({"registry": registry, "other": complex(1, 2)})
+    loaded = pickle.loads(buffer.getvalue())
+    assert type(loaded["registry"]) is _ByClassName and list(loaded["registry"].items()) == [("int", "int"),
+                                                                                             ("str", "str")]
+    assert loaded["other"] == complex(1, 2)
+    assert "dispatch_table" not in guards.GuardsStatePickler.__dict__  # put back after the block
+
+
+def test_a_resume_function_s_code_is_read_through_dynamo_s_factory() -> None:
+    """Dynamo installs a resume function with free variables as a factory closing over its code
+    (``OutputGraph.install_resume_function_global``): its code is the resume function's, not the
+    factory's (read as the factory's, the tracing rank's own resume function was "another
+    function" than its entry's, and sharing frames stopped there)."""
+    graph = compat.require("torch._dynamo.output_graph", "OutputGraph")
+    module = compile("def outer():\n    y = 1\n    def inner():\n        return y\n    return inner", "<m>", "exec")
+    outer = next(c for c in module.co_consts if hasattr(c, "co_consts"))
+    inner = next(c for c in outer.co_consts if hasattr(c, "co_freevars"))
+    assert inner.co_freevars == ("y",)
+    installed: dict[str, object] = {}
+
+    class Scope:
+        def install_global_unsafe(self, name: str, value: object) -> None:
+            installed[name] = value
+
+    graph.install_resume_function_global(Scope(), "__resume_at_0_1", inner, {})
+    assert compat._function_code(installed["__resume_at_0_1"]) is inner
+    assert compat._function_code(len) is None  # not a function
