@@ -81,11 +81,23 @@ feasible plan of T5's cache-free forward at a beam of 32: in the cross-attention
 (kept ``Partial`` for free, or reduced), and the cheapest states kept both free, so the beam
 held a state with q's heads split and one with k's, never one with both; the ``bmm`` then took
 only ``Partial`` scores, which the softmax rejects. States are ranked by the cost paid so
-far (ties: the one owing the least reduction first); ranking a live ``Partial`` by the reduction it still owes, and a live ``Shard`` by
-nothing, lost Megatron's plan in block 1 of a 4-layer Gemma-2-9B at tp=8 (its ``o_proj`` output
+far; adding to that cost the reduction a live ``Partial`` still owes, and nothing for a live ``Shard``,
+lost Megatron's plan in block 1 of a 4-layer Gemma-2-9B at tp=8 (its ``o_proj`` output
 is ``Partial`` where the plan that gathers the attention output is not yet charged for it).
-Among plans of equal cost (within ``TIE``), the one that reduces its Partial values where they
-are first needed wins, in the beam's ranking and where states merge: a state is scored by the
+Where the certificate leaves a gap, the searches of the gap widening rank states whose costs
+differ by no more than the weight of all of tier 3 together (``memory_weight``: small-parameter
+memory, never a collective or a large parameter) by the reduction they still owe first, then by
+cost (the first search does not: a plan it proves keeps its tie-breaks, and on four cases of the
+real-width matrix, Llama-3-8B's widths at tp=4 among them, that ranking places one all-reduce a
+view earlier at equal cost): ranked by cost alone, T5's beam filled up
+with states that had sharded a norm weight's few KB along the hidden dim and so carried the
+q/k/v projections as ``Partial`` sums, and dropped the state that kept the residual replicated.
+T5-base's widths at tp=2 (cache-free forward) cost 108,545 at a beam of 32, 102,913 at 128 and
+the optimum 86,017 only at 512 (11.6 of the plan's 16.6 CPU s, loaded machine); so ranked,
+91,649 at 32 and 86,017 at 64; tiny T5 at tp=2 reaches its optimum (52,225) at 32 so ranked,
+where it took 128 (69,121 at 32).
+Where states merge, and among states of equal cost (within ``TIE``) in the beam's ranking, the
+one that reduces its Partial values where they are first needed wins: a state is scored by the
 reduction its live Partial values still owe (:meth:`_Search.owed`; a value already redistributed
 once owes nothing more) plus what its last step read as Partial where a reduced copy was ready.
 So a Llama block keeps Megatron's all-reduce of the embedding's partial sums before the first
@@ -658,21 +670,29 @@ def _search_widening(steps: list[_Step], position: dict[int, int], last_use: dic
                      fixed_idx: dict[int, Placement], free_idx: dict[int, ParamChoice], param_idx: set[int],
                      opts: SolverOptions, trace: SolveTrace, pinned_edges: set[int]) -> tuple[_Search, dict]:
     """Run the search, widening the beam (x8, up to ``MAX_WIDENING``) where it lost every feasible
-    plan, and (x4, up to ``GAP_WIDENING``) where the certificate leaves a gap, keeping the cheapest
+    plan, and (x2, up to ``GAP_WIDENING``, see below) where the certificate leaves a gap, keeping the cheapest
     plan found; with ``SolverOptions.exact``, where a gap remains, search below its plan
     (:func:`autotp.passes.bound.search_below`); the search that found the plan and the final states.
 
     The gap widening is what makes the certificate change a plan, not only report on it: T5's
     hidden-64 forward at batch 2 (tp=2, pinned by its batch-1 warm-up) cost 64,592 at a beam of
     32 (a reduce-scatter, a normed batch shard and two all-gathers at the encoder's end) against the
-    certificate's 60,496, and a beam of 128 finds that plan (Megatron's all-reduce). Where the
-    certificate proves the plan optimal, which is every case of the real-width matrix, nothing is
-    searched again."""
-    def search_at(width: int) -> _Search:
-        """A fresh search at beam ``width``, recording into ``trace`` (its counts reset)."""
+    certificate's 60,496, and a beam of 128 found that plan (Megatron's all-reduce); T5-base's
+    widths at tp=2 and 4 (cache-free forward and prefill) cost up to 91,649 / 110,849 at 32 and
+    reach the certificate's bound at 64. The gap widening's searches rank near-equal states by what
+    they owe (``near``, module docstring): the first at the width asked for, then x2 each. x2
+    steps, not x4: a search costs about its width, so stopping at the first width that closes the
+    gap saves more (T5-base: 32, 32 ranked so, and 64, ~2 CPU s, where x4 ran 32, 128 and 512)
+    than the extra steps cost where a gap needs the widest beam. Where the certificate proves the
+    plan optimal, which is every other case of the real-width matrix, nothing is searched again."""
+    def search_at(width: int, near: bool = False) -> _Search:
+        """A fresh search at beam ``width``, recording into ``trace`` (its counts reset); ``near``:
+        ranking states whose costs differ by tier 3 alone by what they owe (:meth:`_Search.rank`)."""
         trace.pruned_states, trace.pruned_min = 0, float("inf")
-        return _Search(steps, position, last_use, fixed_idx, free_idx, param_idx,
-                       dataclasses.replace(opts, beam_width=width), trace, pinned_edges)
+        search = _Search(steps, position, last_use, fixed_idx, free_idx, param_idx,
+                         dataclasses.replace(opts, beam_width=width), trace, pinned_edges)
+        search.rank_within = opts.memory_weight if near else 0.0
+        return search
 
     width = opts.beam_width
     while True:  # a beam can lose every feasible plan: widen it
@@ -691,14 +711,16 @@ def _search_widening(steps: list[_Step], position: dict[int, int], last_use: dic
         _certify(search, best, trace)
         # a gap the program leaves says the beam may have dropped a cheaper plan (the beam's own
         # bound, where no program was built, is too loose to say so): search again with a wider
-        # beam (x4 each time, up to GAP_WIDENING x the width asked for) until the plan meets the
+        # beam (x2 each time, up to GAP_WIDENING x the width asked for) until the plan meets the
         # bound; the certificate's bound holds for every search, each wider search's own bound (its
         # cheapest dropped state, or its plan) may raise it
         bound = trace.pruned_min
         built = bool(trace.certificate and trace.certificate["variables"])
+        near = False
         while built and bound < best - TIE * max(1.0, abs(best)) and width < opts.beam_width * GAP_WIDENING:
-            width *= 4
-            wider = search_at(width)
+            width *= 2 if near else 1  # (first the same width, ranked by what near-equal states owe)
+            near = True
+            wider = search_at(width, near=True)
             try:
                 found = wider.run()
             except SolverError:
@@ -814,6 +836,9 @@ class _Search:
         self.option_cache: dict[tuple[int, tuple], tuple[list[_Option], str | None]] = {}
         #: value -> the reduction it owes when Partial (:meth:`owed`)
         self.owed_by: dict[int, float] = {}
+        #: :meth:`rank` orders states whose costs lie within this of each other by what they owe
+        #: (0: exact ties only; the gap widening's searches: ``memory_weight``, all of tier 3)
+        self.rank_within = 0.0
 
     def run(self) -> dict[State, tuple[float, float, float, _Hist | None]]:
         states: dict[State, tuple[float, float, float, _Hist | None]] = {((), frozenset()): (0.0, 0.0, 0.0, None)}
@@ -1067,7 +1092,9 @@ class _Search:
         # reduction first: it wins ties when states merge (an all-reduce right after a row-parallel
         # matmul, not a Partial carried through a residual add with its R/N shares)
         ranked = sorted(survivors, key=lambda kv: kv[1][0])
-        for start, end in _runs_of_equal_cost(ranked):  # the same order as sorting by (cost, owed)
+        # (runs of costs within the weight of tier 3: states that differ in small-parameter memory
+        # alone are ranked by the reduction they owe, see the module docstring)
+        for start, end in _runs_of_near_cost(ranked, self.rank_within):
             ranked[start:end] = sorted(ranked[start:end], key=lambda kv: self.owed(*kv[0]))
         kept = dict(ranked[: self.opts.beam_width])
         covered = {item for key in kept for item in key[0]}
@@ -1357,11 +1384,15 @@ def _ready_of(ready: frozenset, j: int) -> frozenset:
     return frozenset(q for m, q in ready if m == j)
 
 
-def _runs_of_equal_cost(ranked: list[tuple[State, tuple]]) -> list[tuple[int, int]]:
-    """``(start, end)`` of each run of two or more states of exactly equal cost in a sorted list."""
+def _runs_of_near_cost(ranked: list[tuple[State, tuple]], within: float) -> list[tuple[int, int]]:
+    """``(start, end)`` of each run of two or more states in a list sorted by cost whose costs lie
+    at most ``within`` above the run's first (``within`` 0: exactly equal costs). With
+    ``within = memory_weight``, the weight of all of tier 3 of the objective together, a run holds
+    states whose costs differ by small-parameter memory (or by less than one communicated byte per
+    token), never by a collective or a large parameter."""
     runs, start = [], 0
     for k in range(1, len(ranked) + 1):
-        if k == len(ranked) or ranked[k][1][0] != ranked[start][1][0]:
+        if k == len(ranked) or ranked[k][1][0] - ranked[start][1][0] > within:
             if k - start > 1:
                 runs.append((start, k))
             start = k
