@@ -360,11 +360,11 @@ def _t5_at_batch_2() -> Any:
 
 
 def test_t5_at_batch_2_keeps_its_blocks_plan_where_the_certificate_widens_the_beam() -> None:
-    """The batch-2 forward, solved with the batch-1 warm-up's parameters pinned, ended at a beam of
-    32 in a costlier plan (64,592 against the certificate's 60,496: a reduce-scatter, a batch-sharded
-    norm and two all-gathers at the encoder's end); the certificate's gap makes the solver search
-    again with a wider beam (``passes/solve.py: GAP_WIDENING``), which finds the batch-1 blocks and
-    proves them optimal."""
+    """The batch-2 forward, solved with the batch-1 warm-up's parameters pinned, once ended at a
+    beam of 32 in a costlier plan (64,592 against the certificate's 60,496: a reduce-scatter, a
+    batch-sharded norm and two all-gathers at the encoder's end). Whatever width the search needs
+    (``passes/solve.py``: where the certificate leaves a gap, the search ranks near-equal states by
+    the reduction they owe and widens), the plan must be the batch-1 blocks, proved optimal."""
     report = _t5_at_batch_2()
 
     assert report.forward.input_shape == (2, 5)
