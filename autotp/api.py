@@ -42,7 +42,8 @@ from autotp.mesh import MeshLayout, check_data_parallel, check_layout, check_tp_
 from autotp.placement import R, head_split
 from autotp.prefill_call import PrefillCall
 from autotp.progress import load_progress
-from autotp.regions import install_layer_regions
+from autotp.regions import MIN_LAYERS as REGION_MIN_LAYERS
+from autotp.regions import install_layer_regions, regional_layers
 from autotp.shared_frames import FrameChannel, trace_once_agreed, trace_once_default
 from autotp.stored_graphs import GraphStore, StoredForward, StoredGraph, graph_key, storing_backend
 from autotp.weights import (
@@ -409,7 +410,8 @@ def parallelize_model(
     (``autotp/shared_frames.py``, with the cache on); None (default): as
     ``AUTOTP_TRACE_ONCE=1/0`` says, else off (not on by default yet, see that module).
     ``layer_regions``: Dynamo traces a repeated decoder layer once per graph and reuses it for the
-    others (``autotp/regions.py``); None (default): as ``AUTOTP_LAYER_REGIONS=1/0`` says, else on.
+    others (``autotp/regions.py``); None (default): as ``AUTOTP_LAYER_REGIONS=1/0`` says, else on
+    for a stack of at least ``regions.MIN_LAYERS`` (4) layers.
     ``shared_memory`` (CPU ranks on one x86-64 host): all-reduces and small all-gathers (up to
     256 KB per rank, e.g. a decode step's logits) go through a shared-memory segment instead of
     gloo's TCP loopback (:class:`~autotp.collectives.SharedMemoryCollectives`); ``False`` keeps
@@ -483,7 +485,7 @@ def parallelize_model(
     checkpoint = Checkpoint(folder)
     checkpoint.add_conversions_for(module)  # names transformers renames / converts on load
     _install_standins(module, checkpoint, dtype, device)
-    if config.layer_regions:
+    if config.layer_regions or (config.layer_regions is None and len(regional_layers(module)) >= REGION_MIN_LAYERS):
         install_layer_regions(module)
     if device.type != "cpu":
         module.to(device)
@@ -558,9 +560,10 @@ def _frame_channel(ctx: TPContext, store: GraphStore, tracer: int) -> FrameChann
     return FrameChannel(ctx.comm, tracer, ctx, StoredGraph, store.outcome.notes)
 
 
-def _layer_regions_wish(option: bool | None, environ: Mapping[str, str]) -> bool:
-    """``layer_regions`` as given, else on unless ``AUTOTP_LAYER_REGIONS`` says 0/false/off/no."""
-    return switch(option, environ, "AUTOTP_LAYER_REGIONS", default=True)
+def _layer_regions_wish(option: bool | None, environ: Mapping[str, str]) -> bool | None:
+    """``layer_regions`` as given, else what ``AUTOTP_LAYER_REGIONS`` says (1/true/on/yes, 0/false/off/no),
+    else None: regions where the layer stack is deep enough to repay them (``regions.MIN_LAYERS``)."""
+    return switch(option, environ, "AUTOTP_LAYER_REGIONS", default=None)
 
 
 def _load_config(folder: Path, trust_remote_code: bool) -> Any:

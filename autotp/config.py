@@ -35,7 +35,8 @@ class AutoTPConfig:
     (``autotp/shared_frames.py``; needs the cache on); None: as ``AUTOTP_TRACE_ONCE=1/0`` says,
     else off (not on by default yet, see that module).
     ``layer_regions``: Dynamo traces a repeated decoder layer once per graph and stamps out the
-    others (``autotp/regions.py``; ``parallelize_model`` turns it on unless ``AUTOTP_LAYER_REGIONS=0``).
+    others (``autotp/regions.py``); None: where the stack has at least ``regions.MIN_LAYERS`` layers
+    (``parallelize_model`` reads ``AUTOTP_LAYER_REGIONS=1/0`` first).
     """
 
     tp_size: int | None = None
@@ -49,7 +50,7 @@ class AutoTPConfig:
     sequence_parallel: bool = False
     fuse: bool = True
     trace_once: bool | None = None
-    layer_regions: bool = False
+    layer_regions: bool | None = None
 
     def __post_init__(self) -> None:
         if self.tp_size is not None and (not isinstance(self.tp_size, int) or self.tp_size < 1):
@@ -62,7 +63,7 @@ class AutoTPConfig:
             object.__setattr__(self, "trace_dir", Path(self.trace_dir))
 
 
-def switch(option: bool | None, environ: Mapping[str, str], variable: str, *, default: bool) -> bool:
+def switch(option: bool | None, environ: Mapping[str, str], variable: str, *, default: bool | None) -> bool | None:
     """A switch the caller may set and the environment may override: ``option`` if the caller set
     it, else on where the environment variable ``variable`` says 1/true/on/yes, off where it says
     0/false/off/no, else ``default``."""

@@ -41,7 +41,8 @@ parameters of every layer are still graph inputs with their own guards, so the t
 :func:`install_layer_regions` swaps each layer of the one layer stack (``depth.layer_stack``) to a
 subclass made once per layer class (its ``forward`` is :func:`_regional_forward`, its name
 ``Regional<Name>_<digest>``); the layer's attributes and parameters are its own. ``parallelize_model``
-installs it unless ``layer_regions=False`` / ``AUTOTP_LAYER_REGIONS=0``. torch 2.13 failed to
+installs it where the stack has at least :data:`MIN_LAYERS` such layers, unless ``layer_regions=False``
+/ ``AUTOTP_LAYER_REGIONS=0`` (``True`` / ``1``: at any depth). torch 2.13 failed to
 recompile a graph whose stamped-out region had read a size that the recompile specializes
 (``InternalTorchDynamoError: KeyError: 2`` in ``stamp_out_subgraph``: forwards at batch 1, then a
 generate at batch 2; a 32-token forward, then a generate from 8 tokens);
@@ -64,7 +65,13 @@ from autotp.compat import stamped_regions_keep_bound_sizes
 from autotp.depth import CannotShorten, _text_config, layer_stack
 from autotp.kv_cache import cache_keyword
 
-__all__ = ["install_layer_regions", "regional_layers"]
+__all__ = ["MIN_LAYERS", "install_layer_regions", "regional_layers"]
+
+#: the fewest regional layers for which ``parallelize_model`` installs regions by default: a region
+#: costs one traced body plus a reuse check and a stamp-out per other layer, which a 2-layer stack
+#: does not repay (measured: tests/distributed/test_architectures.py, 2-layer tiny models, 187.4
+#: CPU-s with regions against 172.8 without); from 8 layers on they save (see the module docstring)
+MIN_LAYERS = 4
 
 #: set on the subclasses this module makes (``True``), so that installing twice is a no-op
 _REGIONAL = "_autotp_layer_region"

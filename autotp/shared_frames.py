@@ -71,7 +71,7 @@ log = logging.getLogger(__name__)
 def trace_once_default(option: bool | None, environ: Mapping[str, str]) -> bool:
     """This rank's wish: ``option`` if set, else ``AUTOTP_TRACE_ONCE``, else off (not on by
     default yet: see the module docstring, Gate)."""
-    return switch(option, environ, "AUTOTP_TRACE_ONCE", default=False)
+    return bool(switch(option, environ, "AUTOTP_TRACE_ONCE", default=False))
 
 
 def trace_once_agreed(wish: bool, comm: Comm, tracer: int) -> bool:

@@ -50,11 +50,12 @@ def _rank_decode(rank: int, world: int, folder: str, new_tokens: int) -> dict:
         graphs_before = model.autotp.context.graphs_compiled
         greedy = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=PAD_ID)
         graphs_for_generate = model.autotp.context.graphs_compiled - graphs_before
+        regional = all(type(layer).__name__.startswith("Regional") for layer in model.model.layers)
         torch.manual_seed(1234)
         sampled = model.generate(ids, max_new_tokens=8, do_sample=True, top_k=20, temperature=0.9,
                                  pad_token_id=PAD_ID)
     return {"stored": stored, "logical": logical, "greedy": greedy[0].tolist(), "sampled": sampled[0].tolist(),
-            "graphs_for_generate": graphs_for_generate, "logits": out.logits}
+            "graphs_for_generate": graphs_for_generate, "logits": out.logits, "regional": regional}
 
 
 def _reference(folder: Path, new_tokens: int) -> dict:
@@ -73,14 +74,17 @@ def _reference(folder: Path, new_tokens: int) -> dict:
 
 def test_each_rank_caches_only_its_kv_heads_and_64_tokens_compile_a_constant_number_of_graphs(
         tmp_path: Path) -> None:
-    folder = save_tiny("llama", tmp_path / "ckpt", seed=0, num_hidden_layers=2, max_position_embeddings=128)
+    # 4 layers: deep enough for layer regions (autotp/regions.py: MIN_LAYERS), so the prefill and
+    # decode graphs trace one layer body each and stamp out the others
+    folder = save_tiny("llama", tmp_path / "ckpt", seed=0, num_hidden_layers=4, max_position_embeddings=128)
     ref = _reference(folder, 64)
     results = run_ranks(_rank_decode, 2, str(folder), 64)
     for r in results:
-        # 2 layers x (k, v) x (1, 4 kv heads, 7 tokens, 8 dims) x fp32, half of the heads per rank,
+        assert r["regional"]
+        # 4 layers x (k, v) x (1, 4 kv heads, 7 tokens, 8 dims) x fp32, half of the heads per rank,
         # plus a 4-byte stand-in per tensor
-        assert r["logical"] == 2 * 2 * 1 * 4 * 7 * 8 * 4
-        assert r["stored"] == r["logical"] // 2 + 2 * 2 * 4
+        assert r["logical"] == 4 * 2 * 1 * 4 * 7 * 8 * 4
+        assert r["stored"] == r["logical"] // 2 + 4 * 2 * 4
         torch.testing.assert_close(r["logits"], ref["logits"], atol=1e-5, rtol=1e-4)
         assert r["greedy"] == ref["greedy"]
         assert r["sampled"] == ref["sampled"]

@@ -171,8 +171,8 @@ def test_the_cache_layer_state_the_wrapper_sets_outside_the_region_is_what_dynam
     assert changed == {"device", "keys", "values", "is_initialized"}
 
 
-def test_layer_regions_are_on_unless_the_option_or_the_environment_turns_them_off() -> None:
-    assert _layer_regions_wish(None, {}) is True
+def test_layer_regions_are_left_to_the_depth_unless_the_option_or_the_environment_says() -> None:
+    assert _layer_regions_wish(None, {}) is None  # parallelize_model: on from regions.MIN_LAYERS layers
     assert _layer_regions_wish(None, {"AUTOTP_LAYER_REGIONS": "0"}) is False
     assert _layer_regions_wish(None, {"AUTOTP_LAYER_REGIONS": "off"}) is False
     assert _layer_regions_wish(None, {"AUTOTP_LAYER_REGIONS": "1"}) is True
