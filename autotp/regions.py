@@ -70,7 +70,8 @@ __all__ = ["MIN_LAYERS", "install_layer_regions", "regional_layers"]
 #: the fewest regional layers for which ``parallelize_model`` installs regions by default: a region
 #: costs one traced body plus a reuse check and a stamp-out per other layer, which a 2-layer stack
 #: does not repay (measured: tests/distributed/test_architectures.py, 2-layer tiny models, 187.4
-#: CPU-s with regions against 172.8 without); from 8 layers on they save (see the module docstring)
+#: CPU-s with regions against 172.8 without); at 8 and 14 layers they save (docs/architecture.md,
+#: "Layer regions"). 4 lies between, not measured: a stamp-out costs about half a traced layer
 MIN_LAYERS = 4
 
 #: set on the subclasses this module makes (``True``), so that installing twice is a no-op
