@@ -43,7 +43,7 @@ from autotp.placement import R, head_split
 from autotp.prefill_call import PrefillCall
 from autotp.progress import load_progress
 from autotp.regions import MIN_LAYERS as REGION_MIN_LAYERS
-from autotp.regions import install_layer_regions, regional_layers
+from autotp.regions import install_layer_regions
 from autotp.shared_frames import FrameChannel, trace_once_agreed, trace_once_default
 from autotp.stored_graphs import GraphStore, StoredForward, StoredGraph, graph_key, storing_backend
 from autotp.weights import (
@@ -485,8 +485,8 @@ def parallelize_model(
     checkpoint = Checkpoint(folder)
     checkpoint.add_conversions_for(module)  # names transformers renames / converts on load
     _install_standins(module, checkpoint, dtype, device)
-    if config.layer_regions or (config.layer_regions is None and len(regional_layers(module)) >= REGION_MIN_LAYERS):
-        install_layer_regions(module)
+    if config.layer_regions is not False:  # None: where the stack is deep enough to repay them
+        install_layer_regions(module, min_layers=1 if config.layer_regions else REGION_MIN_LAYERS)
     if device.type != "cpu":
         module.to(device)
 

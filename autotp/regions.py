@@ -240,12 +240,14 @@ def _own_class(layer: torch.nn.Module) -> type:
     return cls.__mro__[1] if getattr(cls, _REGIONAL, False) else cls
 
 
-def install_layer_regions(module: torch.nn.Module) -> int:
+def install_layer_regions(module: torch.nn.Module, min_layers: int = 1) -> int:
     """Route each eligible layer call of ``module``'s layer stack through its region (see the
-    module docstring); returns how many layers were swapped."""
+    module docstring) where the stack has at least ``min_layers`` such layers (``parallelize_model``'s
+    default: :data:`MIN_LAYERS`); returns how many layers were swapped (0 below ``min_layers``)."""
     layers = regional_layers(module)
-    if layers:
-        stamped_regions_keep_bound_sizes()
+    if len(layers) < max(min_layers, 1):
+        return 0
+    stamped_regions_keep_bound_sizes()
     for layer in layers:
         cls = type(layer)
         if not getattr(cls, _REGIONAL, False):

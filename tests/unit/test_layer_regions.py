@@ -17,7 +17,7 @@ from autotp.compat import pickle_graph, unpickle_graph
 from autotp.passes.inline import inline_subgraphs, is_subgraph_call
 from autotp.plan_cache import graph_fingerprint
 from autotp.planner import _module_path
-from autotp.regions import install_layer_regions, regional_layers
+from autotp.regions import MIN_LAYERS, install_layer_regions, regional_layers
 from tests._capture import captured_graphs
 from tests._tiny import tiny_model
 
@@ -157,6 +157,8 @@ def test_models_without_one_stack_of_cached_layers_are_left_alone() -> None:
     assert regional_layers(tiny_model("t5")) == []  # an encoder-decoder: two stacks
     model = tiny_model("llama")
     before = [type(layer) for layer in model.model.layers]
+    assert install_layer_regions(model, min_layers=MIN_LAYERS) == 0  # 2 layers: too shallow by default
+    assert [type(layer) for layer in model.model.layers] == before
     assert install_layer_regions(model) == 2 and install_layer_regions(model) == 2
     assert [type(layer).__mro__[1] for layer in model.model.layers] == before  # swapped once, not twice
 
