@@ -1113,7 +1113,10 @@ def _skipped_by_dynamo(frame: Any) -> bool:
     code, ``trace_rules.check``: what the callback checks first). Its twin may not run on the
     other ranks: a finalizer (``torch.utils.weak``'s) runs where a rank's collector frees an
     object, and that differs per rank (rank 0 plans)."""
-    return require("torch._dynamo.trace_rules", "check")(frame.f_code, frame=frame)
+    check = require("torch._dynamo.trace_rules", "check")
+    if "frame" in inspect.signature(check).parameters:  # torch 2.13; 2.11's reads the code alone
+        return check(frame.f_code, frame=frame)
+    return check(frame.f_code)
 
 
 @contextlib.contextmanager

@@ -5,6 +5,9 @@ lent: ``python -m pytest -q -o addopts="" tests/gpu``.
 
 * One rank on the GPU (tp=1): the compiled, planned model gives the one-process logits and greedy
   tokens, in fp32 and in bf16, with the eager and the inductor inner compiler.
+* Four layers on the GPU: a stack of at least ``regions.MIN_LAYERS`` layers runs each layer through
+  a layer region (one traced layer body, stamped out for the others) by default; two ranks sharing
+  the GPU give the one-process logits and tokens that way.
 * Two ranks sharing one GPU: NCCL refuses two ranks on one device, so the ranks join a gloo group
   and put their shards on ``cuda:0`` (``parallelize_model(..., device="cuda:0")``): the plan, the
   sharded load, the collectives on CUDA tensors and ``generate`` run as on separate GPUs.
@@ -63,6 +66,7 @@ def _autotp_run(folder: str, device: str, dtype: torch.dtype, compile_inner: str
         "param_devices": sorted({str(p.device) for p in params}),
         "param_elements": sum(p.numel() for p in params),
         "collectives": model.autotp.plan["collectives"] if model.autotp.plan else None,
+        "regional": all(type(layer).__name__.startswith("Regional") for layer in model.model.layers),
     }
 
 
@@ -111,3 +115,12 @@ def test_two_ranks_sharing_one_gpu_run_bf16_experts_through_cuda_grouped_mm(tmp_
     for got in run_ranks(_shared_gpu_rank, 2, str(folder), torch.bfloat16, timeout=600):
         torch.testing.assert_close(got["logits"], logits, atol=2e-2, rtol=2e-2)
         assert got["tokens"][:len(PROMPT[0]) + 1] == tokens[:len(PROMPT[0]) + 1]
+
+
+def test_two_ranks_sharing_one_gpu_run_four_regional_layers_as_one_process(tmp_path: Path) -> None:
+    # four layers reach regions.MIN_LAYERS: the default path of a real model's stack
+    folder = save_tiny("llama", tmp_path / "llama", num_hidden_layers=4)
+    logits, tokens, _ = _one_process_on_gpu(folder, torch.float32)
+    for got in run_ranks(_shared_gpu_rank, 2, str(folder), torch.float32, timeout=600):
+        _check_fp32(got, logits, tokens)
+        assert got["regional"]
