@@ -1113,10 +1113,17 @@ def _skipped_by_dynamo(frame: Any) -> bool:
     code, ``trace_rules.check``: what the callback checks first). Its twin may not run on the
     other ranks: a finalizer (``torch.utils.weak``'s) runs where a rank's collector frees an
     object, and that differs per rank (rank 0 plans)."""
+    return _trace_rules_check()(frame)
+
+
+@functools.cache
+def _trace_rules_check() -> Callable[[Any], bool]:
+    """``trace_rules.check`` of a frame, looked up once: torch 2.13's takes the frame too, 2.11's
+    (the lent GPU machines' image) reads the code alone."""
     check = require("torch._dynamo.trace_rules", "check")
-    if "frame" in inspect.signature(check).parameters:  # torch 2.13; 2.11's reads the code alone
-        return check(frame.f_code, frame=frame)
-    return check(frame.f_code)
+    if "frame" in inspect.signature(check).parameters:
+        return lambda frame: check(frame.f_code, frame=frame)
+    return lambda frame: check(frame.f_code)
 
 
 @contextlib.contextmanager
