@@ -199,3 +199,26 @@ def test_dynamo_s_traced_call_header_is_made_only_when_its_log_formats_it(capfd:
     # the function as torch's own does
     headers = [line for line in capfd.readouterr().err.splitlines() if "TRACE FX call" in line]
     assert headers and all(f"{__file__}:" in h and "in double_then_add (" in h for h in headers)
+
+
+def test_side_effects_are_replayed_unreported_unless_their_log_or_a_structured_trace_is_on(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch._dynamo.config as dynamo_config
+
+    def policy_in_block() -> str:
+        with compat._side_effects_unreported():
+            return dynamo_config.side_effect_replay_policy
+
+    assert dynamo_config.side_effect_replay_policy == "info"  # torch's default
+    assert policy_in_block() == "silent"
+    assert dynamo_config.side_effect_replay_policy == "info"  # put back after the block
+    torch._logging.set_logs(side_effects=True)
+    try:
+        assert policy_in_block() == "info"
+    finally:
+        torch._logging.set_logs()
+    monkeypatch.setenv("TORCH_TRACE", "/tmp/trace")
+    assert policy_in_block() == "info"
+    monkeypatch.delenv("TORCH_TRACE")
+    with dynamo_config.patch(side_effect_replay_policy="warn"):  # the user's own choice stays
+        assert policy_in_block() == "warn"
