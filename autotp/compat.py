@@ -82,9 +82,7 @@ which the 2-D mesh reaches into (``tests/distributed/test_mesh.py`` notices a ch
 ``nested_compile_region`` call passed, which later calls of the region are stamped out from): a size
 specialized by a guard after the region bound it is recorded by its own symbol, not by the constant
 that the shape environment's replacement gives, so a recompile that specializes a size a layer
-region read no longer fails (``autotp/regions.py``); :func:`region_sources_clone_only_what_changes`
-replaces ``torch._guards.ChainedSource.clone`` with one that rebuilds only the links of a guard
-source above what a region's remapping replaces (the reuse check's cost).
+region read no longer fails (``autotp/regions.py``).
 
 **Process groups' timeouts.** :func:`group_timeout` reads the collective timeout a process group
 was made with (``ProcessGroup._get_backend(device).options._timeout``): torch sets it but offers no
@@ -115,7 +113,6 @@ import re
 import sys
 import types
 import warnings
-import weakref
 from collections.abc import Callable, Iterable, Iterator
 from importlib import metadata
 from types import SimpleNamespace
@@ -157,7 +154,6 @@ __all__ = [
     "require_module",
     "rope_init_functions",
     "source_of",
-    "region_sources_clone_only_what_changes",
     "stamped_regions_keep_bound_sizes",
     "traced_node_count",
     "unpickle_graph",
@@ -1493,74 +1489,6 @@ def stamped_regions_keep_bound_sizes() -> None:
         return mapping
 
     reuse.build_subgraph_input_mapping = build_subgraph_input_mapping
-
-
-_SOURCE_CLONES_CUT = False
-
-
-def region_sources_clone_only_what_changes() -> None:
-    """Make a chained guard source's ``clone(transform)`` rebuild only the links above what the
-    transform replaces (process-wide, once; installed with the first layer region).
-
-    Each stamped-out region call re-reads the first call's guards under its own sources
-    (``invoke_subgraph.is_reusable``: ``layers[0]`` -> ``layers[1]`` in every guard's and every
-    traced source's chain) and ``stamp_out_subgraph`` remaps the lifted sources the same way. torch
-    2.13's ``ChainedSource.clone`` rebuilds every link of a chain with ``dataclasses.replace``
-    whether or not anything under it changed: a 14-layer Llama's generate (three graphs) cloned 8,606
-    chains through 107,900 ``replace`` calls, and the cloning was most of ``is_reusable``'s time,
-    itself about a third of the region calls' (cProfile, 2026-11-27). Here a link whose base and
-    other source fields come back as the same objects is kept as it is (a frozen dataclass: torch's
-    copy would be equal to it, with the same hash), and only the links above a replaced one are
-    rebuilt, with torch's ``dataclasses.replace``; the transform is applied to every link as
-    before. A link cloned once by a transform is answered from that transform's memo on its next
-    clone (one reuse check remaps hundreds of guards through the same few links; the memo lives as
-    long as the transform function): this assumes a transform gives a link the same answer each
-    time, as every transform torch 2.13 passes does (a lookup in a fixed replacement dict).
-    ``clone()`` without a transform keeps torch's behaviour. On a torch without these names
-    nothing is changed."""
-    global _SOURCE_CLONES_CUT
-    if _SOURCE_CLONES_CUT:
-        return
-    _SOURCE_CLONES_CUT = True
-    chained = getattr(importlib.import_module("torch._guards"), "ChainedSource", None)
-    source_class = getattr(importlib.import_module("torch._guards"), "Source", None)
-    original = getattr(chained, "clone", None)
-    if chained is None or source_class is None or original is None:
-        return
-    other_fields: dict[type, tuple[str, ...]] = {}
-    clones_by_transform: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-    @functools.wraps(original)
-    def clone(self: Any, transform_fn: Callable[[Any], Any] | None = None) -> Any:
-        if transform_fn is None:
-            return original(self, transform_fn)
-        try:
-            done = clones_by_transform.setdefault(transform_fn, {})
-        except TypeError:  # a transform no weak reference can hold: not remembered
-            done = {}
-        hit = done.get(id(self))
-        if hit is not None and hit[0] is self:
-            return hit[1]
-        names = other_fields.get(type(self))
-        if names is None:
-            names = other_fields[type(self)] = tuple(
-                f.name for f in dataclasses.fields(self) if f.name != "base"
-            )
-        changes: dict[str, Any] = {}
-        base = self.base.clone(transform_fn)
-        if base is not self.base:
-            changes["base"] = base
-        for name in names:
-            value = getattr(self, name)
-            if isinstance(value, source_class):
-                cloned = value.clone(transform_fn)
-                if cloned is not value:
-                    changes[name] = cloned
-        result = transform_fn(dataclasses.replace(self, **changes) if changes else self)
-        done[id(self)] = (self, result)
-        return result
-
-    chained.clone = clone
 
 
 # -- process groups' timeouts (read when present, see the module docstring) ----------------

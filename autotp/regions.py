@@ -61,7 +61,7 @@ from transformers.cache_utils import (  # at import: Dynamo cannot store a guard
     DynamicLayer,
 )
 
-from autotp.compat import region_sources_clone_only_what_changes, stamped_regions_keep_bound_sizes
+from autotp.compat import stamped_regions_keep_bound_sizes
 from autotp.depth import CannotShorten, _text_config, layer_stack
 from autotp.kv_cache import cache_keyword
 
@@ -248,7 +248,6 @@ def install_layer_regions(module: torch.nn.Module, min_layers: int = 1) -> int:
     if len(layers) < max(min_layers, 1):
         return 0
     stamped_regions_keep_bound_sizes()
-    region_sources_clone_only_what_changes()
     for layer in layers:
         cls = type(layer)
         if not getattr(cls, _REGIONAL, False):

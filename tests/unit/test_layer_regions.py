@@ -210,28 +210,3 @@ def test_recompiles_that_specialize_a_size_a_region_read_compile_and_match_the_p
         with torch.no_grad():
             out, ref = (m.generate(prompt, max_new_tokens=5, do_sample=False) for m in (model, plain))
         assert torch.equal(out, ref)
-
-
-def test_a_guard_source_cloned_for_another_layer_is_torch_s_clone_and_unchanged_chains_stay_as_they_are() -> None:
-    from torch._dynamo.source import AttrSource, GetItemSource, LocalSource
-
-    from autotp.compat import region_sources_clone_only_what_changes
-
-    region_sources_clone_only_what_changes()
-    layers = AttrSource(AttrSource(LocalSource("self"), "model"), "layers")
-    layer0, layer1 = GetItemSource(layers, 0), GetItemSource(layers, 1)
-    replacement = {layer0: layer1}
-
-    def remap(s: object) -> object:
-        return replacement.get(s, s)
-
-    weight0 = AttrSource(AttrSource(AttrSource(layer0, "self_attn"), "q_proj"), "weight")
-    weight1 = AttrSource(AttrSource(AttrSource(layer1, "self_attn"), "q_proj"), "weight")
-    norm = AttrSource(AttrSource(AttrSource(LocalSource("self"), "model"), "norm"), "weight")
-    # the chain through layer 0 is rebuilt through layer 1, equal (and hashed) as one built directly
-    cloned = weight0.clone(remap)
-    assert cloned == weight1 and hash(cloned) == hash(weight1) and cloned.name == weight1.name
-    # a chain the remapping does not reach is returned as it is, not copied link by link
-    assert norm.clone(remap) is norm
-    # without a transform, clone is torch's: an equal copy
-    assert weight0.clone() == weight0
