@@ -64,9 +64,7 @@ one frame as ``CompilePackage.install`` does (``load_guards_state``, ``load_guar
 ``SerializedCode``), records its code as Dynamo does (``utils.orig_code_map``,
 ``convert_frame.output_codes``) and returns it as ``types.wrap_guarded_code(GuardedCode(...))``; while autotp's compiled forward runs,
 ``guards.make_guard_filter_entry`` makes entries (a ``torch._dynamo.types.GuardFilterEntry``
-subclass) whose values are read when asked (:func:`_guard_values_read_lazily`) and
-``symbolic_convert.InstructionTranslatorBase.get_line_of_code_header`` makes its header when a log
-formats it (:func:`_code_headers_made_when_logged`), and ``config.side_effect_replay_policy`` is
+subclass) whose values are read when asked (:func:`_guard_values_read_lazily`) and ``config.side_effect_replay_policy`` is
 ``"silent"`` where no log or structured trace reads Dynamo's side-effect report
 (:func:`_side_effects_unreported`); a loading guard state's
 tensors are rebuilt in one fake mode (``GuardsStatePickler._unpickle_tensor``, see
@@ -864,8 +862,7 @@ class DynamoPackage:
             self._copied.append(name)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        with _storable_guards(), _guard_values_read_lazily(), _code_headers_made_when_logged(), \
-                _side_effects_unreported():
+        with _storable_guards(), _guard_values_read_lazily(), _side_effects_unreported():
             return self.compiled(*args, **kwargs)
 
     def graphs(self) -> dict[str, Any]:
@@ -1053,7 +1050,7 @@ class DynamoCompiled:
         self.compiled = _optimize(fn, backend, wrap)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        with _guard_values_read_lazily(), _code_headers_made_when_logged(), _side_effects_unreported():
+        with _guard_values_read_lazily(), _side_effects_unreported():
             return self.compiled(*args, **kwargs)
 
     def graphs(self) -> dict[str, Any]:
@@ -1307,59 +1304,6 @@ def _side_effects_unreported() -> Iterator[None]:
         return
     with config.patch(side_effect_replay_policy="silent"):
         yield
-
-
-class _TextWhenRead:
-    """Text made when first formatted or printed (a debug log's header that is never logged is never made)."""
-
-    __slots__ = ("_make", "_text")
-
-    def __init__(self, make: Callable[[], str]) -> None:
-        self._make: Callable[[], str] | None = make
-        self._text: str | None = None
-
-    def __str__(self) -> str:
-        if self._text is None:
-            assert self._make is not None
-            self._text, self._make = self._make(), None
-        return self._text
-
-    def __format__(self, spec: str) -> str:
-        return format(str(self), spec)
-
-    __repr__ = __str__
-
-
-@contextlib.contextmanager
-def _code_headers_made_when_logged() -> Iterator[None]:
-    """Within the block, Dynamo's "file:line in function (qualified name)" header of a traced call is
-    made only when a log formats it. ``OutputGraph.create_proxy`` asks for the header of every new
-    instruction that makes a node, for a ``trace_call`` debug message that is off by default, and
-    the qualified name comes from ``funcname_cache``, which tokenizes each traced source file whole
-    on first use (modeling_llama, masking_utils, generation/utils, ...: ~5% of a cold generate's
-    Dynamo time under cProfile, every process). The header keeps its text and the line it was asked
-    for; a torch without the method keeps its own."""
-    translator = getattr(require_module("torch._dynamo.symbolic_convert"), "InstructionTranslatorBase", None)
-    lazy = _lazy_code_header()
-    if lazy is None or translator is None or translator.get_line_of_code_header is lazy:
-        yield
-        return
-    with _swapped(translator, "get_line_of_code_header", lazy):
-        yield
-
-
-@functools.cache
-def _lazy_code_header() -> Callable[..., Any] | None:
-    """The ``get_line_of_code_header`` :func:`_code_headers_made_when_logged` swaps in, made once per process."""
-    translator = getattr(require_module("torch._dynamo.symbolic_convert"), "InstructionTranslatorBase", None)
-    original = getattr(translator, "get_line_of_code_header", None)
-    if original is None:
-        return None
-
-    def get_line_of_code_header(self: Any, lineno: int | None = None) -> Any:
-        return _TextWhenRead(functools.partial(original, self, self.lineno if lineno is None else lineno))
-
-    return get_line_of_code_header
 
 
 @functools.cache

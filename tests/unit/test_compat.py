@@ -175,32 +175,6 @@ def test_a_resume_function_s_code_is_read_through_dynamo_s_factory() -> None:
     assert compat._function_code(len) is None  # not a function
 
 
-def test_dynamo_s_traced_call_header_is_made_only_when_its_log_formats_it(capfd: pytest.CaptureFixture) -> None:
-    import torch._dynamo.funcname_cache as funcname_cache
-
-    def double_then_add(x: torch.Tensor) -> torch.Tensor:
-        return x * 2 + 1
-
-    torch._dynamo.reset()
-    funcname_cache.clearcache()
-    with compat._code_headers_made_when_logged():
-        torch.compile(double_then_add, backend="eager")(torch.ones(3))
-    # with the debug log off no source file was tokenized for a header
-    assert __file__ not in funcname_cache.cache
-
-    torch._dynamo.reset()
-    torch._logging.set_logs(trace_call=True)
-    try:
-        with compat._code_headers_made_when_logged():
-            torch.compile(double_then_add, backend="eager")(torch.ones(3))
-    finally:
-        torch._logging.set_logs()
-    # with it on (torch's log handler writes to stderr), the header names the file, the line and
-    # the function as torch's own does
-    headers = [line for line in capfd.readouterr().err.splitlines() if "TRACE FX call" in line]
-    assert headers and all(f"{__file__}:" in h and "in double_then_add (" in h for h in headers)
-
-
 def test_side_effects_are_replayed_unreported_unless_their_log_or_a_structured_trace_is_on(
         monkeypatch: pytest.MonkeyPatch) -> None:
     import torch._dynamo.config as dynamo_config
