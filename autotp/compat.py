@@ -871,9 +871,17 @@ class DynamoPackage:
         stored code to one named after its module (``___autotp_module_collections``): Dynamo's
         own name carries the module's address and a compile id, which a later process's own
         compile may make again (it then refuses the name as already taken)."""
-        package_module = require_module("torch._dynamo.package")
         if self.unstorable is not None:
             raise PackageError(self.unstorable)
+        return self._entry_in_this_launch()
+
+    def _entry_in_this_launch(self) -> tuple[Any, dict[str, tuple[str, str]]]:
+        """:meth:`entry`, also where the package holds a frame recorded under no name
+        (:attr:`unstorable`): another rank of this launch installs a frame on its own running frame
+        (:func:`_install_frame`), never by the name a later process would resolve, so such a frame
+        (GPT-2's ``loss_function``, the frame after a training forward's graph break) is shared
+        though it cannot be stored. A guard state Dynamo could not pickle still raises."""
+        package_module = require_module("torch._dynamo.package")
         entry = self.package.cache_entry()
         for code in entry.codes:
             for guarded in code.guarded_codes:
@@ -913,7 +921,7 @@ class DynamoPackage:
         if code not in codes or not codes[code].guarded_codes:
             raise PackageError(f"the package holds no compiled code for {code.co_name}")
         index = list(codes).index(code)
-        entry, aliases = self.entry()
+        entry, aliases = self._entry_in_this_launch()
 
         def module_names(serialized: Any) -> Iterator[str]:
             yield from (n for n in serialized.co_names if n.startswith("___module_"))
