@@ -1230,7 +1230,8 @@ def _forwarding_object(cls: type) -> bool:
     encoder-decoder's ``get_encoder()``, in the guard state of T5's first frame) asks itself again,
     until ``RecursionError``: T5's frames were not shared, nor stored. A module (its own
     ``__setstate__``) or a class with its own reduction is not one."""
-    return (isinstance(cls, type) and "__getattr__" in dir(cls) and not issubclass(cls, (type, dict))
+    return (isinstance(cls, type) and any("__getattr__" in vars(k) for k in cls.__mro__)
+            and not issubclass(cls, (type, dict))
             and cls.__reduce_ex__ is object.__reduce_ex__ and cls.__reduce__ is object.__reduce__
             and getattr(cls, "__getstate__", None) is getattr(object, "__getstate__", None)
             and not hasattr(cls, "__setstate__") and not hasattr(cls, "__slots__"))
