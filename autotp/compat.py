@@ -875,9 +875,17 @@ class DynamoPackage:
         stored code to one named after its module (``___autotp_module_collections``): Dynamo's
         own name carries the module's address and a compile id, which a later process's own
         compile may make again (it then refuses the name as already taken)."""
-        package_module = require_module("torch._dynamo.package")
         if self.unstorable is not None:
             raise PackageError(self.unstorable)
+        return self._entry_in_this_launch()
+
+    def _entry_in_this_launch(self) -> tuple[Any, dict[str, tuple[str, str]]]:
+        """:meth:`entry`, also where the package holds a frame recorded under no name
+        (:attr:`unstorable`): another rank of this launch installs a frame on its own running frame
+        (:func:`_install_frame`), never by the name a later process would resolve, so such a frame
+        (GPT-2's ``loss_function``, the frame after a training forward's graph break) is shared
+        though it cannot be stored. A guard state Dynamo could not pickle still raises."""
+        package_module = require_module("torch._dynamo.package")
         entry = self.package.cache_entry()
         for code in entry.codes:
             for guarded in code.guarded_codes:
@@ -917,7 +925,7 @@ class DynamoPackage:
         if code not in codes or not codes[code].guarded_codes:
             raise PackageError(f"the package holds no compiled code for {code.co_name}")
         index = list(codes).index(code)
-        entry, aliases = self.entry()
+        entry, aliases = self._entry_in_this_launch()
 
         def module_names(serialized: Any) -> Iterator[str]:
             yield from (n for n in serialized.co_names if n.startswith("___module_"))
@@ -1202,6 +1210,8 @@ class _HeldDictReducers:
     def __getitem__(self, cls: type) -> Callable[[Any], Any]:
         if _rekeying_dict(cls):
             return _dict_as_held
+        if _forwarding_object(cls):
+            return _object_as_held
         return copyreg.dispatch_table[cls]
 
 
@@ -1225,6 +1235,32 @@ def _held_dict(cls: type, items: list[tuple[Any, Any]], attributes: dict[str, An
     if attributes:
         value.__dict__.update(attributes)
     return value
+
+
+def _forwarding_object(cls: type) -> bool:
+    """A class with its own ``__getattr__`` and pickle's default reduction and state: unpickled, its
+    instance is asked for ``__setstate__`` before its attributes are back, and a ``__getattr__`` that
+    forwards to one of them (``api._EncoderEntry``'s ``getattr(self._module, name)``: an
+    encoder-decoder's ``get_encoder()``, in the guard state of T5's first frame) asks itself again,
+    until ``RecursionError``: T5's frames were not shared, nor stored. A module (its own
+    ``__setstate__``) or a class with its own reduction is not one."""
+    return (isinstance(cls, type) and any("__getattr__" in vars(k) for k in cls.__mro__)
+            and not issubclass(cls, (type, dict))
+            and cls.__reduce_ex__ is object.__reduce_ex__ and cls.__reduce__ is object.__reduce__
+            and getattr(cls, "__getstate__", None) is getattr(object, "__getstate__", None)
+            and not hasattr(cls, "__setstate__") and not hasattr(cls, "__slots__"))
+
+
+def _object_as_held(value: Any) -> tuple[Any, ...]:
+    """``value`` reduced as pickle's default does (``copyreg.__newobj__`` and its ``__dict__``), its
+    attributes put back by :func:`_held_attributes` instead of a ``__setstate__`` looked up on it
+    (:func:`_forwarding_object`)."""
+    return copyreg.__newobj__, (type(value),), dict(vars(value)), None, None, _held_attributes
+
+
+def _held_attributes(value: Any, attributes: dict[str, Any]) -> None:
+    """``attributes`` set on ``value`` in its ``__dict__``, reading nothing of it first."""
+    value.__dict__.update(attributes)
 
 
 #: the fields of ``torch._dynamo.types.GuardFilterEntry`` :func:`_guard_values_read_lazily` knows

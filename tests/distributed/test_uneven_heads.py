@@ -292,7 +292,10 @@ def _rank_dropout(rank: int, world: int, folder: str, trace: str) -> dict[str, A
     loss.backward()
     summaries = sorted(Path(trace, f"rank{rank}").glob("graph*/summary.json"))[before:]
     rewrites = [json.loads(s.read_text()).get("local_rewrites", {}) for s in summaries]
+    from torch._dynamo.utils import counters
+
     return {"loss": float(loss.detach()), "collectives": [p["collectives"] for p in plans],
+            "traced": counters["stats"]["unique_graphs"], "notes": model.autotp.context.stored_graphs.notes,
             "rank_rng": sum(r.get("rank_rng", 0) for r in rewrites),
             "finite": all(bool(p.grad.isfinite().all()) for p in model.parameters() if p.grad is not None)}
 
@@ -305,7 +308,8 @@ def test_training_gpt2_with_attention_dropout_keeps_megatrons_plan(tmp_path: Pat
     all-gather; before, 3 heads found no plan). The replicated regions' dropout draws alike on every
     rank: the ranks' losses are equal. (Values differ from one process's with dropout on; at
     dropout 0 the test above compares the step exactly, and ``tests/distributed/test_dropout.py``
-    the loss's distribution, and GPT-2's heads split evenly, 4 + 4, the same way.)"""
+    the loss's distribution, and GPT-2's heads split evenly, 4 + 4, the same way.) The ranks share
+    the frames the last one traces, up to the loss function's, which a package cannot name."""
     folder = save_tiny("gpt2", tmp_path / "gpt2", pad_token_id=PAD_ID, n_embd=48, n_head=3, n_layer=LAYERS)
     results = run_ranks(_rank_dropout, 2, str(folder), str(tmp_path / "trace"))
     for r in results:
@@ -314,6 +318,11 @@ def test_training_gpt2_with_attention_dropout_keeps_megatrons_plan(tmp_path: Pat
         assert r["rank_rng"] == LAYERS  # one attention per block, on the rank's own stream
         assert r["finite"]
     assert results[1]["loss"] == results[0]["loss"]
+    # the ranks share frames (tests/_dist.py): rank 0 installs every frame the last rank traced, the
+    # loss function's too, which no later process could install by name (so it is not stored)
+    assert results[0]["traced"] == 0 and results[1]["traced"] >= 3
+    assert not any("no longer shared" in note for r in results for note in r["notes"]), results[1]["notes"]
+    assert any("not stored" in note and "loss_function" in note for note in results[1]["notes"])
 
 
 def _assert_a_left_padded_batch_generates_as_one_process(folder: Path, results: list[dict[str, Any]]) -> None:

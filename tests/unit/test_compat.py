@@ -154,6 +154,38 @@ def test_a_guard_state_keeps_a_re_keying_dict_s_keys_as_held() -> None:
     assert "dispatch_table" not in guards.GuardsStatePickler.__dict__  # put back after the block
 
 
+class _Forwarding:
+    """An object whose ``__getattr__`` reads one of its own attributes, as ``api._EncoderEntry``."""
+
+    def __init__(self, inner: object) -> None:
+        self.__dict__.update(_inner=inner)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._inner, name)
+
+
+def test_a_guard_state_unpickles_an_object_whose_getattr_reads_its_own_attributes() -> None:
+    """Unpickled by pickle's default, such an object is asked for ``__setstate__`` before its
+    attributes are back, and its ``__getattr__`` recurses (T5's first frame, which holds the
+    encoder's ``get_encoder()`` entry: its frames were not shared). A guard state puts its
+    attributes back without asking it, cycles included."""
+    import io
+    import pickle
+
+    guards = compat.require_module("torch._dynamo.guards")
+    entry = _Forwarding([1, 2])
+    entry.itself = entry
+    with pytest.raises(RecursionError):
+        pickle.loads(pickle.dumps(entry))  # what a plain pickle makes of it
+    with compat._dicts_pickled_as_held(guards.GuardsStatePickler):
+        buffer = io.BytesIO()
+        guards.GuardsStatePickler({}, {}, {}, buffer).dump({"entry": entry})
+    loaded = pickle.loads(buffer.getvalue())["entry"]
+    assert type(loaded) is _Forwarding and loaded._inner == [1, 2] and loaded.itself is loaded
+    assert loaded.count(2) == 1  # and forwards as before
+    assert not compat._forwarding_object(torch.nn.Linear)  # a module keeps its own __setstate__
+
+
 def test_a_resume_function_s_code_is_read_through_dynamo_s_factory() -> None:
     """Dynamo installs a resume function with free variables as a factory closing over its code
     (``OutputGraph.install_resume_function_global``): its code is the resume function's, not the
