@@ -66,7 +66,9 @@ one frame as ``CompilePackage.install`` does (``load_guards_state``, ``load_guar
 ``guards.make_guard_filter_entry`` makes entries (a ``torch._dynamo.types.GuardFilterEntry``
 subclass) whose values are read when asked (:func:`_guard_values_read_lazily`) and ``config.side_effect_replay_policy`` is
 ``"silent"`` where no log or structured trace reads Dynamo's side-effect report
-(:func:`_side_effects_unreported`); a loading guard state's
+(:func:`_side_effects_unreported`) and ``config.fail_on_recompile_limit_hit`` is on (see
+:func:`_no_uncompiled_runs_past_the_recompile_limit`: past the limit Dynamo would run the forward
+uncompiled on the shards); a loading guard state's
 tensors are rebuilt in one fake mode (``GuardsStatePickler._unpickle_tensor``, see
 :func:`_guard_tensors_in_one_fake_mode`), and :func:`_optimize` swaps ``eval_frame.get_compiler_fn``
 while ``torch._dynamo.optimize`` runs (its minifier wrapper's imports, see :class:`_DirectCompiler`).
@@ -862,7 +864,8 @@ class DynamoPackage:
             self._copied.append(name)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        with _storable_guards(), _guard_values_read_lazily(), _side_effects_unreported():
+        with _storable_guards(), _guard_values_read_lazily(), _side_effects_unreported(), \
+                _no_uncompiled_runs_past_the_recompile_limit():
             return self.compiled(*args, **kwargs)
 
     def graphs(self) -> dict[str, Any]:
@@ -1058,7 +1061,7 @@ class DynamoCompiled:
         self.compiled = _optimize(fn, backend, wrap)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        with _guard_values_read_lazily(), _side_effects_unreported():
+        with _guard_values_read_lazily(), _side_effects_unreported(), _no_uncompiled_runs_past_the_recompile_limit():
             return self.compiled(*args, **kwargs)
 
     def graphs(self) -> dict[str, Any]:
@@ -1320,6 +1323,39 @@ def _guard_values_read_lazily() -> Iterator[None]:
         return
     with _swapped(guards, "make_guard_filter_entry", lazy):
         yield
+
+
+@contextlib.contextmanager
+def _no_uncompiled_runs_past_the_recompile_limit() -> Iterator[None]:
+    """Within the block, a call that would compile the forward past Dynamo's recompile limit raises
+    an :class:`AutoTPError` instead of running the forward uncompiled.
+
+    Why: past ``torch._dynamo.config.recompile_limit`` (8 by default) compiled versions of a frame,
+    Dynamo runs the frame's own Python code (``FrameAction.RUN_ONLY``). autotp's modules hold this
+    rank's shards, and only the compiled graphs add the collectives, so that code computes on the
+    shards without them: a tiny Llama at tp=2 with the limit at 1 gave logits of the right shape, off
+    by up to 0.46, on every call after the first (``tests/distributed/test_recompile_limit.py``).
+    ``config.fail_on_recompile_limit_hit`` makes Dynamo raise ``FailOnRecompileLimitHit`` there;
+    this turns it into an error naming the cause and the fix. On a torch without the option nothing
+    changes."""
+    config = require_module("torch._dynamo.config")
+    failure = getattr(require_module("torch._dynamo.exc"), "FailOnRecompileLimitHit", None)
+    if failure is None or not hasattr(config, "fail_on_recompile_limit_hit"):
+        yield
+        return
+    try:
+        with config.patch(fail_on_recompile_limit_hit=True):
+            yield
+    except failure as error:
+        raise AutoTPError(
+            f"the model's forward needs more compiled versions than torch._dynamo.config.recompile_limit "
+            f"({config.recompile_limit}) allows: each call whose arguments Dynamo's guards cannot share "
+            f"with an earlier call's (other keyword arguments, dtypes, a specialized size) compiles one, "
+            f"and past the limit Dynamo would run the forward uncompiled, on this rank's shards without "
+            f"the collectives, which gives wrong results. Raise torch._dynamo.config.recompile_limit "
+            f"(TORCH_LOGS=recompiles lists why each version was compiled) or call the model with fewer "
+            f"kinds of arguments."
+        ) from error
 
 
 @contextlib.contextmanager

@@ -1,0 +1,50 @@
+"""Past Dynamo's recompile limit autotp raises, never runs the forward uncompiled on its shards.
+
+Dynamo runs a frame's own Python code once it has compiled ``torch._dynamo.config.recompile_limit``
+versions of it; autotp's modules hold shards, so that code would compute without the collectives
+(logits of the right shape, off by up to ~0.5 on this tiny Llama). Compared with one plain
+transformers process: the first call's logits within atol 1e-5 / rtol 1e-4 (fp32, the row-parallel
+sums reorder additions).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from tests._dist import run_ranks
+from tests._tiny import save_tiny
+
+PROMPT = [[5, 17, 99, 3, 64, 12, 7]]
+
+
+def _calls_past_a_limit_of_one(rank: int, world: int, folder: str) -> dict:
+    import torch._dynamo.config as dynamo_config
+    from transformers import AutoModelForCausalLM
+
+    from autotp import parallelize_model
+    from autotp.errors import AutoTPError
+
+    model = parallelize_model(folder, tp_size=world)
+    reference = AutoModelForCausalLM.from_pretrained(folder).eval()
+    ids = torch.tensor(PROMPT)
+    with torch.no_grad(), dynamo_config.patch(recompile_limit=1):
+        first = model(input_ids=ids).logits
+        try:
+            model(input_ids=ids, output_hidden_states=True)  # a second version of the forward
+        except AutoTPError as error:
+            refused = str(error)
+        else:
+            refused = None
+        want = reference(input_ids=ids).logits
+    return {"first_error": float((first - want).abs().max()), "refused": refused,
+            "first": first, "want": want}
+
+
+def test_a_call_past_the_recompile_limit_raises_on_every_rank_instead_of_running_uncompiled(tmp_path: Path) -> None:
+    folder = save_tiny("llama", tmp_path / "llama")
+    for got in run_ranks(_calls_past_a_limit_of_one, 2, str(folder)):
+        torch.testing.assert_close(got["first"], got["want"], atol=1e-5, rtol=1e-4)
+        assert got["refused"] is not None, "the second version ran uncompiled"
+        assert "recompile_limit (1)" in got["refused"] and "wrong results" in got["refused"]
