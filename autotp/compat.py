@@ -103,6 +103,7 @@ import functools
 import importlib
 import inspect
 import itertools
+import logging
 import re
 import sys
 import types
@@ -115,6 +116,7 @@ from typing import Any, Protocol
 import torch
 
 from autotp.errors import AutoTPError
+from autotp.memory import collecting_new_objects_only, full_collections_deferred
 
 __all__ = [
     "DIM_MARKINGS",
@@ -1091,7 +1093,100 @@ def _optimize(fn: Callable[..., Any], backend: Callable[..., Any], wrap: Callabl
             eval_frame.get_compiler_fn = original
     if wrap is not None:
         context.callback = _WrappedCallback(context.callback, wrap)
+    context.callback = _CompilesCollectNewObjectsOnly(context.callback)
     return context(fn)
+
+
+class _CompilesCollectNewObjectsOnly:
+    """Dynamo's frame callback (what the eval-frame hook calls on a cache miss: Dynamo's trace,
+    the backend, the guards) run with the cyclic collector walking only the objects the compile
+    makes (:func:`autotp.memory.collecting_new_objects_only`) and making no automatic full
+    collection (:func:`autotp.memory.full_collections_deferred`; the young generations are
+    collected as before), and with Dynamo's function names for its trace logs looked up only
+    where those logs are on (:func:`_source_names_only_when_logged`).
+
+    Why: a full collection walks every live object, the loaded model, transformers and Dynamo's
+    own state (~400,000 objects on the startup benchmark's 150m model): the automatic ones inside
+    the warm-up's trace cost ~0.3 CPU s each, and the backend's deliberate one before the shard
+    reads (``memory.release_free_memory``) ~0.4; frozen, that one frees the same garbage, the
+    trace's and the planning's, walking only it. Nothing else changes: what is collected is the
+    same, garbage older than the compile waits for the first full collection after it (which,
+    after the deliberate one, comes soon: the collector then counts only the compile's objects as
+    long-lived). Dynamo finds its backend through ``_torchdynamo_orig_backend`` as before."""
+
+    def __init__(self, callback: Callable[..., Any]) -> None:
+        self._torchdynamo_orig_backend = callback
+
+    def __call__(self, frame: Any, cache_entry: Any, frame_state: Any) -> Any:
+        with collecting_new_objects_only(), full_collections_deferred(), _source_names_only_when_logged(), \
+                _source_clones_memoized():
+            return self._torchdynamo_orig_backend(frame, cache_entry, frame_state)
+
+
+@contextlib.contextmanager
+def _source_clones_memoized() -> Iterator[None]:
+    """Within the block, a chained Dynamo source cloned through a transform
+    (``torch._guards.ChainedSource.clone(transform_fn)``) is cloned once per source and transform,
+    its bases included; the block's table is dropped at its end.
+
+    Why: Dynamo's reuse check of a layer region (``invoke_subgraph.is_reusable``) maps every source
+    the traced body read and every guard it needs from the first layer's sources to this call's
+    (``layers[0]. ...`` -> ``layers[3]. ...``) by cloning each whole chain anew, one
+    ``dataclasses.replace`` per link, though the chains share their bases: ~3,400 clones with
+    ~65,000 links for the 150m benchmark model's two graphs, most of the reuse check's ~0.7 CPU s
+    (loaded machine). Sound: sources are frozen dataclasses compared by value, and every transform
+    Dynamo clones through (the reuse check's and the stamp-out's ``source_replacement.get``) is a
+    pure function of the source, so a clone equals the one a fresh walk would make. A clone
+    without a transform is Dynamo's own. On a torch without the method nothing is swapped."""
+    guards = sys.modules.get("torch._guards")
+    chained = getattr(guards, "ChainedSource", None)
+    original = chained.__dict__.get("clone") if chained is not None else None
+    if original is None:
+        yield
+        return
+    memo: dict[tuple[Any, Any], Any] = {}
+
+    def clone(self: Any, transform_fn: Callable[[Any], Any] | None = None) -> Any:
+        if transform_fn is None:
+            return original(self, transform_fn)
+        key = (self, transform_fn)
+        done = memo.get(key)
+        if done is None:
+            done = memo[key] = original(self, transform_fn)
+        return done
+
+    with _swapped(chained, "clone", clone):
+        yield
+
+
+@contextlib.contextmanager
+def _source_names_only_when_logged() -> Iterator[None]:
+    """Within the block, Dynamo's lookup of the function a source line belongs to
+    (``torch._dynamo.symbolic_convert.get_funcname``, :func:`warm_source_names`) answers None
+    unless one of the trace logs that print it (``trace_call``, ``trace_source``) is on.
+
+    Why: Dynamo names the function of every FX node it creates for a ``trace_call`` debug line,
+    formatting the header eagerly even when the log is off, and the first lookup in a file
+    tokenizes the whole file: ~0.2-0.3 CPU s of a cold launch's first compile on the startup
+    benchmark (10 files, ``transformers/modeling_utils.py`` the largest; loaded machine). The header
+    is read by nothing but those logs (lazily), so with them off no output changes; with either
+    on, the lookup is Dynamo's own. On a torch without the name nothing is swapped."""
+    convert = sys.modules.get("torch._dynamo.symbolic_convert")
+    lookup = getattr(convert, "get_funcname", None)
+    loggers = [getattr(sys.modules.get(module), name, None) for module, name in (
+        ("torch._dynamo.symbolic_convert", "trace_call_log"), ("torch._dynamo.symbolic_convert", "trace_source_log"),
+        ("torch._dynamo.output_graph", "trace_call_log"))]
+    if lookup is None or not all(isinstance(log, logging.Logger) for log in loggers):
+        yield
+        return
+
+    def names_when_logged(filename: str, lineno: int) -> str | None:
+        if any(log.isEnabledFor(logging.DEBUG) for log in loggers):
+            return lookup(filename, lineno)
+        return None
+
+    with _swapped(convert, "get_funcname", names_when_logged):
+        yield
 
 
 class _WrappedCallback:

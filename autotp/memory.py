@@ -107,6 +107,28 @@ def collecting_new_objects_only() -> Iterator[None]:
         _open_blocks -= 1
 
 
+#: a generation-2 threshold the collector's count never reaches (a C int)
+_NEVER = 2**31 - 1
+
+
+@contextlib.contextmanager
+def full_collections_deferred() -> Iterator[None]:
+    """Within the block the cyclic collector makes no automatic full (oldest-generation)
+    collection; the young generations are collected as before, so short-lived cycles are freed as
+    they would be. The threshold is put back after the block (the next full collection then comes
+    when it is due), an explicit ``gc.collect()`` inside still runs. Nested blocks leave it to the
+    outermost."""
+    t0, t1, t2 = gc.get_threshold()
+    if t2 == _NEVER:
+        yield
+        return
+    gc.set_threshold(t0, t1, _NEVER)
+    try:
+        yield
+    finally:
+        gc.set_threshold(t0, t1, t2)
+
+
 @contextlib.contextmanager
 def cycle_collection_paused() -> Iterator[None]:
     """Within the block Python's cyclic garbage collector does not run; it resumes after the block
