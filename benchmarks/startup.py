@@ -6,6 +6,9 @@ tokens from a 16-token prompt, exit.
     python benchmarks/startup.py --size small --rounds 1   # smoke run of the script
     python benchmarks/startup.py --engines autotp_cold,autotp_warm --plain-call   # + a plain call
 
+``AUTOTP_BENCH_PROFILE=<folder>`` runs each launched rank under cProfile and writes
+``<folder>/<engine>-rank<r>.prof`` (the timings then include the profiler's overhead).
+
 ``--plain-call`` adds one plain ``model(input_ids=prompt)`` call between the load and the generate
 (``plain_s``): under ``parallelize_model`` it reuses the warm-up's graph (``autotp/prefill_call.py``).
 
@@ -261,7 +264,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.worker:
         engine, folder, result, dtype_name, plain = args.worker
-        _worker(engine, folder, result, dtype_name, plain_call=plain == "plain")
+        profile = os.environ.get("AUTOTP_BENCH_PROFILE")
+        if not profile:
+            _worker(engine, folder, result, dtype_name, plain_call=plain == "plain")
+            return 0
+        import cProfile
+
+        with cProfile.Profile() as prof:
+            _worker(engine, folder, result, dtype_name, plain_call=plain == "plain")
+        Path(profile).mkdir(parents=True, exist_ok=True)
+        prof.dump_stats(os.path.join(profile, f"{engine}-rank{os.environ.get('RANK', '0')}.prof"))
         return 0
 
     import torch
