@@ -1,7 +1,8 @@
 """``autotp/memory.py``: freed heap pages go back to the OS; Dynamo's guard-latency profiling (a
 ~32 MB cache-eviction buffer per compiled graph) is skipped inside the block and only there;
 planning's and each Dynamo compile's collections walk only their own objects, unless the process
-froze its own, and a compile makes no automatic full collection.
+froze its own, and a compile makes no automatic full collection; a call on a fresh stack is a plain call
+run in another thread.
 
 Exact checks only (which function Dynamo calls, what is restored); no RSS or timing asserts.
 """
@@ -141,3 +142,20 @@ def test_a_dynamo_compile_runs_with_older_objects_frozen_and_no_automatic_full_c
     (frozen, full_threshold), = seen
     assert frozen > 0 and full_threshold > threshold[2]
     assert gc.get_freeze_count() == 0 and gc.get_threshold() == threshold
+
+
+def test_a_call_on_a_fresh_stack_returns_raises_and_keeps_grad_mode_as_a_plain_call() -> None:
+    import threading
+
+    def where(x: int) -> tuple[int, bool, bool]:
+        return x + 1, threading.current_thread() is threading.main_thread(), torch.is_grad_enabled()
+
+    assert memory.on_a_fresh_stack(where)(1) == (2, False, True)
+    with torch.no_grad():
+        assert memory.on_a_fresh_stack(where)(1) == (2, False, False)
+
+    def fails() -> None:
+        raise ValueError("no plan")
+
+    with pytest.raises(ValueError, match="no plan"):
+        memory.on_a_fresh_stack(fails)()
