@@ -32,7 +32,7 @@ from autotp.config import AutoTPConfig
 from autotp.context import CompiledGraph, TPContext, attach_meta, meta_of, shard_of, sharded_standin, standin
 from autotp.errors import AutoTPError, SolverError
 from autotp.inner import inner_compile
-from autotp.memory import collecting_new_objects_only, release_free_memory
+from autotp.memory import collecting_new_objects_only, on_a_fresh_stack, release_free_memory
 from autotp.mesh import check_layout
 from autotp.ops.embedding import rows_only, vocabulary_sizes, vocabulary_tables
 from autotp.ops.fused import fused_segmentations, strided_candidates
@@ -684,7 +684,8 @@ def _solve(gm: torch.fx.GraphModule, example_inputs: list[Any], param_inputs: di
     try:
         # sequence parallelism re-solves with every parameter pinned where this solve stores it; with
         # none free (an earlier graph placed them) that is every parameter as it is: one solve does
-        solution = runner.run("solve", solve, shadow, opts, fixed, free, param_nodes) \
+        # on a fresh stack: the search's speed must not depend on how deep Dynamo calls the backend
+        solution = runner.run("solve", on_a_fresh_stack(solve), shadow, opts, fixed, free, param_nodes) \
             if free or not ctx.config.sequence_parallel else None
     except SolverError as e:
         if not used:
@@ -695,10 +696,11 @@ def _solve(gm: torch.fx.GraphModule, example_inputs: list[Any], param_inputs: di
         ) from e
     free_cost = None
     if used and any(free[n] is not unconstrained[n] for n in free):
-        free_cost = solve(shadow, opts, fixed, unconstrained, param_nodes).cost
+        free_cost = on_a_fresh_stack(solve)(shadow, opts, fixed, unconstrained, param_nodes).cost
         timings["overrides_extra_cost"] = solution.cost - free_cost
     if ctx.config.sequence_parallel:
-        solution, opts = runner.run("solve", _sequence_parallel, shadow, opts, fixed, solution, param_nodes)
+        solution, opts = runner.run("solve", on_a_fresh_stack(_sequence_parallel), shadow, opts, fixed, solution,
+                                    param_nodes)
     timings["solve_s"], timings["solve_cpu_s"] = time.perf_counter() - t, time.process_time() - c
     t = time.perf_counter()
     annotation = runner.run("annotate", annotate, shadow, solution)

@@ -64,7 +64,8 @@ one frame as ``CompilePackage.install`` does (``load_guards_state``, ``load_guar
 ``SerializedCode``), records its code as Dynamo does (``utils.orig_code_map``,
 ``convert_frame.output_codes``) and returns it as ``types.wrap_guarded_code(GuardedCode(...))``; while autotp's compiled forward runs,
 ``guards.make_guard_filter_entry`` makes entries (a ``torch._dynamo.types.GuardFilterEntry``
-subclass) whose values are read when asked (:func:`_guard_values_read_lazily`) and ``config.side_effect_replay_policy`` is
+subclass) whose values are read when asked (:func:`_guard_values_read_lazily`); while Dynamo
+compiles one of its frames (:class:`_CompileSettings`) ``config.side_effect_replay_policy`` is
 ``"silent"`` where no log or structured trace reads Dynamo's side-effect report
 (:func:`_side_effects_unreported`) and ``config.fail_on_recompile_limit_hit`` is on (see
 :func:`_no_uncompiled_runs_past_the_recompile_limit`: past the limit Dynamo would run the forward
@@ -121,6 +122,7 @@ from typing import Any, Protocol
 import torch
 
 from autotp.errors import AutoTPError
+from autotp.memory import collecting_new_objects_only, full_collections_deferred
 
 __all__ = [
     "DIM_MARKINGS",
@@ -864,8 +866,7 @@ class DynamoPackage:
             self._copied.append(name)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        with _storable_guards(), _guard_values_read_lazily(), _side_effects_unreported(), \
-                _no_uncompiled_runs_past_the_recompile_limit():
+        with _storable_guards(), _guard_values_read_lazily():
             return self.compiled(*args, **kwargs)
 
     def graphs(self) -> dict[str, Any]:
@@ -1061,7 +1062,7 @@ class DynamoCompiled:
         self.compiled = _optimize(fn, backend, wrap)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        with _guard_values_read_lazily(), _side_effects_unreported(), _no_uncompiled_runs_past_the_recompile_limit():
+        with _guard_values_read_lazily():
             return self.compiled(*args, **kwargs)
 
     def graphs(self) -> dict[str, Any]:
@@ -1106,7 +1107,103 @@ def _optimize(fn: Callable[..., Any], backend: Callable[..., Any], wrap: Callabl
             eval_frame.get_compiler_fn = original
     if wrap is not None:
         context.callback = _WrappedCallback(context.callback, wrap)
+    context.callback = _CompileSettings(context.callback)
     return context(fn)
+
+
+class _CompileSettings:
+    """Dynamo's frame callback (what the eval-frame hook calls on a cache miss: Dynamo's trace,
+    the backend, the guards) run with the cyclic collector walking only the objects the compile
+    makes (:func:`autotp.memory.collecting_new_objects_only`) and making no automatic full
+    collection (:func:`autotp.memory.full_collections_deferred`; the young generations are
+    collected as before), with Dynamo's function names for its trace logs looked up only
+    where those logs are on (:func:`_source_names_only_when_logged`), a region's source clones
+    memoized (:func:`_source_clones_memoized`), side effects replayed without a report nobody reads
+    (:func:`_side_effects_unreported`), and a compile past the recompile limit an error instead of
+    an uncompiled run on the shards (:func:`_no_uncompiled_runs_past_the_recompile_limit`).
+
+    Why: a full collection walks every live object, the loaded model, transformers and Dynamo's
+    own state (~400,000 objects on the startup benchmark's 150m model): the automatic ones inside
+    the warm-up's trace cost ~0.3 CPU s each, and the backend's deliberate one before the shard
+    reads (``memory.release_free_memory``) ~0.4; frozen, that one frees the same garbage, the
+    trace's and the planning's, walking only it. Nothing else changes: what is collected is the
+    same, garbage older than the compile waits for the first full collection after it (which,
+    after the deliberate one, comes soon: the collector then counts only the compile's objects as
+    long-lived). Dynamo finds its backend through ``_torchdynamo_orig_backend`` as before."""
+
+    def __init__(self, callback: Callable[..., Any]) -> None:
+        self._torchdynamo_orig_backend = callback
+
+    def __call__(self, frame: Any, cache_entry: Any, frame_state: Any) -> Any:
+        with collecting_new_objects_only(), full_collections_deferred(), _source_names_only_when_logged(), \
+                _source_clones_memoized(), _side_effects_unreported(), _no_uncompiled_runs_past_the_recompile_limit():
+            return self._torchdynamo_orig_backend(frame, cache_entry, frame_state)
+
+
+@contextlib.contextmanager
+def _source_clones_memoized() -> Iterator[None]:
+    """Within the block, a chained Dynamo source cloned through a transform
+    (``torch._guards.ChainedSource.clone(transform_fn)``) is cloned once per source and transform,
+    its bases included; the block's table is dropped at its end.
+
+    Why: Dynamo's reuse check of a layer region (``invoke_subgraph.is_reusable``) maps every source
+    the traced body read and every guard it needs from the first layer's sources to this call's
+    (``layers[0]. ...`` -> ``layers[3]. ...``) by cloning each whole chain anew, one
+    ``dataclasses.replace`` per link, though the chains share their bases: ~3,400 clones with
+    ~65,000 links for the 150m benchmark model's two graphs, most of the reuse check's ~0.7 CPU s
+    (loaded machine). Sound: sources are frozen dataclasses compared by value, and every transform
+    Dynamo clones through (the reuse check's and the stamp-out's ``source_replacement.get``) is a
+    pure function of the source, so a clone equals the one a fresh walk would make. A clone
+    without a transform is Dynamo's own. On a torch without the method nothing is swapped."""
+    guards = sys.modules.get("torch._guards")
+    chained = getattr(guards, "ChainedSource", None)
+    original = chained.__dict__.get("clone") if chained is not None else None
+    if original is None:
+        yield
+        return
+    memo: dict[tuple[Any, Any], Any] = {}
+
+    def clone(self: Any, transform_fn: Callable[[Any], Any] | None = None) -> Any:
+        if transform_fn is None:
+            return original(self, transform_fn)
+        key = (self, transform_fn)
+        done = memo.get(key)
+        if done is None:
+            done = memo[key] = original(self, transform_fn)
+        return done
+
+    with _swapped(chained, "clone", clone):
+        yield
+
+
+@contextlib.contextmanager
+def _source_names_only_when_logged() -> Iterator[None]:
+    """Within the block, Dynamo's lookup of the function a source line belongs to
+    (``torch._dynamo.symbolic_convert.get_funcname``, :func:`warm_source_names`) answers None
+    unless one of the trace logs that print it (``trace_call``, ``trace_source``) is on.
+
+    Why: Dynamo names the function of every FX node it creates for a ``trace_call`` debug line,
+    formatting the header eagerly even when the log is off, and the first lookup in a file
+    tokenizes the whole file: ~0.2-0.3 CPU s of a cold launch's first compile on the startup
+    benchmark (10 files, ``transformers/modeling_utils.py`` the largest; loaded machine). The header
+    is read by nothing but those logs (lazily), so with them off no output changes; with either
+    on, the lookup is Dynamo's own. On a torch without the name nothing is swapped."""
+    convert = sys.modules.get("torch._dynamo.symbolic_convert")
+    lookup = getattr(convert, "get_funcname", None)
+    loggers = [getattr(sys.modules.get(module), name, None) for module, name in (
+        ("torch._dynamo.symbolic_convert", "trace_call_log"), ("torch._dynamo.symbolic_convert", "trace_source_log"),
+        ("torch._dynamo.output_graph", "trace_call_log"))]
+    if lookup is None or not all(isinstance(log, logging.Logger) for log in loggers):
+        yield
+        return
+
+    def names_when_logged(filename: str, lineno: int) -> str | None:
+        if any(log.isEnabledFor(logging.DEBUG) for log in loggers):
+            return lookup(filename, lineno)
+        return None
+
+    with _swapped(convert, "get_funcname", names_when_logged):
+        yield
 
 
 class _WrappedCallback:
@@ -1327,7 +1424,7 @@ def _guard_values_read_lazily() -> Iterator[None]:
 
 @contextlib.contextmanager
 def _no_uncompiled_runs_past_the_recompile_limit() -> Iterator[None]:
-    """Within the block, a call that would compile the forward past Dynamo's recompile limit raises
+    """Within the block (a compile, :class:`_CompileSettings`), a compile of the forward past Dynamo's recompile limit raises
     an :class:`AutoTPError` instead of running the forward uncompiled.
 
     Why: past ``torch._dynamo.config.recompile_limit`` (8 by default) compiled versions of a frame,
@@ -1360,7 +1457,7 @@ def _no_uncompiled_runs_past_the_recompile_limit() -> Iterator[None]:
 
 @contextlib.contextmanager
 def _side_effects_unreported() -> Iterator[None]:
-    """Within the block, Dynamo replays a traced frame's side effects without building the report of
+    """Within the block (a compile, :class:`_CompileSettings`), Dynamo replays a traced frame's side effects without building the report of
     them that nobody reads. With ``torch._dynamo.config.side_effect_replay_policy`` at its default
     ``"info"`` Dynamo captures the user stack of every mutation it records and, when it emits the
     replay code, formats a message per mutated object with the whole stack above Dynamo (each frame's

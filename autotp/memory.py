@@ -37,7 +37,10 @@ import contextlib
 import ctypes
 import gc
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 
 def trim_heap() -> bool:
@@ -107,6 +110,28 @@ def collecting_new_objects_only() -> Iterator[None]:
         _open_blocks -= 1
 
 
+#: a generation-2 threshold the collector's count never reaches (a C int)
+_NEVER = 2**31 - 1
+
+
+@contextlib.contextmanager
+def full_collections_deferred() -> Iterator[None]:
+    """Within the block the cyclic collector makes no automatic full (oldest-generation)
+    collection; the young generations are collected as before, so short-lived cycles are freed as
+    they would be. The threshold is put back after the block (the next full collection then comes
+    when it is due), an explicit ``gc.collect()`` inside still runs. Nested blocks leave it to the
+    outermost."""
+    t0, t1, t2 = gc.get_threshold()
+    if t2 == _NEVER:
+        yield
+        return
+    gc.set_threshold(t0, t1, _NEVER)
+    try:
+        yield
+    finally:
+        gc.set_threshold(t0, t1, t2)
+
+
 @contextlib.contextmanager
 def cycle_collection_paused() -> Iterator[None]:
     """Within the block Python's cyclic garbage collector does not run; it resumes after the block
@@ -127,3 +152,44 @@ def cycle_collection_paused() -> Iterator[None]:
     finally:
         if enabled:
             gc.enable()
+
+
+def on_a_fresh_stack(fn: Callable[..., T]) -> Callable[..., T]:
+    """``fn`` run, when called, in a new thread that the caller waits for: its frames start at the
+    bottom of an empty Python stack instead of under the caller's (``fn``'s result is returned, its
+    exception raised; grad mode is carried over, as the thread-local state ``fn`` may read).
+
+    Why: CPython 3.11 keeps a thread's frames in a stack of 16 KB chunks, each ``mmap``-ed when a
+    call does not fit the current one and ``munmap``-ed when that call returns, so a hot loop whose
+    calls straddle a chunk boundary maps, faults in and unmaps a chunk per call. Where that happens
+    depends on how deep the loop runs, and the solver's search runs under Dynamo's trace of the whole
+    model (hundreds of frames): on the 150m startup benchmark's prefill one depth cost ~590,000
+    ``mmap``/``munmap`` pairs and ~1.3 million page faults (strace, ``getrusage``), 4-11 CPU s of
+    system time in a solve of ~2 s, and adding one to three frames above ``solve`` moved it to
+    288,000 / 54,000 / 19,000 faults: any change of the callers' depth (a wrapper, another Python
+    version of a caller) turned it on or off. On a fresh stack the search's depth is its own."""
+
+    def run(*args: Any, **kwargs: Any) -> T:
+        import threading
+
+        import torch
+
+        out: list[Any] = []
+        grad = torch.is_grad_enabled()
+
+        def target() -> None:
+            try:
+                with torch.set_grad_enabled(grad):
+                    out.append((True, fn(*args, **kwargs)))
+            except BaseException as e:  # noqa: BLE001 (re-raised in the caller's thread)
+                out.append((False, e))
+
+        thread = threading.Thread(target=target, name=f"autotp-{getattr(fn, '__name__', 'call')}", daemon=True)
+        thread.start()
+        thread.join()
+        ok, value = out[0]
+        if not ok:
+            raise value
+        return value
+
+    return run

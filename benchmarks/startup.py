@@ -6,6 +6,9 @@ tokens from a 16-token prompt, exit.
     python benchmarks/startup.py --size small --rounds 1   # smoke run of the script
     python benchmarks/startup.py --engines autotp_cold,autotp_warm --plain-call   # + a plain call
 
+``AUTOTP_BENCH_PROFILE=<folder>`` runs each launched rank under cProfile and writes
+``<folder>/<engine>-rank<r>.prof`` (the timings then include the profiler's overhead).
+
 ``--plain-call`` adds one plain ``model(input_ids=prompt)`` call between the load and the generate
 (``plain_s``): under ``parallelize_model`` it reuses the warm-up's graph (``autotp/prefill_call.py``).
 
@@ -29,7 +32,7 @@ all engines alike. Reported per engine: every wall time, the median, min, max an
 min), and rank 0's own phases (``import_s``: torch + transformers + autotp; ``load_s``;
 ``generate_s``; ``cpu_s``: its CPU seconds, steadier than the wall on a loaded machine; for autotp
 ``phases``: per compiled graph Dynamo's trace, the backend and the guards, and what rank 0's
-planning cost, see ``_compile_phases``), plus ratios of medians against ``transformers_tp`` and ``one_process``, whether
+planning cost, see ``_compile_phases`` and ``_planning_phases``), plus ratios of medians against ``transformers_tp`` and ``one_process``, whether
 all engines produced the same tokens, each engine's peak RSS and anonymous memory, and the run's
 provenance (``benchmarks/_record.py``: commit, date, command, versions, machine, load averages). Each rank uses ``cores // ranks`` threads unless ``OMP_NUM_THREADS`` is set.
 """
@@ -114,7 +117,7 @@ def _worker(engine: str, folder: str, result: str, dtype_name: str, plain_call: 
             report["plan_cache"] = [o.as_dict() for o in model.autotp.context.plan_cache.outcomes]
             stored = model.autotp.context.stored_graphs
             report["stored_graphs"] = stored.as_dict() if stored is not None else None
-            report["phases"] = _compile_phases(report["plan_cache"])
+            report["phases"] = _compile_phases()
         report["cpu_s"] = time.process_time()  # rank 0's CPU from its start (the parent times the wall)
         Path(result).write_text(json.dumps(report))
     if distributed:
@@ -127,12 +130,10 @@ DYNAMO_PHASES = {"compile_s": "_compile.compile_inner", "bytecode_tracing_s": "b
                  "backend_s": "OutputGraph.call_user_compiler", "build_guards_s": "build_guards"}
 
 
-def _compile_phases(outcomes: list[dict[str, Any]]) -> dict[str, Any]:
-    """Rank 0's compile cost per graph, in compile order: Dynamo's metrics (:data:`DYNAMO_PHASES`;
-    Dynamo's own trace is ``compile_s - backend_s``) and, for a graph this launch planned (a plan
-    cache miss), the planning phases its plan-cache entry stores (``decompose_s``, ``solve_s`` and
-    their CPU seconds; the other ranks wait for rank 0's plan meanwhile). What a cold launch
-    spends where, without a profiler."""
+def _compile_phases() -> dict[str, Any]:
+    """Rank 0's Dynamo metrics per compiled graph, in compile order (:data:`DYNAMO_PHASES`; Dynamo's
+    own trace is ``compile_s - backend_s``). The planning phases are read by the parent after the
+    launch (:func:`_planning_phases`), so that parsing the plan entries costs the job nothing."""
     out: dict[str, Any] = {}
     try:
         from torch._dynamo.utils import compilation_time_metrics
@@ -140,19 +141,25 @@ def _compile_phases(outcomes: list[dict[str, Any]]) -> dict[str, Any]:
         compilation_time_metrics = {}
     for name, metric in DYNAMO_PHASES.items():
         out[name] = [round(v, 3) for v in compilation_time_metrics.get(metric, [])]
-    cache = os.environ.get("AUTOTP_CACHE_DIR")
+    return out
+
+
+def _planning_phases(outcomes: list[dict[str, Any]], cache: Path) -> list[dict[str, Any]]:
+    """For each graph rank 0 planned in the launch (a plan cache miss), the planning phases its
+    plan-cache entry in ``cache`` stores (``decompose_s``, ``solve_s`` and their CPU seconds,
+    ``annotate_s``; the other ranks wait for rank 0's plan meanwhile); an empty dict for any other
+    graph. With :func:`_compile_phases`: what a cold launch spends where, without a profiler."""
     planning = []
     for o in outcomes:
         summary = None
-        if o.get("status") == "miss" and o.get("entry") and cache:
+        if o.get("status") == "miss" and o.get("entry"):
             try:
-                summary = json.loads((Path(cache) / "plans" / o["entry"]).read_text())["payload"]["solve"]
+                summary = json.loads((cache / "plans" / o["entry"]).read_text())["payload"]["solve"]
             except (OSError, ValueError, KeyError, TypeError):
                 summary = None
         planning.append({k: round(v, 3) for k, v in (summary or {}).items()
                          if k in ("decompose_s", "decompose_cpu_s", "solve_s", "solve_cpu_s", "annotate_s")})
-    out["planning"] = planning
-    return out
+    return planning
 
 
 def _launch(
@@ -174,7 +181,10 @@ def _launch(
         "plain" if args.plain_call else "-",
     ]
     wall_s = launch(ranks, worker, env=env, label=engine)
-    return {**json.loads(result.read_text()), "wall_s": wall_s}
+    report = json.loads(result.read_text())
+    if report.get("phases") is not None:
+        report["phases"]["planning"] = _planning_phases(report["plan_cache"], cache_dir)
+    return {**report, "wall_s": wall_s}
 
 
 def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -261,7 +271,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.worker:
         engine, folder, result, dtype_name, plain = args.worker
-        _worker(engine, folder, result, dtype_name, plain_call=plain == "plain")
+        profile = os.environ.get("AUTOTP_BENCH_PROFILE")
+        if not profile:
+            _worker(engine, folder, result, dtype_name, plain_call=plain == "plain")
+            return 0
+        import cProfile
+
+        with cProfile.Profile() as prof:
+            _worker(engine, folder, result, dtype_name, plain_call=plain == "plain")
+        Path(profile).mkdir(parents=True, exist_ok=True)
+        prof.dump_stats(os.path.join(profile, f"{engine}-rank{os.environ.get('RANK', '0')}.prof"))
         return 0
 
     import torch

@@ -228,3 +228,40 @@ def test_side_effects_are_replayed_unreported_unless_their_log_or_a_structured_t
     monkeypatch.delenv("TORCH_TRACE")
     with dynamo_config.patch(side_effect_replay_policy="warn"):  # the user's own choice stays
         assert policy_in_block() == "warn"
+
+
+def test_dynamo_names_a_line_s_function_only_while_a_trace_log_that_prints_it_is_on() -> None:
+    import logging
+
+    import torch._dynamo.symbolic_convert as convert
+
+    line = private_uses.__code__.co_firstlineno + 3
+    assert convert.get_funcname(__file__, line) == "private_uses"  # Dynamo's own lookup
+    log = convert.trace_call_log
+    level = log.level
+    with compat._source_names_only_when_logged():
+        assert convert.get_funcname(__file__, line) is None  # read by no log: not looked up
+        log.setLevel(logging.DEBUG)
+        try:
+            assert convert.get_funcname(__file__, line) == "private_uses"
+        finally:
+            log.setLevel(level)
+    assert convert.get_funcname(__file__, line) == "private_uses"  # restored
+
+
+def test_a_source_cloned_through_a_transform_inside_the_block_equals_dynamo_s_clone() -> None:
+    from torch._dynamo.source import AttrSource, GetItemSource, LocalSource
+
+    layer = lambda i: GetItemSource(AttrSource(AttrSource(LocalSource("self"), "model"), "layers"), i)  # noqa: E731
+    sources = [AttrSource(AttrSource(AttrSource(layer(0), "self_attn"), "q_proj"), name)
+               for name in ("weight", "bias", "weight")]
+    replacement = {layer(0): layer(3)}
+    move = lambda s: replacement.get(s, s)  # noqa: E731  as Dynamo's region reuse check maps sources
+    expected = [s.clone(move) for s in sources]
+    dynamo_clone = torch._guards.ChainedSource.__dict__["clone"]
+    with compat._source_clones_memoized():
+        cloned = [s.clone(move) for s in sources]
+        assert cloned[0] is cloned[2]  # one clone per source and transform
+        assert [s.clone() for s in sources] == sources  # without a transform: Dynamo's own
+    assert cloned == expected and cloned[0].name == "L['self'].model.layers[3].self_attn.q_proj.weight"
+    assert torch._guards.ChainedSource.__dict__["clone"] is dynamo_clone  # restored

@@ -1,6 +1,8 @@
 """``autotp/memory.py``: freed heap pages go back to the OS; Dynamo's guard-latency profiling (a
 ~32 MB cache-eviction buffer per compiled graph) is skipped inside the block and only there;
-planning's collections walk only planning's objects, unless the process froze its own.
+planning's and each Dynamo compile's collections walk only their own objects, unless the process
+froze its own, and a compile makes no automatic full collection; a call on a fresh stack is a plain call
+run in another thread.
 
 Exact checks only (which function Dynamo calls, what is restored); no RSS or timing asserts.
 """
@@ -14,6 +16,7 @@ import torch
 import torch._dynamo.guards as dynamo_guards
 
 from autotp import memory
+from autotp.compat import _optimize as compat_optimize
 from autotp.compat import no_guard_latency_profile
 from autotp.memory import cycle_collection_paused, release_free_memory
 
@@ -109,3 +112,50 @@ def test_a_process_that_froze_objects_itself_is_left_as_it_was(monkeypatch) -> N
         assert frozen // 2 < gc.get_freeze_count() <= frozen  # nor unfrozen
     finally:
         gc.unfreeze()
+
+
+def test_full_collections_are_deferred_for_the_outermost_block_and_restored_after_an_error() -> None:
+    before = gc.get_threshold()
+    with pytest.raises(RuntimeError, match="trace failed"), memory.full_collections_deferred():
+        deferred = gc.get_threshold()
+        assert deferred[:2] == before[:2]  # the young generations are collected as before
+        assert deferred[2] > before[2]
+        with memory.full_collections_deferred():
+            assert gc.get_threshold() == deferred
+        assert gc.get_threshold() == deferred  # the inner block leaves it to the outer one
+        raise RuntimeError("trace failed")
+    assert gc.get_threshold() == before
+
+
+def test_a_dynamo_compile_runs_with_older_objects_frozen_and_no_automatic_full_collection(monkeypatch) -> None:
+    monkeypatch.setattr(memory, "_frozen_before", None)
+    seen: list[tuple[int, int]] = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list) -> object:
+        seen.append((gc.get_freeze_count(), gc.get_threshold()[2]))
+        return gm.forward
+
+    threshold = gc.get_threshold()
+    torch._dynamo.reset()
+    compiled = compat_optimize(lambda x: x * 2 + 1, backend)
+    assert torch.equal(compiled(torch.ones(3)), torch.full((3,), 3.0))
+    (frozen, full_threshold), = seen
+    assert frozen > 0 and full_threshold > threshold[2]
+    assert gc.get_freeze_count() == 0 and gc.get_threshold() == threshold
+
+
+def test_a_call_on_a_fresh_stack_returns_raises_and_keeps_grad_mode_as_a_plain_call() -> None:
+    import threading
+
+    def where(x: int) -> tuple[int, bool, bool]:
+        return x + 1, threading.current_thread() is threading.main_thread(), torch.is_grad_enabled()
+
+    assert memory.on_a_fresh_stack(where)(1) == (2, False, True)
+    with torch.no_grad():
+        assert memory.on_a_fresh_stack(where)(1) == (2, False, False)
+
+    def fails() -> None:
+        raise ValueError("no plan")
+
+    with pytest.raises(ValueError, match="no plan"):
+        memory.on_a_fresh_stack(fails)()
