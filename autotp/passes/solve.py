@@ -822,6 +822,9 @@ class _Search:
         self.computed = {s.index for s in steps if s.kind in ("op", "getitem")}
         #: (value, placement in a, in b[, ready in a, ready in b]) -> :meth:`conversion`
         self.conversions: dict[tuple, float] = {}
+        #: (value, id of its placement in a, in b) -> (those placements, :meth:`conversion`): the same
+        #: cache without hashing the placements (an entry counts only for the very objects it holds)
+        self.conversions_by_id: dict[tuple[int, int, int], tuple[Any, Any, float]] = {}
         #: value -> its position in the live tuples of the states :meth:`undominated` compares
         #: (every state of one step holds the same live values), for :meth:`dominates`
         self.live_at: dict[int, int] = {}
@@ -983,7 +986,9 @@ class _Search:
         # residual add reuses, not the Partial carried along the residual stream to be reduced
         # with the next one at the same cost). Scored only when a tie happens: each state keeps
         # the parent and resolutions that made it.
-        made_by: dict[State, tuple[tuple, frozenset, tuple]] = {}
+        # (keyed by the id of the state's value tuple, alive in new_states while it is looked up:
+        # hashing a state key hashes every placement in it, and this saves one such hash per option)
+        made_by: dict[int, tuple[tuple, frozenset, tuple]] = {}
         last_use = self.last_use
         dying = {j for j in step.inputs if last_use.get(j, -1) <= here}  # inputs last read here
         out_alive = last_use.get(step.index, -1) > here
@@ -1019,12 +1024,12 @@ class _Search:
                 prev = new_states.get(nkey)
                 if prev is not None and total >= prev[0]:
                     if total > prev[0] + TIE * max(1.0, abs(total)) \
-                            or self.tie_score(key, ready, o.resolved) >= self.tie_score(*made_by[nkey]):
+                            or self.tie_score(key, ready, o.resolved) >= self.tie_score(*made_by[id(prev)]):
                         continue
                 if not isinstance(o.out, Pending):
                     h = _Hist(h, step.index, o.out, o.local, o.param)
-                new_states[nkey] = (total, comm + o.cost, mem + o.mem, h)
-                made_by[nkey] = (key, ready, o.resolved)
+                value = new_states[nkey] = (total, comm + o.cost, mem + o.mem, h)
+                made_by[id(value)] = (key, ready, o.resolved)
         if not new_states:
             raise _no_plan(step, self.trace)
         if len(new_states) > self.opts.beam_width:
@@ -1059,30 +1064,42 @@ class _Search:
         # Exactly the same states survive.
         indexes: dict[frozenset, dict[tuple, list[tuple[State, tuple]]]] = {}
         self.live_at = {j: i for i, (j, _) in enumerate(next(iter(states))[0])} if states else {}
-        self.covers = {}
 
         def project(fixed: tuple, pending: frozenset) -> tuple:
             return tuple(item for item in fixed if item[0] not in pending)
 
+        covers = self.covers = {}
+
+        def cover(k: State) -> frozenset:
+            """The placements state ``k`` holds its values in, ready or live (:meth:`dominates`)."""
+            out = covers[id(k)] = k[1] | frozenset(k[0])
+            return out
+
+        movable, dominates = self.movable, self.dominates
         for key, value in sorted(states.items(), key=lambda kv: kv[1][0]):
-            fixed = tuple(item for item in key[0] if item[0] not in self.movable)
-            pending = frozenset(j for j, p in fixed if isinstance(p, Pending))
+            fixed = tuple([item for item in key[0] if item[0] not in movable])
+            pending = frozenset([j for j, p in fixed if isinstance(p, Pending)])
             index = indexes.get(pending)
             if index is None:
                 index = indexes[pending] = {}
                 for survivor in survivors:
-                    s_fixed = tuple(item for item in survivor[0][0] if item[0] not in self.movable)
+                    s_fixed = tuple([item for item in survivor[0][0] if item[0] not in movable])
                     index.setdefault(project(s_fixed, pending), []).append(survivor)
-            rivals = index.get(project(fixed, pending), ())
+            rivals = index.get(project(fixed, pending) if pending else fixed, ())
             # where a rival can differ: the values this state may move, and its pending edges
-            loose = [i for i, (j, p) in enumerate(key[0]) if j in self.movable or j in pending]
+            loose = [i for i, (j, p) in enumerate(key[0]) if j in movable or j in pending]
             ready = key[1]
-            if ready and not self.pinned:  # (dominates' first test, without a call per rival: most fail it)
-                rivals = [(k, v) for k, v in rivals if ready <= k[1]]
-            if not any(self.dominates(k, v[0], key, value[0], loose) for k, v in rivals):
+            if ready and rivals:  # (dominates' first test, without a call per rival: most fail it)
+                rivals = [(k, v) for k, v in rivals if ready <= k[1]] if not self.pinned else \
+                    [(k, v) for k, v in rivals if ready <= (covers.get(id(k)) or cover(k))]
+            cost = value[0]
+            for k, v in rivals:
+                if dominates(k, v[0], key, cost, loose):
+                    break
+            else:
                 survivors.append((key, value))
                 for other, other_index in indexes.items():
-                    other_index.setdefault(project(fixed, other), []).append((key, value))
+                    other_index.setdefault(project(fixed, other) if other else fixed, []).append((key, value))
         self.trace.dominated_states += len(states) - len(survivors)
         return survivors
 
@@ -1171,13 +1188,14 @@ class _Search:
                     return False
                 unready.add(j)
         slack = cost_b - cost_a
+        movable, by_id = self.movable, self.conversions_by_id
         for i in range(len(live_b)) if loose is None else loose:
             (j, pa), (jb, pb) = live_a[i], live_b[i]
             if j != jb:
                 return False
-            if pa == pb:
+            if pa is pb or pa == pb:
                 continue
-            if not isinstance(pb, Pending) and j not in self.movable:
+            if j not in movable and not isinstance(pb, Pending):
                 return False
             if unready and j in unready:  # b's ready placements of j priced too (a's count for a)
                 readies = (_ready_of(ready_a, j), _ready_of(ready_b, j))
@@ -1185,8 +1203,16 @@ class _Search:
                 conversion = self.conversions.get((j, pa, pb, *readies))
                 slack -= self.conversion(j, pa, pb, *readies) if conversion is None else conversion
             else:  # b holds j ready nowhere a does not: pricing neither's ready placements is an upper bound
-                conversion = self.conversions.get((j, pa, pb))
-                slack -= self.conversion(j, pa, pb) if conversion is None else conversion
+                # (by the placements' ids, the entry holding them: hashing a placement is a Python call)
+                known = by_id.get((j, id(pa), id(pb)))
+                if known is not None and known[0] is pa and known[1] is pb:
+                    slack -= known[2]
+                else:
+                    conversion = self.conversions.get((j, pa, pb))
+                    if conversion is None:
+                        conversion = self.conversion(j, pa, pb)
+                    by_id[j, id(pa), id(pb)] = (pa, pb, conversion)
+                    slack -= conversion
             if slack < 0:
                 return False
         if extra_ready and slack <= TIE * max(1.0, abs(cost_b)):
@@ -1233,8 +1259,16 @@ class _Search:
         ``where(mask, partial, 0)``, never reduced) are left out, and so are values already
         redistributed once (``ready``: the reduction is paid, a later edge reuses it). A
         tie-breaker, never a cost."""
-        paid = {j for j, _ in ready}
-        return sum(self.owed_by_value(j, p) for j, p in key if j not in paid)
+        total, paid, by_value = 0.0, None, self.owed_by_value
+        for j, p in key:
+            if isinstance(p, Pending):
+                p = p.src
+            if isinstance(p, Partial):
+                if ready and paid is None:
+                    paid = {m for m, _ in ready}
+                if not paid or j not in paid:
+                    total += by_value(j, p)
+        return total
 
     def tie_score(self, key: tuple, ready: frozenset, resolved: tuple) -> float:
         """Among states of equal cost, lower wins: what the parent (``key``, ``ready``) still owed,
