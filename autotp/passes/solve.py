@@ -863,6 +863,7 @@ class _Search:
     def run_segment(self, k0: int, k1: int, states: dict, memo: dict) -> dict:
         """Advance over steps ``[k0, k1)``; reuse the transitions of an earlier identical segment
         that saw the same incoming states (same placements, same relative costs)."""
+        states = self.without_local_copies(states)
         sig, externals = self.signature(k0, k1)
         # values live across the segment that it never reads (Gemma-2's mask of the other attention
         # kind, a tied embedding waiting for the head) are numbered after the externals, in index
@@ -890,6 +891,67 @@ class _Search:
         memo[memo_key] = (self.record(out, canon, incoming, ext_id, k0, k1), self.trace.pruned_min - base)
         self.trace.pruned_min = min(before, self.trace.pruned_min)
         return out
+
+    def without_local_copies(self, states: dict) -> dict:
+        """``states`` (a block's incoming frontier) less each state that another one dominates by
+        copies alone: ``b`` goes where a cheaper state ``a`` holds every live value as ``b`` does
+        and lacks only copies ``b`` paid for (``ready``, and the copies its pending edges carry)
+        that ``a`` can make by a local narrow, no collective (:meth:`local_copies_cost`), and ``a``'s
+        cost plus every such narrow is strictly below ``b``'s (beyond ``TIE``). Sound: wherever
+        ``b``'s plan reads such a copy for free, ``a``'s plan narrows the value there (the edge may
+        redistribute it: the value is movable, or the edge is pending), and pays each narrow at most
+        once per copy and pending edge, so every completion of ``b`` has a cheaper one from ``a``.
+        Only at block boundaries, where it decides what the memo of repeated blocks compares
+        (:meth:`run_segment`); see the module docstring for what it changes and what not."""
+        if len(states) < 2:
+            return states
+        kept: dict[tuple, list[tuple[State, float]]] = {}  # live placements less pending copies -> states
+        dropped = set()
+        for key, value in sorted(states.items(), key=lambda kv: kv[1][0]):
+            live, ready = key
+            plain = tuple([(j, p.src if isinstance(p, Pending) else p) for j, p in live])
+            rivals = kept.setdefault(plain, [])
+            if ready and any(ready_a < ready and cost_a + self.local_copies_cost((live_a, ready_a), key) < value[0]
+                             - TIE * max(1.0, abs(value[0])) for (live_a, ready_a), cost_a in rivals):
+                dropped.add(key)
+                continue
+            rivals.append((key, value[0]))
+        if not dropped:
+            return states
+        self.trace.dominated_states += len(dropped)
+        return {k: v for k, v in states.items() if k not in dropped}
+
+    def local_copies_cost(self, a: State, b: State) -> float:
+        """What ``a`` (the same live placements as ``b`` up to its pending edges' copies, and fewer
+        ready copies) pays at most to make every copy ``b`` holds and ``a`` does not, each by a
+        local narrow (``inf`` where one is not a narrow, or its value may not be redistributed):
+        one narrow per missing ready copy (for the value's later edges) and one per pending edge
+        that lacks it (:meth:`without_local_copies`)."""
+        (live_a, ready_a), (live_b, ready_b) = a, b
+        placed = dict(live_a)
+        total = 0.0
+        for j, q in ready_b - ready_a:
+            p = placed.get(j)
+            if p is None or j not in self.movable:
+                return float("inf")
+            total += self.narrow_cost(j, p, q)
+        for (j, pa), (_, pb) in zip(live_a, live_b, strict=True):
+            if pa is pb or pa == pb:
+                continue
+            if not isinstance(pa, Pending) or not isinstance(pb, Pending):
+                return float("inf")
+            for q in pb.ready - pa.ready:  # (pending from the same source: what the caller compared)
+                total += self.narrow_cost(j, pa.src, q)
+        return total
+
+    def narrow_cost(self, j: int, p: Any, q: Any) -> float:
+        """The cost of moving value ``j`` from ``p`` to ``q`` where that is a local narrow (no
+        forward collective; a training graph's backward one included), else ``inf``."""
+        spec = self.spec_of.get(j)
+        if not isinstance(spec, TensorSpec) or not isinstance(p, Placement) or kind_of(p, q) is not None \
+                or q not in edge_targets(p, spec, self.opts.world_size, self.opts.kv_groups):
+            return float("inf")
+        return edge_cost(p, q, spec, self.opts)
 
     def where(self, j: int, ext_id: dict[int, int], k0: int, k1: int) -> tuple:
         pos = self.position.get(j)
