@@ -163,11 +163,31 @@ transitions instead of running the rules again (``reused_nodes`` in the trace); 
 same as solving it afresh. Values live across a block that it never reads (Gemma-2's mask of the
 other attention kind, which alternates with the layer; a tied embedding waiting for the head) are
 numbered by position, like the block's inputs, so blocks that carry different such values match.
+Before a block's incoming states are compared, each state that a cheaper one dominates by copies
+alone is dropped (:meth:`_Search.without_local_copies`): ``b`` goes where a state ``a`` holds every
+live value as ``b`` does, lacks only copies ``b`` paid for earlier (ready placements, and those its
+pending edges carry), each of which ``a`` can make by a local narrow (``R -> S(d)``, no forward
+collective), and costs, with one narrow per missing copy and per pending edge lacking it, strictly
+less than ``b`` (beyond ``TIE``). Sound: costs only grow along a partial plan, and wherever ``b``'s
+plan reads such a copy for free ``a``'s plan narrows the value there (it is a Dynamo-node output
+read only through edges that may redistribute it, or a pending edge), so every completion of ``b``
+has a strictly cheaper one from ``a``: no optimum is lost. The prefill of the startup benchmark's
+model (150m, 14 layers, tp=2) carried three such states into each block (the rotary ``sin`` narrowed
+to ``S(2)`` beside the states holding it ``R``, 19,072-33,920 dearer), whose costs settled into a
+period of 2 blocks only at block 3, so blocks 0-4 and the last (6 of 14) were searched afresh; now
+blocks 0, 1 and the last (3 of 14), ``reused_nodes`` 2152 -> 2959 of 4009 (the decode step, every
+parameter pinned, already searched 3, see ``dominates``; a 4-layer tiny Llama's and OLMo-2's
+prefill now replay 269 and 321 nodes, before none). Only at block boundaries: a state dropped
+changes what the beam keeps after it, so this can change which of two equal-cost plans the beam
+returns, and everywhere in the search it did (tiny BERT's 4-layer prefill, with the rule in
+:meth:`dominates` instead: the same cost to the last bit but one, a Partial carried through a
+residual add with ``replicated_share`` instead of reduced first); at the boundaries it changes no
+plan of the real-width matrix, the tiny models (4 layers, prefill and decode, sequence parallel) or
+the 150m model at tp 2 and 4 (digests of every placement, local rewrite and parameter placement).
 A block that meets other incoming states (or the same at other relative costs: a prefill's first
-blocks, until the costs of the states that lose settle, 5 of 14 on the startup benchmark's model,
-the last block, where the values it leaves live die) is searched afresh, but every op asks its rule
-once per distinct call (``_Step.twin``: the same target, arguments' specs and constants and output
-spec, all the rule reads), so such a block reruns the search and not the rules.
+two blocks, the last block, where the values it leaves live die) is searched afresh, but every op
+asks its rule once per distinct call (``_Step.twin``: the same target, arguments' specs and
+constants and output spec, all the rule reads), so such a block reruns the search and not the rules.
 The cyclic garbage collector is paused during the search (it creates no reference cycles, and the
 collector's passes over the whole heap took a quarter of the time).
 
@@ -822,6 +842,9 @@ class _Search:
         self.computed = {s.index for s in steps if s.kind in ("op", "getitem")}
         #: (value, placement in a, in b[, ready in a, ready in b]) -> :meth:`conversion`
         self.conversions: dict[tuple, float] = {}
+        #: (value, id of its placement in a, in b) -> (those placements, :meth:`conversion`): the same
+        #: cache without hashing the placements (an entry counts only for the very objects it holds)
+        self.conversions_by_id: dict[tuple[int, int, int], tuple[Any, Any, float]] = {}
         #: value -> its position in the live tuples of the states :meth:`undominated` compares
         #: (every state of one step holds the same live values), for :meth:`dominates`
         self.live_at: dict[int, int] = {}
@@ -860,6 +883,7 @@ class _Search:
     def run_segment(self, k0: int, k1: int, states: dict, memo: dict) -> dict:
         """Advance over steps ``[k0, k1)``; reuse the transitions of an earlier identical segment
         that saw the same incoming states (same placements, same relative costs)."""
+        states = self.without_local_copies(states)
         sig, externals = self.signature(k0, k1)
         # values live across the segment that it never reads (Gemma-2's mask of the other attention
         # kind, a tied embedding waiting for the head) are numbered after the externals, in index
@@ -887,6 +911,67 @@ class _Search:
         memo[memo_key] = (self.record(out, canon, incoming, ext_id, k0, k1), self.trace.pruned_min - base)
         self.trace.pruned_min = min(before, self.trace.pruned_min)
         return out
+
+    def without_local_copies(self, states: dict) -> dict:
+        """``states`` (a block's incoming frontier) less each state that another one dominates by
+        copies alone: ``b`` goes where a cheaper state ``a`` holds every live value as ``b`` does
+        and lacks only copies ``b`` paid for (``ready``, and the copies its pending edges carry)
+        that ``a`` can make by a local narrow, no collective (:meth:`local_copies_cost`), and ``a``'s
+        cost plus every such narrow is strictly below ``b``'s (beyond ``TIE``). Sound: wherever
+        ``b``'s plan reads such a copy for free, ``a``'s plan narrows the value there (the edge may
+        redistribute it: the value is movable, or the edge is pending), and pays each narrow at most
+        once per copy and pending edge, so every completion of ``b`` has a cheaper one from ``a``.
+        Only at block boundaries, where it decides what the memo of repeated blocks compares
+        (:meth:`run_segment`); see the module docstring for what it changes and what not."""
+        if len(states) < 2:
+            return states
+        kept: dict[tuple, list[tuple[State, float]]] = {}  # live placements less pending copies -> states
+        dropped = set()
+        for key, value in sorted(states.items(), key=lambda kv: kv[1][0]):
+            live, ready = key
+            plain = tuple([(j, p.src if isinstance(p, Pending) else p) for j, p in live])
+            rivals = kept.setdefault(plain, [])
+            if ready and any(ready_a < ready and cost_a + self.local_copies_cost((live_a, ready_a), key) < value[0]
+                             - TIE * max(1.0, abs(value[0])) for (live_a, ready_a), cost_a in rivals):
+                dropped.add(key)
+                continue
+            rivals.append((key, value[0]))
+        if not dropped:
+            return states
+        self.trace.dominated_states += len(dropped)
+        return {k: v for k, v in states.items() if k not in dropped}
+
+    def local_copies_cost(self, a: State, b: State) -> float:
+        """What ``a`` (the same live placements as ``b`` up to its pending edges' copies, and fewer
+        ready copies) pays at most to make every copy ``b`` holds and ``a`` does not, each by a
+        local narrow (``inf`` where one is not a narrow, or its value may not be redistributed):
+        one narrow per missing ready copy (for the value's later edges) and one per pending edge
+        that lacks it (:meth:`without_local_copies`)."""
+        (live_a, ready_a), (live_b, ready_b) = a, b
+        placed = dict(live_a)
+        total = 0.0
+        for j, q in ready_b - ready_a:
+            p = placed.get(j)
+            if p is None or j not in self.movable:
+                return float("inf")
+            total += self.narrow_cost(j, p, q)
+        for (j, pa), (_, pb) in zip(live_a, live_b, strict=True):
+            if pa is pb or pa == pb:
+                continue
+            if not isinstance(pa, Pending) or not isinstance(pb, Pending):
+                return float("inf")
+            for q in pb.ready - pa.ready:  # (pending from the same source: what the caller compared)
+                total += self.narrow_cost(j, pa.src, q)
+        return total
+
+    def narrow_cost(self, j: int, p: Any, q: Any) -> float:
+        """The cost of moving value ``j`` from ``p`` to ``q`` where that is a local narrow (no
+        forward collective; a training graph's backward one included), else ``inf``."""
+        spec = self.spec_of.get(j)
+        if not isinstance(spec, TensorSpec) or not isinstance(p, Placement) or kind_of(p, q) is not None \
+                or q not in edge_targets(p, spec, self.opts.world_size, self.opts.kv_groups):
+            return float("inf")
+        return edge_cost(p, q, spec, self.opts)
 
     def where(self, j: int, ext_id: dict[int, int], k0: int, k1: int) -> tuple:
         pos = self.position.get(j)
@@ -983,7 +1068,9 @@ class _Search:
         # residual add reuses, not the Partial carried along the residual stream to be reduced
         # with the next one at the same cost). Scored only when a tie happens: each state keeps
         # the parent and resolutions that made it.
-        made_by: dict[State, tuple[tuple, frozenset, tuple]] = {}
+        # (keyed by the id of the state's value tuple, alive in new_states while it is looked up:
+        # hashing a state key hashes every placement in it, and this saves one such hash per option)
+        made_by: dict[int, tuple[tuple, frozenset, tuple]] = {}
         last_use = self.last_use
         dying = {j for j in step.inputs if last_use.get(j, -1) <= here}  # inputs last read here
         out_alive = last_use.get(step.index, -1) > here
@@ -1019,12 +1106,12 @@ class _Search:
                 prev = new_states.get(nkey)
                 if prev is not None and total >= prev[0]:
                     if total > prev[0] + TIE * max(1.0, abs(total)) \
-                            or self.tie_score(key, ready, o.resolved) >= self.tie_score(*made_by[nkey]):
+                            or self.tie_score(key, ready, o.resolved) >= self.tie_score(*made_by[id(prev)]):
                         continue
                 if not isinstance(o.out, Pending):
                     h = _Hist(h, step.index, o.out, o.local, o.param)
-                new_states[nkey] = (total, comm + o.cost, mem + o.mem, h)
-                made_by[nkey] = (key, ready, o.resolved)
+                value = new_states[nkey] = (total, comm + o.cost, mem + o.mem, h)
+                made_by[id(value)] = (key, ready, o.resolved)
         if not new_states:
             raise _no_plan(step, self.trace)
         if len(new_states) > self.opts.beam_width:
@@ -1059,30 +1146,42 @@ class _Search:
         # Exactly the same states survive.
         indexes: dict[frozenset, dict[tuple, list[tuple[State, tuple]]]] = {}
         self.live_at = {j: i for i, (j, _) in enumerate(next(iter(states))[0])} if states else {}
-        self.covers = {}
 
         def project(fixed: tuple, pending: frozenset) -> tuple:
             return tuple(item for item in fixed if item[0] not in pending)
 
+        covers = self.covers = {}
+
+        def cover(k: State) -> frozenset:
+            """The placements state ``k`` holds its values in, ready or live (:meth:`dominates`)."""
+            out = covers[id(k)] = k[1] | frozenset(k[0])
+            return out
+
+        movable, dominates = self.movable, self.dominates
         for key, value in sorted(states.items(), key=lambda kv: kv[1][0]):
-            fixed = tuple(item for item in key[0] if item[0] not in self.movable)
-            pending = frozenset(j for j, p in fixed if isinstance(p, Pending))
+            fixed = tuple([item for item in key[0] if item[0] not in movable])
+            pending = frozenset([j for j, p in fixed if isinstance(p, Pending)])
             index = indexes.get(pending)
             if index is None:
                 index = indexes[pending] = {}
                 for survivor in survivors:
-                    s_fixed = tuple(item for item in survivor[0][0] if item[0] not in self.movable)
+                    s_fixed = tuple([item for item in survivor[0][0] if item[0] not in movable])
                     index.setdefault(project(s_fixed, pending), []).append(survivor)
-            rivals = index.get(project(fixed, pending), ())
+            rivals = index.get(project(fixed, pending) if pending else fixed, ())
             # where a rival can differ: the values this state may move, and its pending edges
-            loose = [i for i, (j, p) in enumerate(key[0]) if j in self.movable or j in pending]
+            loose = [i for i, (j, p) in enumerate(key[0]) if j in movable or j in pending]
             ready = key[1]
-            if ready and not self.pinned:  # (dominates' first test, without a call per rival: most fail it)
-                rivals = [(k, v) for k, v in rivals if ready <= k[1]]
-            if not any(self.dominates(k, v[0], key, value[0], loose) for k, v in rivals):
+            if ready and rivals:  # (dominates' first test, without a call per rival: most fail it)
+                rivals = [(k, v) for k, v in rivals if ready <= k[1]] if not self.pinned else \
+                    [(k, v) for k, v in rivals if ready <= (covers.get(id(k)) or cover(k))]
+            cost = value[0]
+            for k, v in rivals:
+                if dominates(k, v[0], key, cost, loose):
+                    break
+            else:
                 survivors.append((key, value))
                 for other, other_index in indexes.items():
-                    other_index.setdefault(project(fixed, other), []).append((key, value))
+                    other_index.setdefault(project(fixed, other) if other else fixed, []).append((key, value))
         self.trace.dominated_states += len(states) - len(survivors)
         return survivors
 
@@ -1171,13 +1270,14 @@ class _Search:
                     return False
                 unready.add(j)
         slack = cost_b - cost_a
+        movable, by_id = self.movable, self.conversions_by_id
         for i in range(len(live_b)) if loose is None else loose:
             (j, pa), (jb, pb) = live_a[i], live_b[i]
             if j != jb:
                 return False
-            if pa == pb:
+            if pa is pb or pa == pb:
                 continue
-            if not isinstance(pb, Pending) and j not in self.movable:
+            if j not in movable and not isinstance(pb, Pending):
                 return False
             if unready and j in unready:  # b's ready placements of j priced too (a's count for a)
                 readies = (_ready_of(ready_a, j), _ready_of(ready_b, j))
@@ -1185,8 +1285,16 @@ class _Search:
                 conversion = self.conversions.get((j, pa, pb, *readies))
                 slack -= self.conversion(j, pa, pb, *readies) if conversion is None else conversion
             else:  # b holds j ready nowhere a does not: pricing neither's ready placements is an upper bound
-                conversion = self.conversions.get((j, pa, pb))
-                slack -= self.conversion(j, pa, pb) if conversion is None else conversion
+                # (by the placements' ids, the entry holding them: hashing a placement is a Python call)
+                known = by_id.get((j, id(pa), id(pb)))
+                if known is not None and known[0] is pa and known[1] is pb:
+                    slack -= known[2]
+                else:
+                    conversion = self.conversions.get((j, pa, pb))
+                    if conversion is None:
+                        conversion = self.conversion(j, pa, pb)
+                    by_id[j, id(pa), id(pb)] = (pa, pb, conversion)
+                    slack -= conversion
             if slack < 0:
                 return False
         if extra_ready and slack <= TIE * max(1.0, abs(cost_b)):
@@ -1233,8 +1341,16 @@ class _Search:
         ``where(mask, partial, 0)``, never reduced) are left out, and so are values already
         redistributed once (``ready``: the reduction is paid, a later edge reuses it). A
         tie-breaker, never a cost."""
-        paid = {j for j, _ in ready}
-        return sum(self.owed_by_value(j, p) for j, p in key if j not in paid)
+        total, paid, by_value = 0.0, None, self.owed_by_value
+        for j, p in key:
+            if isinstance(p, Pending):
+                p = p.src
+            if isinstance(p, Partial):
+                if ready and paid is None:
+                    paid = {m for m, _ in ready}
+                if not paid or j not in paid:
+                    total += by_value(j, p)
+        return total
 
     def tie_score(self, key: tuple, ready: frozenset, resolved: tuple) -> float:
         """Among states of equal cost, lower wins: what the parent (``key``, ``ready``) still owed,

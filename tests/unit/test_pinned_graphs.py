@@ -78,3 +78,29 @@ def test_a_pinned_decode_graph_replays_its_blocks_with_the_plan_of_the_search_th
     assert {n.name: str(p) for n, p in replayed.placements.items()} == \
         {n.name: str(p) for n, p in searched.placements.items()}
     assert {n.name: t for n, t in replayed.local.items()} == {n.name: t for n, t in searched.local.items()}
+
+
+def test_a_prefill_replays_its_blocks_once_states_that_differ_by_local_copies_alone_are_dropped(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The prefill of a 4-layer Llama (every parameter free) carries, into each block, states that
+    equal a cheaper one but for a copy of a value paid for earlier (the rotary tables narrowed to
+    heads) that the cheaper one can make by a local narrow. At a block boundary the solver drops
+    them (``_Search.without_local_copies``), so the later blocks meet the frontier an earlier block
+    met and replay (``reused_nodes``); the search that keeps them, whose costs drift block by block,
+    replays nothing and returns the same plan: same placements and local rewrites, the same cost
+    up to float summation order (a replayed block adds its costs as one delta)."""
+    import autotp.passes.solve as solve_module
+
+    solves = _solves(monkeypatch, tiny_config("llama", num_hidden_layers=4), full_depth=True)
+    prefill = [c for c in solves if c[3]]
+    assert len(prefill) == 1
+    shadow, opts, fixed, free, param_nodes, replayed = prefill[0]
+    assert replayed.trace.reused_nodes > 0
+
+    monkeypatch.setattr(solve_module._Search, "without_local_copies", lambda self, states: states)
+    searched = solve(shadow, opts, fixed, free, param_nodes)
+    assert searched.trace.reused_nodes == 0
+    assert replayed.cost == pytest.approx(searched.cost, rel=solve_module.TIE)
+    assert {n.name: str(p) for n, p in replayed.placements.items()} == \
+        {n.name: str(p) for n, p in searched.placements.items()}
+    assert {n.name: t for n, t in replayed.local.items()} == {n.name: t for n, t in searched.local.items()}
