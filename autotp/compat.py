@@ -861,6 +861,12 @@ class DynamoPackage:
         package.add_inlined_source = add_inlined_source_cheaply
 
     def _install(self, name: str, value: Any) -> None:
+        """Put a global the stored code reads into the module, its number kept from this process's
+        own later compiles (:func:`_reserve_unique_id`: a stored entry's ``__builtins_dict___6``,
+        made by the writing process's counter, and a new version of the frame compiled here made
+        that name again: ``AssertionError: Name '__builtins_dict___6' already exists in scope``,
+        seen in the test suite)."""
+        _reserve_unique_id(name)
         if self._globals.get(name) is not value:
             self._globals[name] = value
             self._copied.append(name)

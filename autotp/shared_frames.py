@@ -55,6 +55,7 @@ diagnosed; it used to hang after loading), so its ranks trace their own; DDP sha
 from __future__ import annotations
 
 import logging
+import pickle
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -145,7 +146,14 @@ class FrameChannel:
         name, self._owed = self._owed, None
         message: Any = (item, self._new) if isinstance(item, FrameEntry) else item
         why = self._why or "its callback was left"
-        broadcast_object((name, message, code_state_changes(self._code_state), why), self.comm, src=self.src)
+        code_state = code_state_changes(self._code_state)
+        try:  # pickled here, so that an entry pickle refuses is published as None, not a failed rank
+            data = pickle.dumps((name, message, code_state, why))
+        except (pickle.PicklingError, TypeError, AttributeError) as e:
+            # output_hidden_states=True on a tiny Llama after a plain call: "cannot pickle 'module' object"
+            message, why = None, f"its entry does not pickle ({type(e).__name__}: {e})"
+            data = pickle.dumps((name, message, code_state, why))
+        broadcast_object(data, self.comm, src=self.src)
         if message is None:
             self.compiled_here += 1
             self._stop(f"the tracing rank could not share {_where(name)} ({why})")
@@ -160,7 +168,7 @@ class FrameChannel:
 
     def receive(self, name: tuple[str, str, int]) -> tuple[FrameEntry, dict[str, Any], dict[str, dict[str, Any]]] \
             | FrameSkip | None:
-        published, message, code_state, why = broadcast_object(None, self.comm, src=self.src)
+        published, message, code_state, why = pickle.loads(broadcast_object(None, self.comm, src=self.src))
         if published != name:
             self.active = False
             raise AutoTPError(

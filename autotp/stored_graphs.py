@@ -321,7 +321,17 @@ class StoredForward:
             return
         payload = {"entry": entry, "aliases": aliases,
                    "graphs": {name: (g.data, g.markings) for name, g in graphs.items()}}
-        if self.store.write(payload):
+        try:
+            written = self.store.write(payload)
+        except (pickle.PicklingError, TypeError, AttributeError) as e:
+            # a frame's guards or code hold what pickle refuses (output_hidden_states=True on a tiny
+            # Llama after a plain call: "cannot pickle 'module' object"): the call's result stands,
+            # the entry on disk keeps the graphs it had
+            self.store.outcome.notes.append(f"not stored: the entry does not pickle ({type(e).__name__}: {e})")
+            self.write = False
+            self._write_trace()
+            return
+        if written:
             self.store.outcome.stored = len(graphs)
         self._write_trace()
 

@@ -213,3 +213,43 @@ def test_a_frame_that_is_not_shared_is_traced_by_each_rank_with_the_same_results
         assert shared[rank]["plans"] == first[rank]["plans"]
         assert torch.equal(shared[rank]["logits"], first[rank]["logits"])
         assert shared[rank]["tokens"] == first[rank]["tokens"]
+
+
+def _plain_then_hidden_states(rank: int, world: int, folder: str, cache_dir: str, trace_once: str) -> dict:
+    import os
+
+    os.environ["AUTOTP_CACHE_DIR"] = cache_dir
+    os.environ["AUTOTP_TRACE_ONCE"] = trace_once
+    from autotp import parallelize_model
+
+    model = parallelize_model(folder, tp_size=world)
+    ids = torch.tensor(PROMPT)
+    with torch.no_grad():
+        plain = model(input_ids=ids).logits
+        out = model(input_ids=ids, output_hidden_states=True)  # a new version of the forward
+    return {"plain": plain, "logits": out.logits, "hidden": [h for h in out.hidden_states],
+            "stored": model.autotp.context.stored_graphs.as_dict()}
+
+
+@pytest.mark.parametrize("trace_once", ["0", "1"])
+def test_a_later_call_that_compiles_a_frame_no_entry_can_hold_runs_and_a_warm_job_compiles_it_again(
+        tmp_path: Path, trace_once: str) -> None:
+    # output_hidden_states=True after a plain call compiles a frame whose entry pickle refuses
+    # ("cannot pickle 'module' object"): the storing rank and the tracing rank that shares its
+    # frames failed the call; the entry keeps the graphs it had, and the warm job (its installed
+    # globals' numbers reserved) compiles the new frame itself
+    from transformers import AutoModelForCausalLM
+
+    folder = save_tiny("llama", tmp_path / "llama", pad_token_id=PAD_ID)
+    with torch.no_grad():
+        out = AutoModelForCausalLM.from_pretrained(folder).eval()(input_ids=torch.tensor(PROMPT),
+                                                                  output_hidden_states=True)
+    logits, hidden = out.logits, out.hidden_states
+    for job in ("cold", "warm"):
+        for got in run_ranks(_plain_then_hidden_states, 2, str(folder), str(tmp_path / "cache"), trace_once):
+            torch.testing.assert_close(got["plain"], logits, atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(got["logits"], logits, atol=1e-5, rtol=1e-4)
+            assert len(got["hidden"]) == len(hidden)
+            for mine, theirs in zip(got["hidden"], hidden, strict=True):
+                torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=1e-4)
+            assert got["stored"]["status"] == ("miss" if job == "cold" else "hit")
