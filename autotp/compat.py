@@ -795,6 +795,11 @@ class DynamoPackage:
                 for name, (kind, value) in stored[1].items():
                     if name not in self._globals:
                         self._install(name, importlib.import_module(value) if kind == "module" else value)
+                # torch's install puts a frame's builtins dict (``__builtins_dict___6``, numbered by
+                # the writing process) into the module without recording it
+                for scope in (self._globals, *(m.__dict__ for m in self.package._installed_globals)):
+                    for name in [n for n in scope if n.startswith(("__builtins_dict___", "__resume_at_"))]:
+                        _reserve_unique_id(name)
             except Exception as e:  # noqa: BLE001 - any failure: the caller compiles as without a package
                 self.uninstall()
                 raise PackageError(f"{type(e).__name__}: {e}") from e

@@ -4,6 +4,7 @@ missing one is named, with the installed versions, in an ``AutoTPError``."""
 from __future__ import annotations
 
 import ast
+import itertools
 from pathlib import Path
 
 import pytest
@@ -280,3 +281,28 @@ def test_a_global_a_stored_frame_installs_is_a_name_this_process_s_dynamo_never_
     finally:
         package.uninstall()
     assert f"__builtins_dict___{taken}" not in globals()
+
+
+def test_a_stored_package_reserves_the_builtins_dict_torch_s_install_puts_in_the_module(tmp_path: Path) -> None:
+    import torch._dynamo.bytecode_transformation as transformation
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    writer = compat.DynamoPackage(forward, backend=lambda gm, example: gm.forward)
+    writer(torch.ones(2))
+    entry, aliases = writer.entry()
+    writer.uninstall()
+    torch._dynamo.reset()
+    # a later process whose counter is behind the writer's: the counter from 0 (put back after)
+    following = next(transformation._unique_id_counter)
+    transformation._unique_id_counter = itertools.count()
+    reader = compat.DynamoPackage(forward, backend=lambda gm, example: gm.forward, stored=(entry, aliases),
+                                  graphs={name: gm for name, gm in writer.graphs().items()})
+    try:
+        installed = [int(n.rsplit("_", 1)[1]) for n in globals() if n.startswith("__builtins_dict___")]
+        assert installed, "the stored frame's builtins dict is in the module"
+        assert int(transformation.unique_id("__builtins_dict__").rsplit("_", 1)[1]) > max(installed)
+    finally:
+        reader.uninstall()
+        transformation._unique_id_counter = itertools.count(max(following, next(transformation._unique_id_counter)))
