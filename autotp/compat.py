@@ -795,10 +795,12 @@ class DynamoPackage:
                 for name, (kind, value) in stored[1].items():
                     if name not in self._globals:
                         self._install(name, importlib.import_module(value) if kind == "module" else value)
-                # torch's install puts a frame's builtins dict (``__builtins_dict___6``, numbered by
-                # the writing process) into the module without recording it
+                # the numbers the writing process gave the globals now in these modules (torch's install
+                # puts a frame's builtins dict there unrecorded) kept from this process's own later
+                # compiles, which would make them again (``AssertionError: Name '__builtins_dict___6'
+                # already exists in scope``, seen in the test suite)
                 for scope in (self._globals, *(m.__dict__ for m in self.package._installed_globals)):
-                    for name in [n for n in scope if n.startswith(("__builtins_dict___", "__resume_at_"))]:
+                    for name in list(scope):
                         _reserve_unique_id(name)
             except Exception as e:  # noqa: BLE001 - any failure: the caller compiles as without a package
                 self.uninstall()
@@ -866,12 +868,6 @@ class DynamoPackage:
         package.add_inlined_source = add_inlined_source_cheaply
 
     def _install(self, name: str, value: Any) -> None:
-        """Put a global the stored code reads into the module, its number kept from this process's
-        own later compiles (:func:`_reserve_unique_id`: a stored entry's ``__builtins_dict___6``,
-        made by the writing process's counter, and a new version of the frame compiled here made
-        that name again: ``AssertionError: Name '__builtins_dict___6' already exists in scope``,
-        seen in the test suite)."""
-        _reserve_unique_id(name)
         if self._globals.get(name) is not value:
             self._globals[name] = value
             self._copied.append(name)

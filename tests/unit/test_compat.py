@@ -268,21 +268,6 @@ def test_a_source_cloned_through_a_transform_inside_the_block_equals_dynamo_s_cl
     assert torch._guards.ChainedSource.__dict__["clone"] is dynamo_clone  # restored
 
 
-def test_a_global_a_stored_frame_installs_is_a_name_this_process_s_dynamo_never_makes_again() -> None:
-    import torch._dynamo.bytecode_transformation as transformation
-
-    def stored_forward() -> None: ...
-
-    package = compat.DynamoPackage(stored_forward, backend=lambda gm, example: gm.forward)
-    taken = next(transformation._unique_id_counter) + 40  # as a writer process numbered it
-    try:
-        package._install(f"__builtins_dict___{taken}", {})
-        assert int(transformation.unique_id("__builtins_dict__").rsplit("_", 1)[1]) > taken
-    finally:
-        package.uninstall()
-    assert f"__builtins_dict___{taken}" not in globals()
-
-
 def test_a_stored_package_reserves_the_builtins_dict_torch_s_install_puts_in_the_module(tmp_path: Path) -> None:
     import torch._dynamo.bytecode_transformation as transformation
 
