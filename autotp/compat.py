@@ -110,6 +110,7 @@ import inspect
 import itertools
 import logging
 import os
+import pickle
 import re
 import sys
 import types
@@ -134,6 +135,7 @@ __all__ = [
     "LazyGraphModule",
     "OpOverload",
     "OpOverloadPacket",
+    "PICKLE_REFUSALS",
     "PackageError",
     "TorchDynamoException",
     "causal_lm_class_name",
@@ -655,6 +657,12 @@ def _nodes_of_records(value: Any, mapping: dict[Any, torch.fx.Node]) -> Any:
     if kind is slice:
         return slice(*(_nodes_of_records(v, mapping) for v in (value.start, value.stop, value.step)))
     return pytree.tree_map_only(_NodeRecord, mapping.__getitem__, value)
+
+
+#: what ``pickle.dumps`` raises for an object it cannot pickle (a module, a lambda, a class it cannot
+#: find by name: ``PicklingError``, ``TypeError``, ``AttributeError``): the stored-graph entry and the
+#: shared-frame message catch these alone and go on without storing or sharing; any other error is a bug
+PICKLE_REFUSALS: tuple[type[Exception], ...] = (pickle.PicklingError, TypeError, AttributeError)
 
 
 def pickle_graph(gm: torch.fx.GraphModule) -> bytes:

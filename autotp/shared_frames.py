@@ -60,7 +60,14 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from autotp.collectives import Comm, all_ranks, broadcast_object
-from autotp.compat import FrameEntry, FrameSkip, PackageError, apply_code_state, code_state_changes
+from autotp.compat import (
+    PICKLE_REFUSALS,
+    FrameEntry,
+    FrameSkip,
+    PackageError,
+    apply_code_state,
+    code_state_changes,
+)
 from autotp.config import switch
 from autotp.errors import AutoTPError
 
@@ -149,7 +156,7 @@ class FrameChannel:
         code_state = code_state_changes(self._code_state)
         try:  # pickled here, so that an entry pickle refuses is published as None, not a failed rank
             data = pickle.dumps((name, message, code_state, why))
-        except (pickle.PicklingError, TypeError, AttributeError) as e:
+        except PICKLE_REFUSALS as e:
             # output_hidden_states=True on a tiny Llama after a plain call: "cannot pickle 'module' object"
             message, why = None, f"its entry does not pickle ({type(e).__name__}: {e})"
             data = pickle.dumps((name, message, code_state, why))

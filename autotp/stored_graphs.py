@@ -63,6 +63,7 @@ import torch
 
 from autotp import cache_env
 from autotp.compat import (
+    PICKLE_REFUSALS,
     DynamoCompiled,
     DynamoPackage,
     PackageError,
@@ -323,7 +324,7 @@ class StoredForward:
                    "graphs": {name: (g.data, g.markings) for name, g in graphs.items()}}
         try:
             written = self.store.write(payload)
-        except (pickle.PicklingError, TypeError, AttributeError) as e:
+        except PICKLE_REFUSALS as e:
             # a frame's guards or code hold what pickle refuses (output_hidden_states=True on a tiny
             # Llama after a plain call: "cannot pickle 'module' object"): the call's result stands,
             # the entry on disk keeps the graphs it had
