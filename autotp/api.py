@@ -36,6 +36,7 @@ from autotp.config import AutoTPConfig, parse_dtype, switch
 from autotp.context import TPContext, attach_meta, meta_of, shard_of, standin
 from autotp.errors import AutoTPError
 from autotp.hf_config import read_config
+from autotp.host import local_ranks, usable_cores
 from autotp.inputs import InputGuard, TokenIdCheck
 from autotp.memory import release_free_memory
 from autotp.mesh import MeshLayout, check_data_parallel, check_layout, check_tp_size
@@ -124,18 +125,14 @@ def default_compile_inner(device: torch.device) -> str:
 def threads_per_rank(device: torch.device, environ: Mapping[str, str], world_size: int, cores: int) -> int | None:
     """CPU threads for this rank, or None to leave torch's setting alone.
 
-    Ranks on one machine share its cores: ``cores // local ranks`` each (``LOCAL_WORLD_SIZE``
-    from the launcher, else the group's size), at least 1; torch's default (every core per
+    Ranks on one machine share its cores: ``cores // local ranks`` each (``host.local_ranks``),
+    at least 1; torch's default (every core per
     process) would oversubscribe each core N times. The user's ``OMP_NUM_THREADS`` wins, and a
     CUDA rank is left alone. ``parallelize_model`` calls this with ``os.environ`` (its entry point
     is the only place the library reads the environment for it)."""
     if device.type != "cpu" or "OMP_NUM_THREADS" in environ:
         return None
-    try:
-        local = int(environ.get("LOCAL_WORLD_SIZE", "") or world_size)
-    except ValueError:
-        local = world_size
-    return max(cores // max(local, 1), 1)
+    return max(cores // local_ranks(environ, world_size), 1)
 
 
 def _kv_heads_fit(kv_heads: int, tp: int) -> bool:
@@ -471,7 +468,7 @@ def parallelize_model(
         config = dataclasses.replace(config, compile_inner=default_compile_inner(device))
     show_progress = bool(progress) and comm.rank == 0
     threads_before = torch.get_num_threads()
-    threads = threads_per_rank(device, os.environ, world * layout.dp_size, os.cpu_count() or 1)
+    threads = threads_per_rank(device, os.environ, world * layout.dp_size, usable_cores())
     if threads is not None:
         torch.set_num_threads(threads)
 
@@ -554,7 +551,7 @@ def _frame_channel(ctx: TPContext, store: GraphStore, tracer: int) -> FrameChann
     every rank traces."""
     if ctx.world_size == 1 or ctx.comm.simulated:
         return None
-    wish = trace_once_default(ctx.config.trace_once, os.environ)
+    wish = trace_once_default(ctx.config.trace_once, os.environ, ctx.world_size)
     if not trace_once_agreed(wish, ctx.comm, tracer):
         return None
     return FrameChannel(ctx.comm, tracer, ctx, StoredGraph, store.outcome.notes)

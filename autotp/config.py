@@ -33,7 +33,7 @@ class AutoTPConfig:
     the first node that diverges (``autotp/verify.py``).
     ``trace_once``: one rank traces the model's frames and the others install them
     (``autotp/shared_frames.py``; needs the cache on); None: as ``AUTOTP_TRACE_ONCE=1/0`` says,
-    else off (not on by default yet, see that module).
+    else on where this host's ranks outnumber its cores (``shared_frames.ranks_outnumber_cores``).
     ``layer_regions``: Dynamo traces a repeated decoder layer once per graph and stamps out the
     others (``autotp/regions.py``); None: where the stack has at least ``regions.MIN_LAYERS`` layers
     (``parallelize_model`` reads ``AUTOTP_LAYER_REGIONS=1/0`` first).

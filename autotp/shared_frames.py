@@ -40,16 +40,18 @@ frame is not the one the tracer published (the ranks' frames diverged: a frame t
 ranks only) raises an :class:`AutoTPError` saying to turn sharing off, instead of pairing the wrong
 frames; a rank that dies is noticed in the broadcast as in any collective.
 
-**Gate: opt-in for now.** ``AutoTPConfig.trace_once`` (``parallelize_model(trace_once=...)``) or
-``AUTOTP_TRACE_ONCE=1``; the tracer's choice is broadcast so that every rank agrees. The test
-suite's harness turns it on (``tests/_dist.py``). The intended default: shipping the frames adds
-to the cold launch's critical path (the tracer's pickling, the broadcast, the followers' install),
-so sharing pays only where the followers' traces took cores from the tracer's: on where this
-host's ranks (``LOCAL_WORLD_SIZE``, else the group) outnumber the cores this process may run on
-(``os.sched_getaffinity``); not implemented yet. Only with the cache on: the package and graph
-pickling are the stored-graph machinery's. Not under FSDP2 (``data_parallel="fsdp"``): with
-sharing, a 2x2 mesh's step resumed after ``load_checkpoint`` had the first step's loss (not
-diagnosed; it used to hang after loading), so its ranks trace their own; DDP shares.
+**Gate: on where this host's ranks outnumber its cores.** ``AutoTPConfig.trace_once``
+(``parallelize_model(trace_once=...)``) or ``AUTOTP_TRACE_ONCE=1/0`` decide where set; else
+:func:`trace_once_default` turns sharing on where this host's ranks (``LOCAL_WORLD_SIZE``, else the
+group) outnumber the cores this process may run on (``os.sched_getaffinity``). Shipping the frames
+adds to the cold launch's critical path (the tracer's pickling, the broadcast, the followers'
+install), so sharing pays only where the followers' traces took cores from the tracer's (tp=4 on
+two cores: 39.8 / 36.9 -> 29.9 / 34.0 s; tp=2 on two cores: 23.2 / 20.4 -> 20.9 / 21.1 s, a wash;
+docs/architecture.md, "Shared frames"). The tracer's choice is broadcast so that every rank
+agrees. The test suite's harness turns it on (``tests/_dist.py``). Only with the cache on: the
+package and graph pickling are the stored-graph machinery's. Not under FSDP2
+(``data_parallel="fsdp"``): installed guards name the model's plain class where FSDP2 swapped it,
+so every call recompiled up to Dynamo's limit; its ranks trace their own. DDP shares.
 """
 
 from __future__ import annotations
@@ -70,16 +72,24 @@ from autotp.compat import (
 )
 from autotp.config import switch
 from autotp.errors import AutoTPError
+from autotp.host import local_ranks, usable_cores
 
-__all__ = ["FrameChannel", "trace_once_agreed", "trace_once_default"]
+__all__ = ["FrameChannel", "ranks_outnumber_cores", "trace_once_agreed", "trace_once_default"]
 
 #: where sharing stopping is logged (INFO: which frame, why, how many frames were shared before)
 log = logging.getLogger(__name__)
 
-def trace_once_default(option: bool | None, environ: Mapping[str, str]) -> bool:
-    """This rank's wish: ``option`` if set, else ``AUTOTP_TRACE_ONCE``, else off (not on by
-    default yet: see the module docstring, Gate)."""
-    return bool(switch(option, environ, "AUTOTP_TRACE_ONCE", default=False))
+def trace_once_default(option: bool | None, environ: Mapping[str, str], world_size: int) -> bool:
+    """This rank's wish: ``option`` if set, else ``AUTOTP_TRACE_ONCE``, else whether this host's
+    ranks outnumber its cores (:func:`ranks_outnumber_cores`; the module docstring, Gate)."""
+    return bool(switch(option, environ, "AUTOTP_TRACE_ONCE", default=ranks_outnumber_cores(environ, world_size)))
+
+
+def ranks_outnumber_cores(environ: Mapping[str, str], world_size: int) -> bool:
+    """Whether this host runs more ranks than there are cores this process may run on
+    (``autotp/host.py``): then every rank's own trace of a frame competes with the one the launch
+    waits for."""
+    return local_ranks(environ, world_size) > usable_cores()
 
 
 def trace_once_agreed(wish: bool, comm: Comm, tracer: int) -> bool:

@@ -318,16 +318,23 @@ def test_a_guard_filter_sees_the_entries_torch_makes_when_values_are_read_lazily
     assert eager and _filter_entries(model, x, lazily=True) == eager
 
 
-def test_ranks_share_traced_frames_only_when_asked() -> None:
+def test_ranks_share_traced_frames_where_asked_else_where_they_outnumber_the_cores() -> None:
     """The gate of ``autotp/shared_frames.py``: the option wins, then ``AUTOTP_TRACE_ONCE``, else
-    off (no default is on yet, see the module docstring)."""
+    on exactly where this host's ranks (``LOCAL_WORLD_SIZE``, else the group) outnumber the cores
+    this process may run on."""
+    import os
+
     from autotp.shared_frames import trace_once_default
 
-    assert not trace_once_default(None, {})
-    assert trace_once_default(None, {"AUTOTP_TRACE_ONCE": "1"})
-    assert not trace_once_default(None, {"AUTOTP_TRACE_ONCE": "off"})
-    assert trace_once_default(True, {"AUTOTP_TRACE_ONCE": "0"})
-    assert not trace_once_default(False, {"AUTOTP_TRACE_ONCE": "1"})
+    cores = len(os.sched_getaffinity(0))
+    assert not trace_once_default(None, {"LOCAL_WORLD_SIZE": str(cores)}, world_size=cores + 1)
+    assert trace_once_default(None, {"LOCAL_WORLD_SIZE": str(cores + 1)}, world_size=1)
+    assert not trace_once_default(None, {}, world_size=cores)
+    assert trace_once_default(None, {}, world_size=cores + 1)
+    assert trace_once_default(None, {"AUTOTP_TRACE_ONCE": "1", "LOCAL_WORLD_SIZE": "1"}, world_size=1)
+    assert not trace_once_default(None, {"AUTOTP_TRACE_ONCE": "off"}, world_size=cores + 1)
+    assert trace_once_default(True, {"AUTOTP_TRACE_ONCE": "0"}, world_size=1)
+    assert not trace_once_default(False, {"AUTOTP_TRACE_ONCE": "1"}, world_size=cores + 1)
 
 
 def test_a_resume_function_with_free_variables_is_made_without_running_a_python_frame() -> None:
