@@ -67,7 +67,9 @@ one frame as ``CompilePackage.install`` does (``load_guards_state``, ``load_guar
 subclass) whose values are read when asked (:func:`_guard_values_read_lazily`); while Dynamo
 compiles one of its frames (:class:`_CompileSettings`) ``config.side_effect_replay_policy`` is
 ``"silent"`` where no log or structured trace reads Dynamo's side-effect report
-(:func:`_side_effects_unreported`) and ``config.fail_on_recompile_limit_hit`` is on (see
+(:func:`_side_effects_unreported`), ``CheckFunctionManager.build_guards``'s first call (the build
+only the guard filter's entries read) returns nothing and the one real build is checked against
+the filter (:func:`_guards_built_once`), and ``config.fail_on_recompile_limit_hit`` is on (see
 :func:`_no_uncompiled_runs_past_the_recompile_limit`: past the limit Dynamo would run the forward
 uncompiled on the shards); a loading guard state's
 tensors are rebuilt in one fake mode (``GuardsStatePickler._unpickle_tensor``, see
@@ -1134,7 +1136,8 @@ class _CompileSettings:
     collected as before), with Dynamo's function names for its trace logs looked up only
     where those logs are on (:func:`_source_names_only_when_logged`), a region's source clones
     memoized (:func:`_source_clones_memoized`), side effects replayed without a report nobody reads
-    (:func:`_side_effects_unreported`), and a compile past the recompile limit an error instead of
+    (:func:`_side_effects_unreported`), a frame's guards built once, not twice, for the package
+    filter (:func:`_guards_built_once`), and a compile past the recompile limit an error instead of
     an uncompiled run on the shards (:func:`_no_uncompiled_runs_past_the_recompile_limit`).
 
     Why: a full collection walks every live object, the loaded model, transformers and Dynamo's
@@ -1151,7 +1154,8 @@ class _CompileSettings:
 
     def __call__(self, frame: Any, cache_entry: Any, frame_state: Any) -> Any:
         with collecting_new_objects_only(), full_collections_deferred(), _source_names_only_when_logged(), \
-                _source_clones_memoized(), _side_effects_unreported(), _no_uncompiled_runs_past_the_recompile_limit():
+                _source_clones_memoized(), _side_effects_unreported(), _guards_built_once(), \
+                _no_uncompiled_runs_past_the_recompile_limit():
             return self._torchdynamo_orig_backend(frame, cache_entry, frame_state)
 
 
@@ -1487,6 +1491,62 @@ def _side_effects_unreported() -> Iterator[None]:
         yield
         return
     with config.patch(side_effect_replay_policy="silent"):
+        yield
+
+
+@contextlib.contextmanager
+def _guards_built_once() -> Iterator[None]:
+    """Within the block (a compile, :class:`_CompileSettings`), Dynamo builds a frame's guards once
+    where it built them twice, for the package guard filter (:func:`_serializable_guards`).
+
+    Why: with a guard filter, ``CheckFunctionManager.__init__`` builds every guard (the C++ guard
+    tree, each source evaluated) only so that the filter's entries carry each guard's derived types
+    (the guard functions one guard ran: a ``CONSTANT_MATCH`` on a code object runs ``ID_MATCH``),
+    then builds the kept ones again: ~2,700 guards a frame on the benchmark model, the first build
+    ~40% of the guards' time. Here that first build returns nothing; the filter sees entries
+    without derived types (its values are read lazily, :func:`_guard_values_read_lazily`, and
+    never asked for), so it keeps a superset of what it would keep (it drops a guard for its own
+    type, for a derived one, or below a dropped one: fewer derived types, fewer drops). The one real
+    build then builds that superset, which gives those guards their derived types, and the filter
+    runs again over every guard with them: where it drops more (a derived type), the kept list is
+    narrowed in place (``__init__`` checks and stores that list) and built again, as torch would.
+    The kept guards are torch's: a guard outside the superset was dropped without derived types and
+    would be with them; one inside it gets its own derived types, and every guard below a dropped
+    one is below one the superset dropped already (a filter that kept more on the second look would
+    get torch's two builds). Only where the entries are the lazy ones; elsewhere, or on a torch
+    whose calls differ, torch's two builds stand."""
+    guards = require_module("torch._dynamo.guards")
+    manager = getattr(guards, "CheckFunctionManager", None)
+    original = manager.__dict__.get("build_guards") if manager is not None else None
+    if original is None or getattr(original, "_autotp_once", False):  # other torch, or nested
+        yield
+        return
+
+    def build_guards(self: Any, sorted_guards: list[Any], *args: Any, **kwargs: Any) -> Any:
+        lazy = _lazy_filter_entry_maker()
+        if lazy is None or guards.make_guard_filter_entry is not lazy or len(args) != 4:
+            return original(self, sorted_guards, *args, **kwargs)
+        if "guard_filter_fn" not in kwargs:  # the build for the filter's entries only
+            self._autotp_all_guards = list(sorted_guards)
+            return None, None
+        every = self.__dict__.pop("_autotp_all_guards", None)
+        built = original(self, sorted_guards, *args, **kwargs)
+        keep_filter = kwargs["guard_filter_fn"]
+        if every is None or keep_filter is None:
+            return built
+        keep = keep_filter([lazy(guard, built[0]) for guard in every])
+        kept = [guard for guard, k in zip(every, keep, strict=True) if k]
+        if len(kept) == len(sorted_guards) and all(a is b for a, b in zip(kept, sorted_guards, strict=True)):
+            return built
+        if not {id(g) for g in kept} <= {id(g) for g in sorted_guards}:  # a filter that is not monotone: torch's way
+            first = original(self, every, *args[:3], False)
+            keep = keep_filter([lazy(guard, first[0]) for guard in every])
+            kept = [guard for guard, k in zip(every, keep, strict=True) if k]
+        sorted_guards[:] = kept
+        return original(self, sorted_guards, *args, **kwargs)
+
+    build_guards._autotp_once = True  # type: ignore[attr-defined]
+    with _swapped(manager, "build_guards", build_guards):
         yield
 
 

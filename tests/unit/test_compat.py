@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import itertools
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -291,3 +292,64 @@ def test_a_stored_package_reserves_the_builtins_dict_torch_s_install_puts_in_the
     finally:
         reader.uninstall()
         transformation._unique_id_counter = itertools.count(max(following, next(transformation._unique_id_counter)))
+
+
+def _compiled_frames(monkeypatch: pytest.MonkeyPatch, once: bool,
+                     unstorable: tuple[str, ...] = ()) -> tuple[list[list[str]], int, torch.Tensor]:
+    """A prefill of a tiny Llama through a Dynamo package (its guard filter, which also drops the
+    guard kinds ``unstorable``): each compiled frame's kept guards (name and kind, in order), how
+    many guard builds ran, and the logits."""
+    import contextlib
+
+    from torch._dynamo.guards import CheckFunctionManager
+    from transformers import DynamicCache
+
+    from tests._tiny import tiny_model
+
+    if not once:
+        monkeypatch.setattr(compat, "_guards_built_once", contextlib.nullcontext)
+    frames: list[list[str]] = []
+    builds = []
+    build, check = CheckFunctionManager.build_guards, CheckFunctionManager.compile_check_fn
+
+    def counted_build(self: Any, *args: Any, **kwargs: Any) -> Any:
+        builds.append(1)
+        return build(self, *args, **kwargs)
+
+    def recorded_check(self: Any, builder: Any, guards: list, fail: Any) -> Any:
+        frames.append([f"{g.name} {g.create_fn_name()}" for g in guards])
+        return check(self, builder, guards, fail)
+
+    monkeypatch.setattr(CheckFunctionManager, "build_guards", counted_build)
+    monkeypatch.setattr(CheckFunctionManager, "UNSUPPORTED_SERIALIZATION_GUARD_TYPES",
+                        (*CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES, *unstorable))
+    monkeypatch.setattr(CheckFunctionManager, "compile_check_fn", recorded_check)
+    model = tiny_model("llama")
+    torch._dynamo.reset()
+    package = compat.DynamoPackage(type(model).forward.__get__(model), backend=lambda gm, example: gm.forward)
+    try:
+        with torch.no_grad():
+            logits = package(input_ids=torch.tensor([[5, 17, 99, 3]]), past_key_values=DynamicCache()).logits
+    finally:
+        package.uninstall()
+    return frames, len(builds), logits
+
+
+#: a guard kind only ever derived (``CONSTANT_MATCH`` on an int runs ``EQUALS_MATCH``): a filter that
+#: drops it drops more once the guards are built, so the one build is narrowed and built again
+DERIVED_ONLY = ("EQUALS_MATCH",)
+
+
+@pytest.mark.parametrize("unstorable", [(), DERIVED_ONLY], ids=["package-filter", "a-derived-kind-dropped"])
+def test_a_package_s_frame_keeps_the_guards_torch_s_two_builds_keep_building_them_once_where_it_can(
+        monkeypatch: pytest.MonkeyPatch, unstorable: tuple[str, ...]) -> None:
+    with monkeypatch.context() as m:
+        twice, builds_twice, expected = _compiled_frames(m, once=False, unstorable=unstorable)
+    once, builds_once, logits = _compiled_frames(monkeypatch, once=True, unstorable=unstorable)
+    assert once == twice and len(once) >= 1 and all(once)
+    assert builds_twice == 2 * len(twice)
+    if unstorable:  # narrowed after the one build, then built again: torch's count
+        assert builds_once == builds_twice
+    else:
+        assert builds_once == len(once)
+    assert torch.equal(logits, expected)
