@@ -32,26 +32,71 @@
   use only the kv head its group holds. Like a grouped shard it is not a ``Shard``: rules see it
   through the registry as a plain shard over ``heads`` virtual ranks, one head each.
 
-Placements are small frozen values: they hash, compare, and print as ``R``, ``S(1)``, ``P``.
+Placements are small frozen values that print as ``R``, ``S(1)``, ``P``. They are *interned*: each
+value is one object (:class:`_Interned`, also through ``dataclasses.replace``, ``copy`` and
+``pickle``), so equality is identity and the hash is the object's, both computed in C. The solver
+hashes a state's every placement for each option it weighs (a state is a dict key), and with
+dataclass equality each of those hashes was a Python call building a tuple of the fields.
 A multi-output op has a tuple of placements; a non-tensor value has ``None``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 
-@dataclass(frozen=True)
-class Replicate:
+class _Interned(type):
+    """Metaclass of the placements: a call returns the one object of that value, made by the first
+    call with it. Looked up first by the call's arguments (``Shard(1)``), then, for a call not seen
+    before, by the value it made (``Shard(dim=1)`` is ``Shard(1)``); an argument that does not hash
+    (a list) skips the first lookup only."""
+
+    _calls: dict[tuple, Any] = {}
+    _values: dict[tuple, Any] = {}
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        key = (cls, args, *kwargs.items())
+        try:
+            made = _Interned._calls.get(key)
+        except TypeError:
+            key, made = None, None
+        if made is None:
+            made = super().__call__(*args, **kwargs)
+            made = _Interned._values.setdefault((cls, *_fields(made)), made)
+            if key is not None:
+                _Interned._calls[key] = made
+        return made
+
+
+def _fields(p: Any) -> tuple:
+    return tuple(getattr(p, f.name) for f in dataclasses.fields(p))
+
+
+class _Value(metaclass=_Interned):
+    """Base of the placement classes: copies and unpickled objects are the interned object too."""
+
+    def __reduce__(self) -> tuple[Any, tuple]:
+        return type(self), _fields(self)
+
+    def __copy__(self) -> Any:
+        return self
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        return self
+
+
+@dataclass(frozen=True, eq=False)
+class Replicate(_Value):
     def __str__(self) -> str:
         return "R"
 
     __repr__ = __str__
 
 
-@dataclass(frozen=True)
-class Shard:
+@dataclass(frozen=True, eq=False)
+class Shard(_Value):
     dim: int
 
     def __post_init__(self) -> None:
@@ -64,7 +109,7 @@ class Shard:
     __repr__ = __str__
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class StridedShard(Shard):
     """``Shard(dim)`` of a *fused* tensor: ``dim`` is the concatenation of ``segments`` (e.g. the
     q | k | v outputs of one fused projection), and rank ``r`` holds chunk ``r`` of *each* segment,
@@ -240,16 +285,16 @@ class StridedShard(Shard):
                    if i not in self.whole and not (self.groups and self.groups[i]))
 
 
-@dataclass(frozen=True)
-class Partial:
+@dataclass(frozen=True, eq=False)
+class Partial(_Value):
     def __str__(self) -> str:
         return "P"
 
     __repr__ = __str__
 
 
-@dataclass(frozen=True)
-class GroupedShard:
+@dataclass(frozen=True, eq=False)
+class GroupedShard(_Value):
     """``groups`` chunks of ``dim``, chunk ``g`` held by ranks ``[g * N/groups, (g+1) * N/groups)``.
 
     Over N ranks it is a ``Shard(dim)`` over ``groups`` *virtual ranks* (each a block of
@@ -282,8 +327,8 @@ class GroupedShard:
         return rank * self.groups // world_size
 
 
-@dataclass(frozen=True)
-class HeadShard:
+@dataclass(frozen=True, eq=False)
+class HeadShard(_Value):
     """``dim`` holds ``heads`` equal blocks (a head of ``size / heads`` indices each), split over
     the ranks in whole heads: ``groups`` equal groups of heads, group ``g`` held by the ``N /
     groups`` consecutive ranks ``[g * N/groups, (g+1) * N/groups)``, which share its heads by

@@ -203,6 +203,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import math
 import operator
 import time
 from collections.abc import Callable
@@ -842,9 +843,6 @@ class _Search:
         self.computed = {s.index for s in steps if s.kind in ("op", "getitem")}
         #: (value, placement in a, in b[, ready in a, ready in b]) -> :meth:`conversion`
         self.conversions: dict[tuple, float] = {}
-        #: (value, id of its placement in a, in b) -> (those placements, :meth:`conversion`): the same
-        #: cache without hashing the placements (an entry counts only for the very objects it holds)
-        self.conversions_by_id: dict[tuple[int, int, int], tuple[Any, Any, float]] = {}
         #: value -> its position in the live tuples of the states :meth:`undominated` compares
         #: (every state of one step holds the same live values), for :meth:`dominates`
         self.live_at: dict[int, int] = {}
@@ -949,20 +947,20 @@ class _Search:
         that lacks it (:meth:`without_local_copies`)."""
         (live_a, ready_a), (live_b, ready_b) = a, b
         placed = dict(live_a)
-        total = 0.0
+        narrows = []  # (summed exactly: a set's order is its placements' ids, which differ between runs)
         for j, q in ready_b - ready_a:
             p = placed.get(j)
             if p is None or j not in self.movable:
                 return float("inf")
-            total += self.narrow_cost(j, p, q)
+            narrows.append(self.narrow_cost(j, p, q))
         for (j, pa), (_, pb) in zip(live_a, live_b, strict=True):
             if pa is pb or pa == pb:
                 continue
             if not isinstance(pa, Pending) or not isinstance(pb, Pending):
                 return float("inf")
             for q in pb.ready - pa.ready:  # (pending from the same source: what the caller compared)
-                total += self.narrow_cost(j, pa.src, q)
-        return total
+                narrows.append(self.narrow_cost(j, pa.src, q))
+        return math.fsum(narrows)
 
     def narrow_cost(self, j: int, p: Any, q: Any) -> float:
         """The cost of moving value ``j`` from ``p`` to ``q`` where that is a local narrow (no
@@ -1270,7 +1268,7 @@ class _Search:
                     return False
                 unready.add(j)
         slack = cost_b - cost_a
-        movable, by_id = self.movable, self.conversions_by_id
+        movable, conversions = self.movable, self.conversions
         for i in range(len(live_b)) if loose is None else loose:
             (j, pa), (jb, pb) = live_a[i], live_b[i]
             if j != jb:
@@ -1285,16 +1283,8 @@ class _Search:
                 conversion = self.conversions.get((j, pa, pb, *readies))
                 slack -= self.conversion(j, pa, pb, *readies) if conversion is None else conversion
             else:  # b holds j ready nowhere a does not: pricing neither's ready placements is an upper bound
-                # (by the placements' ids, the entry holding them: hashing a placement is a Python call)
-                known = by_id.get((j, id(pa), id(pb)))
-                if known is not None and known[0] is pa and known[1] is pb:
-                    slack -= known[2]
-                else:
-                    conversion = self.conversions.get((j, pa, pb))
-                    if conversion is None:
-                        conversion = self.conversion(j, pa, pb)
-                    by_id[j, id(pa), id(pb)] = (pa, pb, conversion)
-                    slack -= conversion
+                conversion = conversions.get((j, pa, pb))
+                slack -= self.conversion(j, pa, pb) if conversion is None else conversion
             if slack < 0:
                 return False
         if extra_ready and slack <= TIE * max(1.0, abs(cost_b)):
@@ -1331,7 +1321,8 @@ class _Search:
                 return 0.0 if q in free_b else edge_cost(src_b, q, spec, self.opts)
 
             targets = set(edge_targets(src_b, spec, self.opts.world_size, self.opts.kv_groups)) | free_b
-            total = sum(max(0.0, cost_a(q) - cost_b(q)) for q in targets)
+            # (summed exactly: the set's order is the placements' ids, which differ between runs)
+            total = math.fsum(max(0.0, cost_a(q) - cost_b(q)) for q in targets)
         self.conversions[key] = total
         return total
 
