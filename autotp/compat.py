@@ -302,11 +302,15 @@ def thread_state() -> Callable[[], contextlib.AbstractContextManager[None]] | No
     carried (a Python dispatch or function mode, or a functorch transform, is active: their stacks
     are the thread's own).
 
-    Carried: grad mode, inference mode, autocast (per device type: on, dtype; and its cache), and
+    Carried: grad mode, inference mode, autocast (per device type: on, dtype; and its cache),
     Dynamo's tracing and compile contexts (``torch._guards.TracingContext`` / ``CompileContext``,
     thread-local: under a backend, ``make_fx`` and fake tensors consult the tracing context's
-    fake mode, ``torch._guards.detect_fake_mode``)."""
+    fake mode, ``torch._guards.detect_fake_mode``), and fake tensors' thread-local switches
+    (``fake_tensor_tls.allow_non_fake_inputs_override``, which the planner sets to let a meta
+    constant into a trace; ``meta_utils.tls.disable_inference_mode``, which Dynamo sets).
+    A default device (``torch.set_default_device``) is a function mode: not carried, the call stays."""
     from torch._guards import CompileContext, TracingContext, compile_context, tracing
+    from torch._subclasses import meta_utils
 
     if torch._C._len_torch_dispatch_stack() or torch._C._len_torch_function_stack() \
             or torch._C._are_functorch_transforms_active():
@@ -315,10 +319,14 @@ def thread_state() -> Callable[[], contextlib.AbstractContextManager[None]] | No
     autocast = [(d, torch.get_autocast_dtype(d)) for d in _AUTOCAST_DEVICES if torch.is_autocast_enabled(d)]
     autocast_cache = torch.is_autocast_cache_enabled()
     traced, compiled = TracingContext.try_get(), CompileContext.try_get()
+    non_fake = fake_tensor_tls.allow_non_fake_inputs_override
+    no_inference = getattr(meta_utils.tls, "disable_inference_mode", False)
 
     @contextlib.contextmanager
     def entered() -> Iterator[None]:
         cache = torch.is_autocast_cache_enabled()
+        fake_tensor_tls.allow_non_fake_inputs_override = non_fake  # a new thread's own (this one's) state
+        meta_utils.tls.disable_inference_mode = no_inference
         with contextlib.ExitStack() as stack:
             if compiled is not None:
                 stack.enter_context(compile_context(compiled))

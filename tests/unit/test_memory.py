@@ -163,7 +163,8 @@ def test_a_call_on_a_fresh_stack_returns_raises_and_keeps_grad_mode_as_a_plain_c
 
 
 def test_a_call_on_a_fresh_stack_traces_under_the_callers_torch_state() -> None:
-    """Inference mode, autocast and Dynamo's tracing context are the caller's in the new thread; under
+    """Inference mode, autocast, Dynamo's tracing context and fake tensors' thread-local permission to
+    take a real tensor (the planner's meta constants) are the caller's in the new thread; under
     a Python dispatch mode (a stack only the caller's thread holds) the call stays in the caller's
     thread."""
     import threading
@@ -183,6 +184,13 @@ def test_a_call_on_a_fresh_stack_traces_under_the_callers_torch_state() -> None:
     context = TracingContext(None)
     with tracing(context):
         assert memory.on_a_fresh_stack(where)()[4] is context
+    from autotp.compat import fake_tensor_tls
+
+    fake_tensor_tls.allow_non_fake_inputs_override = True
+    try:
+        assert memory.on_a_fresh_stack(lambda: fake_tensor_tls.allow_non_fake_inputs_override)() is True
+    finally:
+        fake_tensor_tls.allow_non_fake_inputs_override = None
 
     class Passing(TorchDispatchMode):
         def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
