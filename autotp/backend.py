@@ -625,7 +625,8 @@ def _solve(gm: torch.fx.GraphModule, example_inputs: list[Any], param_inputs: di
     returned as a :class:`SolveRecord` with the annotation."""
     world = ctx.world_size
     t, c = time.perf_counter(), time.process_time()
-    shadow = runner.run("decompose", decompose, gm, example_inputs)
+    # on a fresh stack, as the search below: its hot loops must not depend on Dynamo's depth
+    shadow = runner.run("decompose", on_a_fresh_stack(decompose), gm, example_inputs)
     timings["decompose_s"], timings["decompose_cpu_s"] = time.perf_counter() - t, time.process_time() - c
     if folder:
         write_text(folder, "aten_graph.py", shadow.aten.code)

@@ -161,6 +161,7 @@ __all__ = [
     "rope_init_functions",
     "source_of",
     "stamped_regions_keep_bound_sizes",
+    "thread_state",
     "traced_node_count",
     "unpickle_graph",
     "use_as_unsharded_param",
@@ -293,6 +294,60 @@ def lazy_traced_graphs() -> contextlib.AbstractContextManager[None]:
     its two decompositions, whose CPU went ~0.75 -> ~0.62 s with this, loaded machine). Safe: the graph, its nodes and attributes
     are the same; only the code generation is deferred, and any reader of ``.code`` still gets it."""
     return _use_lazy_graph_module(True)
+
+
+#: device types whose autocast state :func:`thread_state` carries
+_AUTOCAST_DEVICES = ("cpu", "cuda")
+
+
+def thread_state() -> Callable[[], contextlib.AbstractContextManager[None]] | None:
+    """The calling thread's torch state that tracing reads, as a context manager factory another
+    thread enters to trace as this one would (``memory.on_a_fresh_stack``); None where it cannot be
+    carried (a Python dispatch or function mode, or a functorch transform, is active: their stacks
+    are the thread's own).
+
+    Carried: grad mode, inference mode, autocast (per device type: on, dtype; and its cache),
+    Dynamo's tracing and compile contexts (``torch._guards.TracingContext`` / ``CompileContext``,
+    thread-local: under a backend, ``make_fx`` and fake tensors consult the tracing context's
+    fake mode, ``torch._guards.detect_fake_mode``), and fake tensors' thread-local switches
+    (``fake_tensor_tls.allow_non_fake_inputs_override``, which the planner sets to let a meta
+    constant into a trace; ``meta_utils.tls.disable_inference_mode``, which Dynamo sets).
+    A default device (``torch.set_default_device``) is a function mode: not carried, the call stays."""
+    from torch._guards import CompileContext, TracingContext, compile_context, tracing
+    from torch._subclasses import meta_utils
+
+    if torch._C._len_torch_dispatch_stack() or torch._C._len_torch_function_stack() \
+            or torch._C._are_functorch_transforms_active():
+        return None
+    grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
+    autocast = [(d, torch.get_autocast_dtype(d)) for d in _AUTOCAST_DEVICES if torch.is_autocast_enabled(d)]
+    autocast_cache = torch.is_autocast_cache_enabled()
+    traced, compiled = TracingContext.try_get(), CompileContext.try_get()
+    non_fake = fake_tensor_tls.allow_non_fake_inputs_override
+    no_inference = getattr(meta_utils.tls, "disable_inference_mode", False)
+
+    @contextlib.contextmanager
+    def entered() -> Iterator[None]:
+        cache = torch.is_autocast_cache_enabled()
+        fake_tensor_tls.allow_non_fake_inputs_override = non_fake  # a new thread's own (this one's) state
+        meta_utils.tls.disable_inference_mode = no_inference
+        with contextlib.ExitStack() as stack:
+            if compiled is not None:
+                stack.enter_context(compile_context(compiled))
+            if traced is not None:
+                stack.enter_context(tracing(traced))
+            if inference:
+                stack.enter_context(torch.inference_mode())
+            stack.enter_context(torch.set_grad_enabled(grad))
+            for device, dtype in autocast:
+                stack.enter_context(torch.autocast(device, dtype=dtype))
+            torch.set_autocast_cache_enabled(autocast_cache)
+            try:
+                yield
+            finally:
+                torch.set_autocast_cache_enabled(cache)
+
+    return entered
 
 
 def traced_node_count() -> int:

@@ -157,29 +157,36 @@ def cycle_collection_paused() -> Iterator[None]:
 def on_a_fresh_stack(fn: Callable[..., T]) -> Callable[..., T]:
     """``fn`` run, when called, in a new thread that the caller waits for: its frames start at the
     bottom of an empty Python stack instead of under the caller's (``fn``'s result is returned, its
-    exception raised; grad mode is carried over, as the thread-local state ``fn`` may read).
+    exception raised). The thread enters the caller's torch state (``compat.thread_state``: grad
+    and inference mode, autocast, Dynamo's tracing context), so what ``fn`` traces is what the
+    caller would trace; where that state cannot be carried (a Python dispatch mode is active) ``fn``
+    runs in the caller's thread.
 
     Why: CPython 3.11 keeps a thread's frames in a stack of 16 KB chunks, each ``mmap``-ed when a
     call does not fit the current one and ``munmap``-ed when that call returns, so a hot loop whose
     calls straddle a chunk boundary maps, faults in and unmaps a chunk per call. Where that happens
-    depends on how deep the loop runs, and the solver's search runs under Dynamo's trace of the whole
-    model (hundreds of frames): on the 150m startup benchmark's prefill one depth cost ~590,000
-    ``mmap``/``munmap`` pairs and ~1.3 million page faults (strace, ``getrusage``), 4-11 CPU s of
-    system time in a solve of ~2 s, and adding one to three frames above ``solve`` moved it to
-    288,000 / 54,000 / 19,000 faults: any change of the callers' depth (a wrapper, another Python
-    version of a caller) turned it on or off. On a fresh stack the search's depth is its own."""
+    depends on how deep the loop runs, and planning runs under Dynamo's trace of the whole model
+    (hundreds of frames): on the 150m startup benchmark's prefill one depth of the solver's search
+    cost ~590,000 ``mmap``/``munmap`` pairs and ~1.3 million page faults (strace, ``getrusage``),
+    4-11 CPU s of system time in a solve of ~2 s, and adding one to three frames above ``solve``
+    moved it to 288,000 / 54,000 / 19,000 faults: any change of the callers' depth (a wrapper,
+    another Python version of a caller) turned it on or off. Decomposing that prefill likewise
+    took ~83,000 faults and 0.6-0.9 s of system time at one depth, ~3,300 faults on a fresh stack.
+    On a fresh stack the work's depth is its own."""
 
     def run(*args: Any, **kwargs: Any) -> T:
         import threading
 
-        import torch
+        from autotp.compat import thread_state
 
+        state = thread_state()
+        if state is None:
+            return fn(*args, **kwargs)
         out: list[Any] = []
-        grad = torch.is_grad_enabled()
 
         def target() -> None:
             try:
-                with torch.set_grad_enabled(grad):
+                with state():
                     out.append((True, fn(*args, **kwargs)))
             except BaseException as e:  # noqa: BLE001 (re-raised in the caller's thread)
                 out.append((False, e))

@@ -10,6 +10,7 @@ Exact checks only (which function Dynamo calls, what is restored); no RSS or tim
 from __future__ import annotations
 
 import gc
+from typing import Any
 
 import pytest
 import torch
@@ -159,3 +160,41 @@ def test_a_call_on_a_fresh_stack_returns_raises_and_keeps_grad_mode_as_a_plain_c
 
     with pytest.raises(ValueError, match="no plan"):
         memory.on_a_fresh_stack(fails)()
+
+
+def test_a_call_on_a_fresh_stack_traces_under_the_callers_torch_state() -> None:
+    """Inference mode, autocast, Dynamo's tracing context and fake tensors' thread-local permission to
+    take a real tensor (the planner's meta constants) are the caller's in the new thread; under
+    a Python dispatch mode (a stack only the caller's thread holds) the call stays in the caller's
+    thread."""
+    import threading
+
+    from torch._guards import TracingContext, tracing
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    def where() -> tuple[bool, bool, bool, torch.dtype, Any, bool]:
+        return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), torch.is_autocast_enabled("cpu"),
+                torch.get_autocast_dtype("cpu"), TracingContext.try_get(),
+                threading.current_thread() is threading.main_thread())
+
+    with torch.inference_mode():
+        assert memory.on_a_fresh_stack(where)() == where()[:5] + (False,)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert memory.on_a_fresh_stack(where)() == where()[:5] + (False,)
+    context = TracingContext(None)
+    with tracing(context):
+        assert memory.on_a_fresh_stack(where)()[4] is context
+    from autotp.compat import fake_tensor_tls
+
+    fake_tensor_tls.allow_non_fake_inputs_override = True
+    try:
+        assert memory.on_a_fresh_stack(lambda: fake_tensor_tls.allow_non_fake_inputs_override)() is True
+    finally:
+        fake_tensor_tls.allow_non_fake_inputs_override = None
+
+    class Passing(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            return func(*args, **(kwargs or {}))
+
+    with Passing():
+        assert memory.on_a_fresh_stack(where)()[5] is True
