@@ -39,23 +39,21 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                           "waited-for children's and its ranks'")
 
 
-#: the heaviest test files, costliest first (CPU seconds, ranks included; the first seven measured one
-#: file at a time with --cpu-per-file at 01a6d89 on the 2-core machine under load 5-16: test_architectures
-#: 322, test_uneven_heads 249, the real-width matrix 169, test_mesh 133, test_kv_head_groups 100,
-#: test_cli 76; test_parallelize 98 at its five launches (was 144 at nine); the others listed keep their
-#: order of the full run at 5cdfee0, down to ~35; test_inner_compile, ~45 with the stored-graphs job it took
-#: in, long in wall time for its C++ compiles); files not listed follow in collection order. Only the
-#: order changes: a file missing here still runs, and a stale ranking costs some balance, never a test
+#: the heaviest test files, costliest first: every file of at least 20 CPU seconds (ranks included) in a
+#: full quiet run with --cpu-per-file at 7e8849e (1302.7 CPU-s in all, 708.6 s wall): test_architectures
+#: 163.8, the real-width matrix 132.5 (one process: its whole cost is wall on one worker), test_uneven_heads
+#: 97.0, test_mesh 71.0, test_plan_depth 66.1, ... down to test_generation 22.0; files not listed follow in
+#: collection order. Only the order changes: a file missing here still runs, and a stale ranking costs some
+#: balance, never a test
 SLOWEST_FIRST = [
-    "tests/distributed/test_architectures.py", "tests/distributed/test_uneven_heads.py",
-    "tests/unit/test_plans_at_real_widths.py", "tests/distributed/test_mesh.py",
-    "tests/distributed/test_kv_head_groups.py", "tests/distributed/test_parallelize.py",
-    "tests/distributed/test_stored_graphs.py", "tests/distributed/test_checkpoints.py",
-    "tests/distributed/test_inner_compile.py", "tests/test_cli.py",
-    "tests/unit/test_plan_depth.py", "tests/distributed/test_dropout.py", "tests/distributed/test_fusion.py",
-    "tests/distributed/test_rank_failure.py", "tests/distributed/test_batched_attention.py",
-    "tests/unit/test_solver.py", "tests/distributed/test_gradient_checkpointing.py",
-    "tests/unit/test_report_cache.py", "tests/unit/test_plan_cache.py",
+    "tests/distributed/test_architectures.py", "tests/unit/test_plans_at_real_widths.py",
+    "tests/distributed/test_uneven_heads.py", "tests/distributed/test_mesh.py", "tests/unit/test_plan_depth.py",
+    "tests/distributed/test_stored_graphs.py", "tests/unit/test_plan_cache.py", "tests/unit/test_solver.py",
+    "tests/distributed/test_rank_failure.py", "tests/distributed/test_checkpoints.py",
+    "tests/unit/test_report_cache.py", "tests/distributed/test_parallelize.py", "tests/unit/test_layer_regions.py",
+    "tests/test_plan_cli.py", "tests/distributed/test_kv_head_groups.py", "tests/distributed/test_inner_compile.py",
+    "tests/distributed/test_dropout.py", "tests/distributed/test_batched_attention.py",
+    "tests/distributed/test_generation.py",
 ]
 
 
