@@ -3,6 +3,7 @@ tokens from a 16-token prompt, exit.
 
     python benchmarks/startup.py --tp 2 --rounds 3 \\
         --out benchmarks/results/startup_tp2_fp32.json [--png startup.png]
+    python benchmarks/startup.py --plot benchmarks/results/startup_tp2_fp32.json   # its PNG beside it
     python benchmarks/startup.py --size small --rounds 1   # smoke run of the script
     python benchmarks/startup.py --engines autotp_cold,autotp_warm --plain-call   # + a plain call
 
@@ -225,13 +226,17 @@ def _plot(report: dict[str, Any], path: Path) -> None:
         capsize=4,
         color=["#3070c0", "#80a8e0", "#d08030", "#999999"][: len(engines)],
     )
-    for i, v in enumerate(medians):
-        ax.text(i, v, f"{v:.1f}", ha="center", va="bottom")
+    for i, (v, high) in enumerate(zip(medians, highs, strict=True)):
+        ax.text(i + 0.08, v + high, f"{v:.1f}", ha="left", va="bottom")
     ax.set_ylabel("process start to exit (s)")
-    load = report["provenance"]["machine"]["load_average"]
+    provenance = report["provenance"]
+    load = provenance["machine"]["load_average"]
+    versions = provenance.get("versions", {})
     ax.set_title(
         f"{report['size']} tp={report['tp']} {report['dtype']}: {PROMPT_TOKENS}+{NEW_TOKENS} tokens, "
-        f"median, min-max (load {load['start'][0]:.1f}-{load['end'][0]:.1f})",
+        f"median, min-max (load {load['start'][0]:.1f}-{load['end'][0]:.1f})\n"
+        f"commit {provenance.get('commit', '?')[:7]}, torch {versions.get('torch', '?')}, "
+        f"transformers {versions.get('transformers', '?')}",
         fontsize=9,
     )
     fig.tight_layout()
@@ -268,7 +273,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--out", default="startup.json")
     parser.add_argument("--png", default=None)
+    parser.add_argument("--plot", metavar="JSON", default=None,
+                        help="only draw --png from a result this script wrote (no launch)")
     args = parser.parse_args(argv)
+    if args.plot:
+        _plot(json.loads(Path(args.plot).read_text()), Path(args.png or Path(args.plot).with_suffix(".png")))
+        return 0
     if args.worker:
         engine, folder, result, dtype_name, plain = args.worker
         profile = os.environ.get("AUTOTP_BENCH_PROFILE")
