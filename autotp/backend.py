@@ -271,7 +271,10 @@ def plan_graph(gm: torch.fx.GraphModule, example_inputs: list[Any], inputs: Grap
     else:
         timings: dict[str, float] = {}
         try:
-            record, annotation = _solve(gm, example_inputs, inputs.params, inputs.user, ctx, runner, timings, folder)
+            # on a fresh stack: planning's hot loops (decompose's, the search's) must not run at whatever
+            # depth Dynamo calls the backend (``memory.on_a_fresh_stack``)
+            record, annotation = on_a_fresh_stack(_solve)(gm, example_inputs, inputs.params, inputs.user, ctx, runner,
+                                                          timings, folder)
         except BaseException as e:
             if shared and ctx.rank == 0:
                 broadcast_object(("error", _picklable(e), None), ctx.comm)  # the others raise it too, not hang
@@ -625,8 +628,7 @@ def _solve(gm: torch.fx.GraphModule, example_inputs: list[Any], param_inputs: di
     returned as a :class:`SolveRecord` with the annotation."""
     world = ctx.world_size
     t, c = time.perf_counter(), time.process_time()
-    # on a fresh stack, as the search below: its hot loops must not depend on Dynamo's depth
-    shadow = runner.run("decompose", on_a_fresh_stack(decompose), gm, example_inputs)
+    shadow = runner.run("decompose", decompose, gm, example_inputs)
     timings["decompose_s"], timings["decompose_cpu_s"] = time.perf_counter() - t, time.process_time() - c
     if folder:
         write_text(folder, "aten_graph.py", shadow.aten.code)
@@ -685,8 +687,7 @@ def _solve(gm: torch.fx.GraphModule, example_inputs: list[Any], param_inputs: di
     try:
         # sequence parallelism re-solves with every parameter pinned where this solve stores it; with
         # none free (an earlier graph placed them) that is every parameter as it is: one solve does
-        # on a fresh stack: the search's speed must not depend on how deep Dynamo calls the backend
-        solution = runner.run("solve", on_a_fresh_stack(solve), shadow, opts, fixed, free, param_nodes) \
+        solution = runner.run("solve", solve, shadow, opts, fixed, free, param_nodes) \
             if free or not ctx.config.sequence_parallel else None
     except SolverError as e:
         if not used:
@@ -697,11 +698,10 @@ def _solve(gm: torch.fx.GraphModule, example_inputs: list[Any], param_inputs: di
         ) from e
     free_cost = None
     if used and any(free[n] is not unconstrained[n] for n in free):
-        free_cost = on_a_fresh_stack(solve)(shadow, opts, fixed, unconstrained, param_nodes).cost
+        free_cost = solve(shadow, opts, fixed, unconstrained, param_nodes).cost
         timings["overrides_extra_cost"] = solution.cost - free_cost
     if ctx.config.sequence_parallel:
-        solution, opts = runner.run("solve", on_a_fresh_stack(_sequence_parallel), shadow, opts, fixed, solution,
-                                    param_nodes)
+        solution, opts = runner.run("solve", _sequence_parallel, shadow, opts, fixed, solution, param_nodes)
     timings["solve_s"], timings["solve_cpu_s"] = time.perf_counter() - t, time.process_time() - c
     t = time.perf_counter()
     annotation = runner.run("annotate", annotate, shadow, solution)
