@@ -14,8 +14,8 @@ __all__ = ["local_ranks", "usable_cores"]
 
 
 def local_ranks(environ: Mapping[str, str], world_size: int) -> int:
-    """The ranks this host runs: ``LOCAL_WORLD_SIZE`` (set by torchrun and autotp's own launchers)
-    where it is a positive number, else ``world_size`` (one host)."""
+    """The ranks this host runs, at least 1: ``LOCAL_WORLD_SIZE`` (set by torchrun and autotp's own
+    launchers) where it is set to a number, else ``world_size`` (one host)."""
     try:
         local = int(environ.get("LOCAL_WORLD_SIZE", "") or world_size)
     except ValueError:
