@@ -47,6 +47,7 @@ from autotp.regions import MIN_LAYERS as REGION_MIN_LAYERS
 from autotp.regions import install_layer_regions
 from autotp.shared_frames import FrameChannel, trace_once_agreed, trace_once_default
 from autotp.stored_graphs import GraphStore, StoredForward, StoredGraph, graph_key, storing_backend
+from autotp.teardown import freeze_at_exit
 from autotp.weights import (
     Checkpoint,
     ParameterMeta,
@@ -490,6 +491,9 @@ def parallelize_model(
     ctx = TPContext(comm=comm, config=config, sharded_outputs=True, plan_once=timeout is None,
                     threads_before=threads_before if threads is not None else None)
     weakref.finalize(module, ctx.close)  # what the session installed goes when the model does
+    unfreeze = freeze_at_exit(os.environ)  # after the finalizer above: the freeze runs before it closes the session
+    if unfreeze is not None:
+        ctx.installed.append(unfreeze)
     compiled = _compiled_forward(module, ctx, device, fsdp=layout.data_parallel == "fsdp")
     slots = [(m, n, p) for fqn, p in module.named_parameters(remove_duplicate=False)
              for m, n in [_resolve_module(module, fqn)]]

@@ -161,6 +161,31 @@ def test_each_rank_holds_and_reads_only_its_shards(loaded) -> None:
     assert one["bytes_read"] == one["param_elements"] * 4
 
 
+class _ExitHandlers:
+    """The ``atexit`` handlers registered in this rank from now on and not unregistered (each still
+    goes to atexit too)."""
+
+    def __init__(self) -> None:
+        import atexit
+
+        self.live: list = []
+        register, unregister = atexit.register, atexit.unregister
+
+        def record(fn, *args, **kwargs):
+            self.live.append(fn)
+            return register(fn, *args, **kwargs)
+
+        def forget(fn):
+            self.live = [h for h in self.live if h != fn]  # atexit compares with ==, as here
+            return unregister(fn)
+
+        atexit.register, atexit.unregister = record, forget
+
+    def freezes(self) -> int:
+        """How many of them are autotp's freeze at exit (``autotp/teardown.py``)."""
+        return sum(h.__qualname__ == "freeze_at_exit.<locals>.handler" for h in self.live)
+
+
 def _rank_tied(rank: int, world: int, folder: str) -> dict:
     import sys
     import threading
@@ -168,9 +193,10 @@ def _rank_tied(rank: int, world: int, folder: str) -> dict:
     from autotp import parallelize_model
 
     threads, hook = torch.get_num_threads(), sys.excepthook
+    exit_handlers = _ExitHandlers()  # autotp/teardown.py: the heap frozen at exit while the session holds it
     model = parallelize_model(folder, tp_size=world)
     installed = {"heartbeat": any(t.name.startswith("autotp-heartbeat") for t in threading.enumerate()),
-                 "hook": sys.excepthook is not hook}
+                 "hook": sys.excepthook is not hook, "exit_freeze": exit_handlers.freezes() == 1}
     ids = torch.tensor(PROMPT)
     with torch.no_grad():
         logits = model(input_ids=ids).logits
@@ -182,7 +208,8 @@ def _rank_tied(rank: int, world: int, folder: str) -> dict:
         "after_close": after_close,
         "installed": installed,
         "undone": {"heartbeat": not any(t.name.startswith("autotp-heartbeat") for t in threading.enumerate()),
-                   "hook": sys.excepthook is hook, "threads": torch.get_num_threads() == threads},
+                   "hook": sys.excepthook is hook, "threads": torch.get_num_threads() == threads,
+                   "exit_freeze": exit_handlers.freezes() == 0},
         "shared": model.lm_head.weight is model.model.embed_tokens.weight,
         "local_rows": model.lm_head.weight.shape[0],
         "style": model.autotp.plan["parameters"]["model.embed_tokens.weight"]["style"],
@@ -195,8 +222,8 @@ def test_tied_embeddings_share_one_shard_object_and_give_correct_logits_and_clos
     for r in run_ranks(_rank_tied, 2, str(folder)):
         assert r["shared"] and r["local_rows"] == 64 and r["style"] == "vocab"
         torch.testing.assert_close(r["logits"], ref_logits, atol=1e-5, rtol=1e-4)
-        assert r["installed"] == {"heartbeat": True, "hook": True}
-        assert r["undone"] == {"heartbeat": True, "hook": True, "threads": True}
+        assert r["installed"] == {"heartbeat": True, "hook": True, "exit_freeze": True}
+        assert r["undone"] == {"heartbeat": True, "hook": True, "threads": True, "exit_freeze": True}
         torch.testing.assert_close(r["after_close"], ref_logits, atol=1e-5, rtol=1e-4)
 
 
