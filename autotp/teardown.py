@@ -1,13 +1,14 @@
 """A rank's exit without the interpreter's final walks over the heap (``gc.freeze`` at exit).
 
 Why: when a Python process ends, the interpreter clears every module and collects reference
-cycles over every object still alive, in several full passes. A rank that imported torch, Dynamo
-and transformers and compiled a model holds about a million such objects (Dynamo's traced frames
-and guards, FX graphs, sympy expressions), and on the 150m benchmark (``benchmarks/startup.py
---tp 2``, 2-core machine) each rank took 1.9-2.3 s from its last ``atexit`` handler to its end;
-with the heap frozen at exit 0.33-0.37 s, and the whole job (launch to exit) 19.6 / 19.6 -> 16.9 /
-17.0 s (two alternating pairs, freeze in the ranks only, load 0.7-1.6). The ``autotp`` command
-already ends its processes with ``os._exit`` (``cli.run``); a user's ``torchrun`` script cannot.
+cycles over every object still alive. A rank that imported torch, Dynamo and transformers and
+compiled a model holds ~520,000-530,000 objects the collector tracks (Dynamo's traced frames and
+guards, FX graphs, sympy expressions: each rank of the 150m benchmark job, ``benchmarks/startup.py
+--tp 2``, 2-core machine), and there each rank's last ``atexit`` handler came 1.9-2.3 s before the
+launcher saw the rank end; with the heap frozen at exit 0.33-0.37 s, and the whole job (launch to
+exit) 19.6 / 19.6 -> 16.9 / 17.0 s (two alternating pairs, the freeze put in the ranks by a probe,
+load 0.7-1.6). The ``autotp`` command already ends its processes with ``os._exit`` (``cli.run``);
+a user's ``torchrun`` script cannot.
 
 How: :func:`freeze_at_exit` registers an ``atexit`` handler that calls ``gc.freeze()``, which
 moves every object alive at that moment to the collector's permanent generation, which no
