@@ -31,7 +31,9 @@ Launches alternate ``autotp_cold autotp_warm transformers_tp one_process`` for `
 (the warm launch must follow the cold one that fills its cache), so drift on a shared machine hits
 all engines alike. Reported per engine: every wall time, the median, min, max and spread (max -
 min), and rank 0's own phases (``import_s``: torch + transformers + autotp; ``load_s``;
-``generate_s``; ``cpu_s``: its CPU seconds, steadier than the wall on a loaded machine; for autotp
+``generate_s``; ``exit_s``: from rank 0's report, written after its generate, to the end of the
+launch as the parent saw it, so the group's teardown, the ranks' interpreter exits and the
+launcher's; ``cpu_s``: its CPU seconds, steadier than the wall on a loaded machine; for autotp
 ``phases``: per compiled graph Dynamo's trace, the backend and the guards, and what rank 0's
 planning cost, see ``_compile_phases`` and ``_planning_phases``), plus ratios of medians against ``transformers_tp`` and ``one_process``, whether
 all engines produced the same tokens, each engine's peak RSS and anonymous memory, and the run's
@@ -120,6 +122,7 @@ def _worker(engine: str, folder: str, result: str, dtype_name: str, plain_call: 
             report["stored_graphs"] = stored.as_dict() if stored is not None else None
             report["phases"] = _compile_phases()
         report["cpu_s"] = time.process_time()  # rank 0's CPU from its start (the parent times the wall)
+        report["done_at"] = time.time()  # the parent times the exit from here (exit_s)
         Path(result).write_text(json.dumps(report))
     if distributed:
         dist.destroy_process_group()
@@ -182,10 +185,14 @@ def _launch(
         "plain" if args.plain_call else "-",
     ]
     wall_s = launch(ranks, worker, env=env, label=engine)
+    ended_at = time.time()
     report = json.loads(result.read_text())
     if report.get("phases") is not None:
         report["phases"]["planning"] = _planning_phases(report["plan_cache"], cache_dir)
-    return {**report, "wall_s": wall_s}
+    # from rank 0's last step (its report written) to the launch's end as the parent saw it: the
+    # group's teardown, the interpreters' exits and the launcher's own (autotp/teardown.py)
+    exit_s = ended_at - report.pop("done_at") if "done_at" in report else None
+    return {**report, "wall_s": wall_s, "exit_s": exit_s}
 
 
 def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -194,7 +201,7 @@ def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "threads_per_rank": runs[0]["threads"],
         "tokens": runs[0]["tokens"],
     }
-    for phase in ("import_s", "load_s", "plain_s", "generate_s", "cpu_s"):
+    for phase in ("import_s", "load_s", "plain_s", "generate_s", "exit_s", "cpu_s"):
         if all(r.get(phase) is not None for r in runs):
             out[phase] = stats([r[phase] for r in runs])
     memories = [r["memory"] for r in runs if r.get("memory", {}).get("peak_rss")]
@@ -341,6 +348,7 @@ def main(argv: list[str] | None = None) -> int:
             f" load {s['load_s']['median']:.1f}"
             + (f" plain call {s['plain_s']['median']:.2f}" if "plain_s" in s else "")
             + f" generate {s['generate_s']['median']:.1f}"
+            + (f" exit {s['exit_s']['median']:.1f}" if "exit_s" in s else "")
         )
     print(
         json.dumps(
