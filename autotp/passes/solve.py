@@ -1280,7 +1280,7 @@ class _Search:
             if unready and j in unready:  # b's ready placements of j priced too (a's count for a)
                 readies = (_ready_of(ready_a, j), _ready_of(ready_b, j))
                 unready.discard(j)
-                conversion = self.conversions.get((j, pa, pb, *readies))
+                conversion = conversions.get((j, pa, pb, *readies))
                 slack -= self.conversion(j, pa, pb, *readies) if conversion is None else conversion
             else:  # b holds j ready nowhere a does not: pricing neither's ready placements is an upper bound
                 conversion = conversions.get((j, pa, pb))
