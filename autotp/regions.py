@@ -22,10 +22,19 @@ would have. The layer's own ``forward`` runs unchanged inside the region.
 Which calls go through the region (:func:`_regional_forward`, decided while Dynamo traces, from
 what the call holds): a KV cache whose ``update`` is transformers' ``Cache.update`` (not overridden),
 without offloading, that already holds a layer at this index, that layer exactly a
-``DynamicLayer``: prefills (the layer's keys and values come in as None, and its first ``update``
-initializes the stand-in) and decode steps. Every other call (training without a cache,
-sliding-window, static or quantized cache layers, a cache that grows its layer list on demand) runs
-the layer's own ``forward``, inlined as before. The attention reads the stand-in cache through
+``DynamicLayer`` or a ``DynamicSlidingWindowLayer`` that does not record its past: prefills (the
+layer's keys and values come in as None, and its first ``update`` initializes the stand-in) and
+decode steps. A sliding-window layer's ``update`` returns its past and the new states concatenated,
+as the stand-in's does, and keeps only the last ``sliding_window - 1`` positions: the wrapper
+slices them and counts the new states (``cumulative_length``, which the model's mask reads)
+outside the region (:func:`_hold_window`). Every other call (training without a cache, static or
+quantized cache layers, a sliding layer recording its past for assisted decoding, a cache that
+grows its layer list on demand) runs the layer's own ``forward``, inlined as before. Measured
+(one process, tp=1, CPU seconds of ``parallelize_model`` + an 8-token ``generate``, 24 layers at
+hidden 64): a Mistral with a window of 4096, whose layers all fell back before, 8.5 + 9.3 ->
+5.1 + 4.2 (the same model without a window: 4.8 + 4.3); with a window of 6 that the prompt
+overfills, 8.4 + 19.2 -> 4.0 + 12.4; Gemma-2 (alternating, window 4) 7.8 + 12.2 -> 4.2 + 8.8;
+same tokens as plain transformers each time. The attention reads the stand-in cache through
 ``update`` only; a layer that reads anything else of it (its length, its mask sizes) gets the one
 layer's answer (:class:`_OneLayerCache` answers ``get_seq_length`` and ``get_mask_sizes`` from
 that layer, which is what transformers' cache answers for that index).
@@ -59,6 +68,7 @@ import torch
 from transformers.cache_utils import (  # at import: Dynamo cannot store a guard on an import it traced
     Cache,
     DynamicLayer,
+    DynamicSlidingWindowLayer,
 )
 
 from autotp.compat import stamped_regions_keep_bound_sizes
@@ -179,12 +189,15 @@ def _regional_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     cache = kwargs.get(keyword)
     index = self._autotp_layer_index
     # eligible: transformers' own Cache.update, no offloading, a layer at this index that is
-    # exactly a DynamicLayer (prefill or decode step)
+    # exactly a DynamicLayer or a DynamicSlidingWindowLayer not recording its past (prefill or
+    # decode step)
     if (index is None or not isinstance(cache, Cache) or type(cache).update is not Cache.update
-            or getattr(cache, "offloading", False) or index >= len(cache.layers)
-            or type(cache.layers[index]) is not DynamicLayer):
+            or getattr(cache, "offloading", False) or index >= len(cache.layers)):
         return cls._autotp_own_class.forward(self, *args, **kwargs)
     target = cache.layers[index]
+    sliding = type(target) is DynamicSlidingWindowLayer
+    if not sliding and type(target) is not DynamicLayer or sliding and target.record_past:
+        return cls._autotp_own_class.forward(self, *args, **kwargs)
     if target.is_initialized:
         head, leaves = "2|", [target.keys, target.values]
     else:
@@ -205,7 +218,10 @@ def _regional_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         else:
             return cls._autotp_own_class.forward(self, *args, **kwargs)
     out, keys, values = _layer_region(self, keyword, head + ",".join(names) + "|" + tuples, *leaves)
-    _hold(target, keys, values)
+    if sliding:
+        _hold_window(target, keys, values)
+    else:
+        _hold(target, keys, values)
     return out
 
 
@@ -218,6 +234,22 @@ def _hold(layer: Any, keys: torch.Tensor, values: torch.Tensor) -> None:
     if not layer.is_initialized:
         layer.device, layer.is_initialized = keys.device, True
     layer.keys, layer.values = keys, values
+
+
+def _hold_window(layer: Any, keys: torch.Tensor, values: torch.Tensor) -> None:
+    """Make the ``DynamicSlidingWindowLayer`` ``layer`` (not recording its past) hold what its
+    ``update`` leaves, given the full keys and values the region's ``DynamicLayer`` returned (its
+    past and the new states, concatenated: what ``update`` concatenates and returns too): the new
+    states counted in ``cumulative_length`` (which the model's sliding-window mask reads through
+    ``get_mask_sizes``), and only the last ``sliding_window - 1`` positions kept, sliced as
+    ``update`` slices them; a prefill also initializes it as its ``lazy_initialization`` does."""
+    past = layer.keys.shape[-2] if layer.is_initialized else 0
+    if not layer.is_initialized:
+        layer.device, layer.is_initialized = keys.device, True
+        layer._sliding_window_tensor = layer._sliding_window_tensor.to(keys.device)
+    layer.cumulative_length += keys.shape[-2] - past
+    start = -layer.sliding_window + 1
+    layer.keys, layer.values = keys[:, :, start:, :], values[:, :, start:, :]
 
 
 @functools.cache

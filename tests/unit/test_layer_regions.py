@@ -50,7 +50,7 @@ def _regional_generate(arch: str, layers: int) -> Regional:
     """A generate of a tiny ``arch`` with ``layers`` layers and regions, compiled with what autotp's
     backend does first (every region call replaced by its body) and run: its output, and what each
     graph held before and after inlining."""
-    model = tiny_model(arch, num_hidden_layers=layers).eval()
+    model = tiny_model(arch, num_hidden_layers=layers, **OVERRIDES.get(arch, {})).eval()
     install_layer_regions(model)
     graphs = []
 
@@ -66,7 +66,16 @@ def _regional_generate(arch: str, layers: int) -> Regional:
 
 
 #: architecture -> layers of its regional run: 3, and Gemma-2's 4 (2 sliding-window layers, 2 global)
-REGIONAL = {"llama": 3, "gemma2": 4, "mixtral": 3, "gpt2": 3}
+REGIONAL = {"llama": 3, "gemma2": 4, "mixtral": 3, "gpt2": 3, "mistral": 3}
+
+#: architectures whose compiled generate differs from the eager one without regions too (Mistral
+#: with an overfilled window: by ~9e-8 from the second decode step on, as Dynamo traces its
+#: sliding-window attention): their regional run is compared with the same compile without regions
+COMPILED_DIFFERS = {"mistral"}
+
+#: config overrides of a regional run: Mistral's sliding window (every layer a sliding one) of 4
+#: positions, which the 8-token prompt overfills, as Gemma-2's tiny window of 4 is
+OVERRIDES = {"mistral": {"sliding_window": 4}}
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +116,12 @@ def _inlining_backend(gm: torch.fx.GraphModule, example_inputs: list) -> object:
 @pytest.mark.parametrize("arch", list(REGIONAL))
 def test_a_generate_through_inlined_regions_gives_the_plain_models_tokens_and_logits_exactly(
         regional: Callable[[str], Regional], arch: str) -> None:
-    reference = _generate(tiny_model(arch, num_hidden_layers=REGIONAL[arch]).eval())
+    plain = tiny_model(arch, num_hidden_layers=REGIONAL[arch], **OVERRIDES.get(arch, {})).eval()
+    if arch in COMPILED_DIFFERS:  # the same compile without regions
+        torch._dynamo.reset()
+        reference = _generate(plain, torch.compile(type(plain).forward.__get__(plain), backend=_inlining_backend))
+    else:
+        reference = _generate(plain)
     out, _ = regional(arch)
     assert torch.equal(out.sequences, reference.sequences)
     for step, (a, b) in enumerate(zip(out.logits, reference.logits, strict=True)):
@@ -130,13 +144,18 @@ def test_inlined_regions_run_the_tensor_ops_dynamo_traces_without_them_in_order_
         assert ops(inlined) == ops(without)
 
 
-def test_sliding_window_layers_run_their_own_forward_and_global_ones_share_a_body(
+def test_sliding_window_layers_go_through_regions_and_each_kind_gets_its_own_body_where_they_differ(
         regional: Callable[[str], Regional]) -> None:
-    # Gemma-2 alternates sliding (a DynamicSlidingWindowLayer cache: not eligible) and global layers
+    # Gemma-2 alternates sliding-window layers (a DynamicSlidingWindowLayer cache) and global ones
     _, graphs = regional("gemma2")  # 4 layers: the prefill and the decode graphs
     assert len(graphs) > 1
     for calls, _, _ in graphs:
-        assert calls == 2  # the two global layers; the two sliding ones are inlined as before
+        assert calls == 4  # every layer, none inlined
+    # the prefill's 8 tokens overfill the window of 4: a decode step's sliding layers hold 3
+    # positions, its global ones 8 or more, so the two kinds are two bodies from then on
+    assert [len(bodies) for _, bodies, _ in graphs] == [1] + [2] * (len(graphs) - 1)
+    _, graphs = regional("mistral")  # every layer a sliding one: one body per graph
+    assert [(calls, len(bodies)) for calls, bodies, _ in graphs] == [(3, 1)] * len(graphs)
 
 
 def test_a_call_without_a_cache_trains_through_the_layers_own_forward() -> None:
@@ -171,6 +190,30 @@ def test_the_cache_layer_state_the_wrapper_sets_outside_the_region_is_what_dynam
     layer.lazy_initialization(torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 3, 4))
     changed = {name for name, value in vars(layer).items() if name not in before or value is not None}
     assert changed == {"device", "keys", "values", "is_initialized"}
+
+
+@pytest.mark.parametrize("prompt", [2, 3, 6])  # inside the window of 4, filling it, overfilling it
+def test_the_sliding_window_layer_state_the_wrapper_sets_is_what_two_updates_leave(prompt: int) -> None:
+    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+    from autotp.regions import _hold_window
+
+    states = [torch.randn(1, 2, n, 4) for n in (prompt, 1)]  # a prefill's keys, then a decode step's
+    plain, held = DynamicSlidingWindowLayer(sliding_window=4), DynamicSlidingWindowLayer(sliding_window=4)
+    for new in states:
+        want_keys, want_values = plain.update(new, -new)
+        region = DynamicLayer()  # what the region's stand-in does: the past and the new states concatenated
+        if held.is_initialized:
+            region.lazy_initialization(new, -new)
+            region.keys, region.values = held.keys, held.values
+        keys, values = region.update(new, -new)
+        assert torch.equal(keys, want_keys) and torch.equal(values, want_values)  # what the attention reads
+        _hold_window(held, keys, values)
+        assert held.cumulative_length == plain.cumulative_length
+        assert torch.equal(held.keys, plain.keys) and torch.equal(held.values, plain.values)
+        assert (held.is_initialized, held.device) == (plain.is_initialized, plain.device)
+        assert torch.equal(held._sliding_window_tensor, plain._sliding_window_tensor)
+        assert held.get_mask_sizes(1) == plain.get_mask_sizes(1)
 
 
 def test_layer_regions_are_left_to_the_depth_unless_the_option_or_the_environment_says() -> None:
