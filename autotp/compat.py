@@ -1701,9 +1701,15 @@ def stamped_regions_keep_bound_sizes() -> None:
     batch 2). Where the recorded expression is not bound but the size's own symbol
     (``SymNode._expr``, before replacements) is, the record names that symbol instead: the stamped
     call then passes the same proxy the first call passed, whose value the guard fixed. Records that
-    are bound already are left as they are, so no call Dynamo could stamp out before changes. On a
-    torch without these names nothing is changed (regions then fail as before: a compile error,
-    never a wrong result)."""
+    are bound already are left as they are, so no call Dynamo could stamp out before changes.
+
+    And a body whose first trace captured a value Dynamo cannot map to a later call's (its record
+    raises ``AssertionError: Freevar has no source``: Falcon's linear layers read
+    ``self.weight.T``, which Dynamo lifts as a value computed outside the body) is not kept for
+    reuse, instead of failing the compile: each later call traces its body anew, as for a body
+    Dynamo does not reuse (one with side effects, or outputs other than tensors). On a torch
+    without these names nothing is changed (regions then fail as before: a compile error, never a
+    wrong result)."""
     global _REGION_SIZES_KEPT
     if _REGION_SIZES_KEPT:
         return
@@ -1732,6 +1738,19 @@ def stamped_regions_keep_bound_sizes() -> None:
         return mapping
 
     reuse.build_subgraph_input_mapping = build_subgraph_input_mapping
+
+    save = getattr(reuse, "save_reuse_entry", None)
+    if save is not None:
+        @functools.wraps(save)
+        def save_reuse_entry(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return save(*args, **kwargs)
+            except AssertionError as e:  # a body whose captured values Dynamo cannot map: not reused
+                if "Freevar has no source" not in str(e):
+                    raise
+                return None
+
+        reuse.save_reuse_entry = save_reuse_entry
 
 
 # -- process groups' timeouts (read when present, see the module docstring) ----------------

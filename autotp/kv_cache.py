@@ -16,11 +16,16 @@ from typing import Any
 CACHE_NAMES = ("cache", "past_key_values")  # newest first
 
 
-def cache_keyword(forward: Callable[..., Any]) -> str | None:
-    """The name ``forward`` takes its KV cache under (None: it takes none). Decorators that wrap
-    ``forward`` keep its signature through ``functools.wraps``."""
+#: what a decoder layer's forward may call its cache: a model's names, and ``layer_past`` (BLOOM,
+#: Falcon and GPT-NeoX layers take the model's ``Cache`` under it)
+LAYER_CACHE_NAMES = (*CACHE_NAMES, "layer_past")
+
+
+def cache_keyword(forward: Callable[..., Any], names: tuple[str, ...] = CACHE_NAMES) -> str | None:
+    """The name ``forward`` takes its KV cache under, the first of ``names`` it has (None: it takes
+    none). Decorators that wrap ``forward`` keep its signature through ``functools.wraps``."""
     parameters = inspect.signature(forward).parameters
-    return next((name for name in CACHE_NAMES if name in parameters), None)
+    return next((name for name in names if name in parameters), None)
 
 
 def returned_cache(output: Any) -> Any:

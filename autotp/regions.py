@@ -27,13 +27,22 @@ layer's keys and values come in as None, and its first ``update`` initializes th
 decode steps. A sliding-window layer's ``update`` returns its past and the new states concatenated,
 as the stand-in's does, and keeps only the last ``sliding_window - 1`` positions: the wrapper
 slices them and counts the new states (``cumulative_length``, which the model's mask reads)
-outside the region (:func:`_hold_window`). Every other call (training without a cache, static or
-quantized cache layers, a sliding layer recording its past for assisted decoding, a cache that
-grows its layer list on demand) runs the layer's own ``forward``, inlined as before. Measured
+outside the region (:func:`_hold_window`). The cache may come by name (``cache``,
+``past_key_values``, or ``layer_past``: BLOOM's, Falcon's and GPT-NeoX's layers) or by position
+(GPT-2's blocks): the wrapper passes every argument to the region by its name. A layer that returns
+a tuple (BLOOM's and Falcon's blocks: the hidden states and the attention weights or None) gets it
+back whole, though only tensors leave the region (:func:`_layer_region`, :func:`_output`). Every
+other call (training without a cache, static or quantized cache layers, a sliding layer recording
+its past for assisted decoding, a cache that grows its layer list on demand, a forward taking more
+positional arguments than it names) runs the layer's own ``forward``, inlined as before. Measured
 (one process, tp=1, CPU seconds of ``parallelize_model`` + an 8-token ``generate``, 24 layers at
 hidden 64): a Mistral with a window of 4096, whose layers all fell back before, 8.5 + 9.3 ->
 5.1 + 4.2 (the same model without a window: 4.8 + 4.3); with a window of 6 that the prompt
 overfills, 8.4 + 19.2 -> 4.0 + 12.4; Gemma-2 (alternating, window 4) 7.8 + 12.2 -> 4.2 + 8.8;
+GPT-2, whose blocks had all fallen back (the cache by position), 7.3 + 7.2 (regions off) ->
+5.1 + 4.0; GPT-NeoX, not swapped before (``layer_past``), 9.2 + 8.0 -> 4.0 + 4.0; BLOOM 7.1 + 7.2
+-> 3.5 + 3.6 (with the tuple output: 7.4 + 7.9 without, each layer's body traced anew); Falcon
+7.3 + 9.3 either way (its bodies are not reused, ``compat.stamped_regions_keep_bound_sizes``);
 same tokens as plain transformers each time. The attention reads the stand-in cache through
 ``update`` only; a layer that reads anything else of it (its length, its mask sizes) gets the one
 layer's answer (:class:`_OneLayerCache` answers ``get_seq_length`` and ``get_mask_sizes`` from
@@ -62,6 +71,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import inspect
 from typing import Any
 
 import torch
@@ -73,7 +83,7 @@ from transformers.cache_utils import (  # at import: Dynamo cannot store a guard
 
 from autotp.compat import stamped_regions_keep_bound_sizes
 from autotp.depth import CannotShorten, _text_config, layer_stack
-from autotp.kv_cache import cache_keyword
+from autotp.kv_cache import LAYER_CACHE_NAMES, cache_keyword
 
 __all__ = ["MIN_LAYERS", "install_layer_regions", "regional_layers"]
 
@@ -110,11 +120,14 @@ class _OneLayerCache:
 
 
 @torch.compiler.nested_compile_region
-def _layer_region(layer: torch.nn.Module, keyword: str, layout: str,
-                  *leaves: Any) -> tuple[Any, torch.Tensor, torch.Tensor]:
+def _layer_region(layer: torch.nn.Module, keyword: str, layout: str, *leaves: Any) -> tuple[Any, ...]:
     """One decoder layer's forward on its cache layer's (keys, values), None in a prefill, and its
     own arguments, all packed by :func:`_regional_forward` into ``leaves`` laid out as ``layout``
-    says (:func:`_unpack`): (output, new keys, new values).
+    says (:func:`_unpack`): (new keys, new values, output), or, for a layer that returns a tuple
+    (BLOOM's and Falcon's blocks: the hidden states and the attention weights or None),
+    (new keys, new values, :func:`_mark` 2, each item, a None as :func:`_mark` 1): Dynamo reuses
+    a region only where every output is a tensor (a tuple or a None among them, and each layer was
+    traced anew); :func:`_output` puts the tuple back.
 
     Why flat: Dynamo fingerprints a region call's inputs to look for a body to reuse, and for any
     keyword or nested argument it traces ``pytree.tree_flatten`` over all of them, on every layer
@@ -126,7 +139,27 @@ def _layer_region(layer: torch.nn.Module, keyword: str, layout: str,
     cache = _OneLayerCache(past)
     kwargs[keyword] = cache
     out = _own_class(layer).forward(layer, *args, **kwargs)
-    return out, cache.layer.keys, cache.layer.values
+    if type(out) is tuple:
+        return (cache.layer.keys, cache.layer.values, _mark(2),
+                *(_mark(1) if item is None else item for item in out))
+    return cache.layer.keys, cache.layer.values, out
+
+
+def _mark(dims: int) -> torch.Tensor:
+    """An empty bool tensor of ``dims`` dims: what a region returns to say "a tuple follows" (2) or
+    "None" (1), where only tensors may leave it (:func:`_layer_region`); no layer returns one."""
+    return torch.empty((0,) * dims, dtype=torch.bool)
+
+
+def _output(result: tuple[Any, ...]) -> Any:
+    """The layer's output from what :func:`_layer_region` returned after the keys and values."""
+    if len(result) == 3:
+        return result[2]
+    items = []
+    for item in result[3:]:
+        items.append(None if isinstance(item, torch.Tensor) and item.dtype == torch.bool and item.shape == (0,)
+                     else item)
+    return tuple(items)
 
 
 #: what a region takes as one argument (Dynamo's "leaf" inputs of a region: tensors, sizes, constants)
@@ -185,8 +218,10 @@ def _regional_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     constants Dynamo folds, and names a call's structure exactly, so a call of another structure is
     another constant input to Dynamo's reuse check, never the same body."""
     cls = type(self)
-    keyword = cls._autotp_cache_keyword
-    cache = kwargs.get(keyword)
+    keyword, positional, at = cls._autotp_cache_keyword, cls._autotp_positional, cls._autotp_cache_position
+    if len(args) > len(positional):  # more than the forward names: its own forward
+        return cls._autotp_own_class.forward(self, *args, **kwargs)
+    cache = args[at] if at < len(args) else kwargs.get(keyword)  # GPT-2's blocks take it positionally
     index = self._autotp_layer_index
     # eligible: transformers' own Cache.update, no offloading, a layer at this index that is
     # exactly a DynamicLayer or a DynamicSlidingWindowLayer not recording its past (prefill or
@@ -202,7 +237,7 @@ def _regional_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         head, leaves = "2|", [target.keys, target.values]
     else:
         head, leaves = "0|", []
-    names = ("",) * len(args) + tuple(kwargs)
+    names = positional[:len(args)] + tuple(kwargs)  # every argument by its name: the cache's is the stand-in's
     tuples = ""
     for value in args + tuple(kwargs.values()):
         if value is cache:
@@ -217,12 +252,13 @@ def _regional_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
             leaves.extend(value)
         else:
             return cls._autotp_own_class.forward(self, *args, **kwargs)
-    out, keys, values = _layer_region(self, keyword, head + ",".join(names) + "|" + tuples, *leaves)
+    result = _layer_region(self, keyword, head + ",".join(names) + "|" + tuples, *leaves)
+    keys, values = result[0], result[1]
     if sliding:
         _hold_window(target, keys, values)
     else:
         _hold(target, keys, values)
-    return out
+    return result[2] if len(result) == 3 else _output(result)
 
 
 def _hold(layer: Any, keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -257,13 +293,31 @@ def _regional_class(cls: type, keyword: str) -> type:
     """``cls`` with :func:`_regional_forward` as its forward, made once per class and kept as an
     attribute of this module under a name derived from ``cls``'s: Dynamo's guards name the class,
     and stored graphs (``autotp/stored_graphs.py``) pickle it by reference, so the next launch,
-    which swaps its layers before it reads them, finds it at the same place."""
+    which swaps its layers before it reads them, finds it at the same place. Its class attributes
+    hold what the wrapper reads of the forward's signature: the cache's name, the names of the
+    arguments a call may pass by position (in order, up to the first that cannot be named), and
+    the cache's position among them (past them where it has none)."""
     digest = hashlib.sha256(f"{cls.__module__}.{cls.__qualname__}:{keyword}".encode()).hexdigest()[:12]
     name = f"Regional{cls.__name__}_{digest}"
+    positional = _positional_names(cls.forward)
     regional = type(name, (cls,), {"forward": _regional_forward, "_autotp_cache_keyword": keyword,
+                                   "_autotp_positional": positional,
+                                   "_autotp_cache_position": positional.index(keyword) if keyword in positional
+                                   else len(positional),
                                    _OWN_CLASS: cls, "__module__": __name__, "__qualname__": name})
     globals()[name] = regional
     return regional
+
+
+def _positional_names(forward: Any) -> tuple[str, ...]:
+    """The names of ``forward``'s parameters after ``self`` that a call may pass by position and by
+    name, in order, up to the first that is not one (``*args``, keyword-only, positional-only)."""
+    names = []
+    for parameter in list(inspect.signature(forward).parameters.values())[1:]:
+        if parameter.kind is not inspect.Parameter.POSITIONAL_OR_KEYWORD:
+            break
+        names.append(parameter.name)
+    return tuple(names)
 
 
 def regional_layers(module: torch.nn.Module) -> list[torch.nn.Module]:
@@ -277,7 +331,7 @@ def regional_layers(module: torch.nn.Module) -> list[torch.nn.Module]:
         stack = module.get_submodule(layer_stack(module, depth))
     except CannotShorten:
         return []
-    return [layer for layer in stack if cache_keyword(_own_class(layer).forward) is not None]
+    return [layer for layer in stack if cache_keyword(_own_class(layer).forward, LAYER_CACHE_NAMES) is not None]
 
 
 def _own_class(layer: torch.nn.Module) -> type:
@@ -298,5 +352,5 @@ def install_layer_regions(module: torch.nn.Module, min_layers: int = 1) -> int:
         cls = type(layer)
         if not hasattr(cls, _OWN_CLASS):
             layer._autotp_layer_index = _layer_index(layer)
-            layer.__class__ = _regional_class(cls, cache_keyword(cls.forward))
+            layer.__class__ = _regional_class(cls, cache_keyword(cls.forward, LAYER_CACHE_NAMES))
     return len(layers)

@@ -93,42 +93,58 @@ def test_each_rank_caches_only_its_kv_heads_and_64_tokens_compile_a_constant_num
         assert r["graphs_for_generate"] <= 2
 
 
-def _rank_sliding(rank: int, world: int, folder: str, new_tokens: int) -> dict:
+def _rank_regional(rank: int, world: int, folders: dict[str, str], new_tokens: int) -> dict:
     from transformers.cache_utils import DynamicSlidingWindowLayer
 
     from autotp import parallelize_model
+    from autotp.depth import layer_stack
 
-    model = parallelize_model(folder, tp_size=world)
-    ids = torch.tensor(PROMPT)
-    with torch.no_grad():
-        logits = model(input_ids=ids).logits
-        out = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=PAD_ID,
-                             output_logits=True, return_dict_in_generate=True)
-    return {"logits": logits, "greedy": out.sequences[0].tolist(), "step_logits": list(out.logits),
-            "regional": all(type(layer).__name__.startswith("Regional") for layer in model.model.layers),
+    results = {}
+    for arch, folder in folders.items():
+        model = parallelize_model(folder, tp_size=world)
+        ids = torch.tensor(PROMPT)
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits
+            out = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=PAD_ID,
+                                 output_logits=True, return_dict_in_generate=True)
+        stack = model.get_submodule(layer_stack(model, 4))
+        results[arch] = {
+            "logits": logits, "greedy": out.sequences[0].tolist(), "step_logits": list(out.logits),
+            "regional": all(type(layer).__name__.startswith("Regional") for layer in stack),
             "sliding": sum(isinstance(layer, DynamicSlidingWindowLayer) for layer in out.past_key_values.layers)}
+        model.autotp.close()
+    return results
 
 
-@pytest.mark.parametrize(("arch", "sliding"), [("gemma2", 2), ("mistral", 4)])
-def test_sliding_window_layers_generate_through_layer_regions_like_one_process(
-        tmp_path: Path, arch: str, sliding: int) -> None:
-    # 4 layers (regions: autotp/regions.py), a window of 4 positions that the 7-token prompt
-    # overfills: Gemma-2 alternates sliding-window and global layers, Mistral's are all sliding
-    folder = save_tiny(arch, tmp_path / "ckpt", seed=0, num_hidden_layers=4, sliding_window=4,
-                       max_position_embeddings=128)
+#: arch -> (config overrides, sliding-window layers of its 4), one of each way a layer meets its
+#: region at tp=2 (tests/unit/test_layer_regions.py checks more architectures in one process): Gemma-2
+#: alternates sliding-window layers (a window of 4 positions, which the 7-token prompt overfills,
+#: sliced outside the region) and global ones; GPT-2's blocks take the cache by position; BLOOM's
+#: take it as ``layer_past`` and return (hidden states, attention weights)
+REGIONAL = {"gemma2": ({"sliding_window": 4}, 2), "gpt2": ({}, 0), "bloom": ({}, 0)}
+
+
+def test_decoders_generate_through_layer_regions_like_one_process(tmp_path: Path) -> None:
+    # 4 layers: deep enough for layer regions (autotp/regions.py); every model in one launch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(folder).eval()
-    with torch.no_grad():
-        logits = model(input_ids=torch.tensor(PROMPT)).logits
-        ref = model.generate(torch.tensor(PROMPT), max_new_tokens=12, do_sample=False, pad_token_id=PAD_ID,
-                             output_logits=True, return_dict_in_generate=True)
-    for r in run_ranks(_rank_sliding, 2, str(folder), 12):
-        assert r["regional"] and r["sliding"] == sliding
-        torch.testing.assert_close(r["logits"], logits, atol=1e-5, rtol=1e-4)
-        assert r["greedy"] == ref.sequences[0].tolist()
-        for step, (a, b) in enumerate(zip(r["step_logits"], ref.logits, strict=True)):
-            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4, msg=f"decode step {step}")
+    folders, references = {}, {}
+    for arch, (overrides, _) in REGIONAL.items():
+        folder = save_tiny(arch, tmp_path / arch, seed=0, num_hidden_layers=4, **overrides)
+        model = AutoModelForCausalLM.from_pretrained(folder).eval()
+        with torch.no_grad():
+            references[arch] = (model(input_ids=torch.tensor(PROMPT)).logits,
+                                model.generate(torch.tensor(PROMPT), max_new_tokens=10, do_sample=False,
+                                               pad_token_id=PAD_ID, output_logits=True, return_dict_in_generate=True))
+        folders[arch] = str(folder)
+    for results in run_ranks(_rank_regional, 2, folders, 10):
+        for arch, r in results.items():
+            logits, ref = references[arch]
+            assert r["regional"] and r["sliding"] == REGIONAL[arch][1], arch
+            torch.testing.assert_close(r["logits"], logits, atol=1e-5, rtol=1e-4, msg=arch)
+            assert r["greedy"] == ref.sequences[0].tolist(), arch
+            for step, (a, b) in enumerate(zip(r["step_logits"], ref.logits, strict=True)):
+                torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4, msg=f"{arch}: decode step {step}")
 
 
 def _rank_first_generate(rank: int, world: int, folder: str, new_tokens: int) -> dict:

@@ -66,7 +66,7 @@ def _regional_generate(arch: str, layers: int) -> Regional:
 
 
 #: architecture -> layers of its regional run: 3, and Gemma-2's 4 (2 sliding-window layers, 2 global)
-REGIONAL = {"llama": 3, "gemma2": 4, "mixtral": 3, "gpt2": 3, "mistral": 3}
+REGIONAL = {"llama": 3, "gemma2": 4, "mixtral": 3, "gpt2": 3, "mistral": 3, "bloom": 3, "falcon": 3, "gpt_neox": 3}
 
 #: architectures whose compiled generate differs from the eager one without regions too (Mistral
 #: with an overfilled window: by ~9e-8 from the second decode step on, as Dynamo traces its
@@ -105,6 +105,19 @@ def test_each_graph_traces_one_layer_body_and_calls_it_once_per_layer(regional_l
     for calls, bodies, _ in regional_llama:
         assert len(bodies) == 1, f"one traced body per graph, got {bodies}"
         assert calls == 3
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "bloom", "gpt_neox", "mixtral"])
+def test_every_layer_goes_through_its_region_whatever_its_cache_is_called_and_however_it_is_passed(
+        regional: Callable[[str], Regional], arch: str) -> None:
+    # GPT-2's blocks take the cache by position, BLOOM's and GPT-NeoX's as ``layer_past``; BLOOM's
+    # return (hidden states, attention weights). Falcon's (``layer_past`` and such a tuple too) are
+    # not reused in the symbolic decode graph: its linear layers read ``self.weight.T``, a value
+    # Dynamo computes outside the body and cannot map to another layer's, so each body is traced
+    # anew there (``compat.stamped_regions_keep_bound_sizes``), as without regions; its tokens and
+    # logits are checked with the others'
+    _, graphs = regional(arch)
+    assert graphs and [(calls, len(bodies)) for calls, bodies, _ in graphs] == [(REGIONAL[arch], 1)] * len(graphs)
 
 
 def _inlining_backend(gm: torch.fx.GraphModule, example_inputs: list) -> object:
