@@ -279,7 +279,9 @@ def _hold_window(layer: Any, keys: torch.Tensor, values: torch.Tensor) -> None:
     states counted in ``cumulative_length`` (which the model's sliding-window mask reads through
     ``get_mask_sizes``), and only the last ``sliding_window - 1`` positions kept, sliced as
     ``update`` slices them; a prefill also initializes it as its ``lazy_initialization`` does."""
-    past = layer.keys.shape[-2] if layer.is_initialized else 0
+    # the past the region concatenated: none before a prefill, nor the 1-d empty tensor
+    # ``lazy_initialization`` leaves in a layer initialized before its first update
+    past = layer.keys.shape[-2] if layer.is_initialized and layer.keys.dim() > 1 else 0
     if not layer.is_initialized:
         layer.device, layer.is_initialized = keys.device, True
         layer._sliding_window_tensor = layer._sliding_window_tensor.to(keys.device)

@@ -205,14 +205,19 @@ def test_the_cache_layer_state_the_wrapper_sets_outside_the_region_is_what_dynam
     assert changed == {"device", "keys", "values", "is_initialized"}
 
 
+@pytest.mark.parametrize("initialized", [False, True], ids=["fresh", "initialized-empty"])
 @pytest.mark.parametrize("prompt", [2, 3, 6])  # inside the window of 4, filling it, overfilling it
-def test_the_sliding_window_layer_state_the_wrapper_sets_is_what_two_updates_leave(prompt: int) -> None:
+def test_the_sliding_window_layer_state_the_wrapper_sets_is_what_two_updates_leave(prompt: int,
+                                                                                   initialized: bool) -> None:
     from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
     from autotp.regions import _hold_window
 
     states = [torch.randn(1, 2, n, 4) for n in (prompt, 1)]  # a prefill's keys, then a decode step's
     plain, held = DynamicSlidingWindowLayer(sliding_window=4), DynamicSlidingWindowLayer(sliding_window=4)
+    if initialized:  # initialized before the first update (the planner's cache): 1-d empty keys
+        plain.lazy_initialization(states[0], states[0])
+        held.lazy_initialization(states[0], states[0])
     for new in states:
         want_keys, want_values = plain.update(new, -new)
         region = DynamicLayer()  # what the region's stand-in does: the past and the new states concatenated
