@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["CONFIG", "SEED", "checkpoint_bytes", "make_checkpoint"]
+__all__ = ["CONFIG", "MODELS", "SEED", "checkpoint_bytes", "make_checkpoint", "make_model_checkpoint"]
 
 #: LlamaConfig fields of the benchmark model.
 CONFIG: dict[str, Any] = dict(
@@ -65,16 +65,34 @@ def _name(dtype: torch.dtype, size: str = "150m") -> str:
 def make_checkpoint(folder: str | os.PathLike[str], dtype: torch.dtype = torch.float32, size: str = "150m") -> Path:
     """The benchmark checkpoint (``size``, a key of :data:`SIZES`) in ``dtype`` under ``folder``
     (written on first use); its path."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    return make_model_checkpoint(folder, _name(dtype, size), "Llama", SIZES[size], dtype)
+
+
+#: other architectures at real widths, for measurements of how autotp meets their layers
+#: (``benchmarks/layer_regions.py``): name -> (transformers model family, config fields)
+MODELS: dict[str, tuple[str, dict[str, Any]]] = {
+    # GPT-2 124M's own config: its blocks take the KV cache by position
+    "gpt2-124m": ("GPT2", dict(n_embd=768, n_layer=12, n_head=12, vocab_size=50257, n_positions=1024)),
+    # the benchmark model's widths as a Mistral with Mistral-7B-v0.1's sliding window of 4096
+    "mistral-150m-window4096": ("Mistral", {**CONFIG, "sliding_window": 4096}),
+}
+
+
+def make_model_checkpoint(folder: str | os.PathLike[str], name: str, family: str, fields: dict[str, Any],
+                          dtype: torch.dtype = torch.float32) -> Path:
+    """A seeded ``<family>ForCausalLM`` (``GPT2``: ``GPT2LMHeadModel``) of ``fields`` in ``dtype``,
+    saved as ``folder/name`` on first use; its path."""
+    import transformers
 
     root = Path(folder).expanduser()
-    target = root / _name(dtype, size)
+    target = root / name
     if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
         return target
     root.mkdir(parents=True, exist_ok=True)
-    config = LlamaConfig(**SIZES[size], architectures=["LlamaForCausalLM"])
+    model_class = "GPT2LMHeadModel" if family == "GPT2" else f"{family}ForCausalLM"
+    config = getattr(transformers, f"{family}Config")(**fields, architectures=[model_class])
     torch.manual_seed(SEED)
-    model = LlamaForCausalLM(config).to(dtype).eval()
+    model = getattr(transformers, model_class)(config).to(dtype).eval()
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=root))
     try:
         model.save_pretrained(tmp)
