@@ -139,16 +139,17 @@ def _layer_region(layer: torch.nn.Module, keyword: str, layout: str, *leaves: An
     cache = _OneLayerCache(past)
     kwargs[keyword] = cache
     out = _own_class(layer).forward(layer, *args, **kwargs)
+    keys, values = cache.layer.keys, cache.layer.values
     if type(out) is tuple:
-        return (cache.layer.keys, cache.layer.values, _mark(2),
-                *(_mark(1) if item is None else item for item in out))
-    return cache.layer.keys, cache.layer.values, out
+        return (keys, values, _mark(2, keys.device), *(_mark(1, keys.device) if item is None else item for item in out))
+    return keys, values, out
 
 
-def _mark(dims: int) -> torch.Tensor:
+def _mark(dims: int, device: torch.device) -> torch.Tensor:
     """An empty bool tensor of ``dims`` dims: what a region returns to say "a tuple follows" (2) or
-    "None" (1), where only tensors may leave it (:func:`_layer_region`); no layer returns one."""
-    return torch.empty((0,) * dims, dtype=torch.bool)
+    "None" (1), where only tensors may leave it (:func:`_layer_region`); no layer returns one. Read
+    for its metadata only: after the backend inlines the region, nothing uses it."""
+    return torch.empty((0,) * dims, dtype=torch.bool, device=device)
 
 
 def _output(result: tuple[Any, ...]) -> Any:
