@@ -31,10 +31,13 @@ outside the region (:func:`_hold_window`). The cache may come by name (``cache``
 ``past_key_values``, or ``layer_past``: BLOOM's, Falcon's and GPT-NeoX's layers) or by position
 (GPT-2's blocks): the wrapper passes every argument to the region by its name. A layer that returns
 a tuple (BLOOM's and Falcon's blocks: the hidden states and the attention weights or None) gets it
-back whole, though only tensors leave the region (:func:`_layer_region`, :func:`_output`). Every
-other call (training without a cache, static or quantized cache layers, a sliding layer recording
-its past for assisted decoding, a cache that grows its layer list on demand, a forward taking more
-positional arguments than it names) runs the layer's own ``forward``, inlined as before. Measured
+back whole, though only tensors leave the region (:func:`_flat`, :func:`_output`). A call that
+holds no cache (a training step, an encoder's layers) runs through :func:`_plain_region`, the
+layer's forward on its own arguments, unless the layer is gradient-checkpointed (transformers then
+wraps the call in a checkpoint, which the backend plans through: ``passes/checkpoint.py``). Every
+other call (static or quantized cache layers, a sliding layer recording its past for assisted
+decoding, a cache that grows its layer list on demand, a forward taking more positional arguments
+than it names) runs the layer's own ``forward``, inlined as before. Measured
 (one process, tp=1, CPU seconds of ``parallelize_model`` + an 8-token ``generate``, 24 layers at
 hidden 64): a Mistral with a window of 4096, whose layers all fell back before, 8.5 + 9.3 ->
 5.1 + 4.2 (the same model without a window: 4.8 + 4.3); with a window of 6 that the prompt
@@ -43,7 +46,9 @@ GPT-2, whose blocks had all fallen back (the cache by position), 7.3 + 7.2 (regi
 5.1 + 4.0; GPT-NeoX, not swapped before (``layer_past``), 9.2 + 8.0 -> 4.0 + 4.0; BLOOM 7.1 + 7.2
 -> 3.5 + 3.6 (with the tuple output: 7.4 + 7.9 without, each layer's body traced anew); Falcon
 7.3 + 9.3 either way (its bodies are not reused, ``compat.stamped_regions_keep_bound_sizes``);
-same tokens as plain transformers each time. The attention reads the stand-in cache through
+same tokens as plain transformers each time. Without a cache (24 layers, load + the first
+training step, loss and backward): Llama 7.6 + 7.9 -> 3.5 + 4.2, BERT 6.1 + 6.5 -> 3.2 + 3.9, same
+losses. The attention reads the stand-in cache through
 ``update`` only; a layer that reads anything else of it (its length, its mask sizes) gets the one
 layer's answer (:class:`_OneLayerCache` answers ``get_seq_length`` and ``get_mask_sizes`` from
 that layer, which is what transformers' cache answers for that index).
@@ -140,9 +145,27 @@ def _layer_region(layer: torch.nn.Module, keyword: str, layout: str, *leaves: An
     kwargs[keyword] = cache
     out = _own_class(layer).forward(layer, *args, **kwargs)
     keys, values = cache.layer.keys, cache.layer.values
+    return keys, values, *_flat(out, keys.device)
+
+
+@torch.compiler.nested_compile_region
+def _plain_region(layer: torch.nn.Module, layout: str, *leaves: Any) -> tuple[Any, ...]:
+    """One decoder or encoder layer's forward on its own arguments, for a call that holds no KV
+    cache (a training step, an encoder's layer), packed as for :func:`_layer_region`: its output
+    as :func:`_flat` makes it."""
+    _, args, kwargs = _unpack(layout, leaves)
+    out = _own_class(layer).forward(layer, *args, **kwargs)
+    device = next((leaf.device for leaf in leaves if isinstance(leaf, torch.Tensor)), None)
+    return _flat(out, device)
+
+
+def _flat(out: Any, device: torch.device | None) -> tuple[Any, ...]:
+    """A layer's output as a region returns it: ``(out,)``, or for a tuple (BLOOM's and Falcon's
+    blocks: the hidden states and the attention weights or None) :func:`_mark` 2 then each item,
+    a None as :func:`_mark` 1 (Dynamo reuses a region only where every output is a tensor)."""
     if type(out) is tuple:
-        return (keys, values, _mark(2, keys.device), *(_mark(1, keys.device) if item is None else item for item in out))
-    return keys, values, out
+        return _mark(2, device), *(_mark(1, device) if item is None else item for item in out)
+    return (out,)
 
 
 def _mark(dims: int, device: torch.device) -> torch.Tensor:
@@ -152,12 +175,12 @@ def _mark(dims: int, device: torch.device) -> torch.Tensor:
     return torch.empty((0,) * dims, dtype=torch.bool, device=device)
 
 
-def _output(result: tuple[Any, ...]) -> Any:
-    """The layer's output from what :func:`_layer_region` returned after the keys and values."""
-    if len(result) == 3:
-        return result[2]
+def _output(result: tuple[Any, ...], start: int) -> Any:
+    """The layer's output from what a region returned from ``start`` on (:func:`_flat`)."""
+    if len(result) == start + 1:
+        return result[start]
     items = []
-    for item in result[3:]:
+    for item in result[start + 1:]:
         items.append(None if isinstance(item, torch.Tensor) and item.dtype == torch.bool and item.shape == (0,)
                      else item)
     return tuple(items)
@@ -224,20 +247,25 @@ def _regional_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         return cls._autotp_own_class.forward(self, *args, **kwargs)
     cache = args[at] if at < len(args) else kwargs.get(keyword)  # GPT-2's blocks take it positionally
     index = self._autotp_layer_index
+    if cache is None:  # a training step or an encoder: the layer's own arguments only
+        if self.training and getattr(self, "gradient_checkpointing", False):  # checkpointed: its own
+            return cls._autotp_own_class.forward(self, *args, **kwargs)
+        target, sliding, head, leaves = None, False, "0|", []
     # eligible: transformers' own Cache.update, no offloading, a layer at this index that is
     # exactly a DynamicLayer or a DynamicSlidingWindowLayer not recording its past (prefill or
     # decode step)
-    if (index is None or not isinstance(cache, Cache) or type(cache).update is not Cache.update
+    elif (index is None or not isinstance(cache, Cache) or type(cache).update is not Cache.update
             or getattr(cache, "offloading", False) or index >= len(cache.layers)):
         return cls._autotp_own_class.forward(self, *args, **kwargs)
-    target = cache.layers[index]
-    sliding = type(target) is DynamicSlidingWindowLayer
-    if not sliding and type(target) is not DynamicLayer or sliding and target.record_past:
-        return cls._autotp_own_class.forward(self, *args, **kwargs)
-    if target.is_initialized:
-        head, leaves = "2|", [target.keys, target.values]
     else:
-        head, leaves = "0|", []
+        target = cache.layers[index]
+        sliding = type(target) is DynamicSlidingWindowLayer
+        if not sliding and type(target) is not DynamicLayer or sliding and target.record_past:
+            return cls._autotp_own_class.forward(self, *args, **kwargs)
+        if target.is_initialized:
+            head, leaves = "2|", [target.keys, target.values]
+        else:
+            head, leaves = "0|", []
     names = positional[:len(args)] + tuple(kwargs)  # every argument by its name: the cache's is the stand-in's
     tuples = ""
     for value in args + tuple(kwargs.values()):
@@ -253,13 +281,16 @@ def _regional_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
             leaves.extend(value)
         else:
             return cls._autotp_own_class.forward(self, *args, **kwargs)
+    if target is None:
+        result = _plain_region(self, head + ",".join(names) + "|" + tuples, *leaves)
+        return result[0] if len(result) == 1 else _output(result, 0)
     result = _layer_region(self, keyword, head + ",".join(names) + "|" + tuples, *leaves)
     keys, values = result[0], result[1]
     if sliding:
         _hold_window(target, keys, values)
     else:
         _hold(target, keys, values)
-    return result[2] if len(result) == 3 else _output(result)
+    return result[2] if len(result) == 3 else _output(result, 2)
 
 
 def _hold(layer: Any, keys: torch.Tensor, values: torch.Tensor) -> None:

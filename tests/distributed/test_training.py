@@ -82,8 +82,11 @@ def _reference(folder: Path, steps: int) -> dict:
     return {"loss": float(loss.detach()), "grads": grads, "curve": curve, "norm": norm}
 
 
-def test_loss_gradients_and_an_adamw_loss_curve_equal_one_process(tmp_path: Path) -> None:
-    folder = save_tiny("llama", tmp_path / "ckpt", seed=0, num_hidden_layers=2)
+@pytest.mark.parametrize("layers", [2, 4], ids=["2-layers", "4-layers-through-layer-regions"])
+def test_loss_gradients_and_an_adamw_loss_curve_equal_one_process(tmp_path: Path, layers: int) -> None:
+    # 4 layers: deep enough for layer regions (autotp/regions.py), so the training graphs trace one
+    # layer body and stamp out the others
+    folder = save_tiny("llama", tmp_path / "ckpt", seed=0, num_hidden_layers=layers)
     ref = _reference(folder, steps=3)
     for r in run_ranks(_rank_train, 2, str(folder), 3):
         assert r["loss"] == pytest.approx(ref["loss"], rel=1e-5)

@@ -156,18 +156,47 @@ def test_sliding_window_layers_go_through_regions_and_each_kind_gets_its_own_bod
     assert [len(bodies) for _, bodies, _ in graphs] == [1] + [2] * (len(graphs) - 1)
 
 
-def test_a_call_without_a_cache_trains_through_the_layers_own_forward() -> None:
-    model = tiny_model("llama", num_hidden_layers=3)
-    reference = tiny_model("llama", num_hidden_layers=3)
+@pytest.mark.parametrize("checkpointed", [False, True], ids=["plain", "gradient-checkpointed"])
+def test_a_training_step_without_a_cache_goes_through_one_body_unless_checkpointed(checkpointed: bool) -> None:
+    model = tiny_model("llama", num_hidden_layers=3).train()
+    reference = tiny_model("llama", num_hidden_layers=3).train()
+    if checkpointed:  # transformers checkpoints each layer's call: the layer runs its own forward
+        model.gradient_checkpointing_enable()
     install_layer_regions(model)
     labels = PROMPT.clone()
-    loss = torch.compile(model, backend="eager")(input_ids=PROMPT, labels=labels, use_cache=False).loss
+    graphs = []
+
+    def inlining_backend(gm: torch.fx.GraphModule, example_inputs: list) -> object:
+        graphs.append((_calls(gm), len(list(gm.named_children()))))
+        return _inlining_backend(gm, example_inputs)
+
+    torch._dynamo.reset()
+    loss = torch.compile(model, backend=inlining_backend)(input_ids=PROMPT, labels=labels, use_cache=False).loss
     loss.backward()
     ref = reference(input_ids=PROMPT, labels=labels, use_cache=False).loss
     ref.backward()
+    assert graphs and all(calls == (0 if checkpointed else 3) for calls, _ in graphs), graphs
     assert torch.equal(loss.detach(), ref.detach())
     for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
         assert torch.allclose(p.grad, q.grad, rtol=1e-6, atol=1e-7), name
+
+
+def test_an_encoders_layers_go_through_one_body() -> None:
+    model = tiny_model("bert", num_hidden_layers=3).eval()
+    reference = tiny_model("bert", num_hidden_layers=3).eval()
+    install_layer_regions(model)
+    graphs = []
+
+    def inlining_backend(gm: torch.fx.GraphModule, example_inputs: list) -> object:
+        graphs.append((_calls(gm), len(list(gm.named_children()))))
+        return _inlining_backend(gm, example_inputs)
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        out = torch.compile(model, backend=inlining_backend)(input_ids=PROMPT).last_hidden_state
+        want = reference(input_ids=PROMPT).last_hidden_state
+    assert graphs == [(3, 1)]
+    assert torch.equal(out, want)
 
 
 def test_models_without_one_stack_of_cached_layers_are_left_alone() -> None:
