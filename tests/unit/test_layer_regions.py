@@ -161,7 +161,7 @@ def test_a_training_step_without_a_cache_goes_through_one_body_unless_checkpoint
     model = tiny_model("llama", num_hidden_layers=3).train()
     reference = tiny_model("llama", num_hidden_layers=3).train()
     if checkpointed:  # transformers checkpoints each layer's call: the layer runs its own forward
-        model.gradient_checkpointing_enable()
+        model.activation_checkpointing_enable()
     install_layer_regions(model)
     labels = PROMPT.clone()
     graphs = []
