@@ -175,10 +175,9 @@ def _mark(dims: int, device: torch.device) -> torch.Tensor:
     return torch.empty((0,) * dims, dtype=torch.bool, device=device)
 
 
-def _output(result: tuple[Any, ...], start: int) -> Any:
-    """The layer's output from what a region returned from ``start`` on (:func:`_flat`)."""
-    if len(result) == start + 1:
-        return result[start]
+def _output(result: tuple[Any, ...], start: int) -> tuple[Any, ...]:
+    """The tuple a layer returned, from what a region returned from ``start`` on: its :func:`_mark`
+    2, then the items (:func:`_flat`; the callers take a lone output themselves)."""
     items = []
     for item in result[start + 1:]:
         items.append(None if isinstance(item, torch.Tensor) and item.dtype == torch.bool and item.shape == (0,)
@@ -236,7 +235,8 @@ def _regional_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     call or an attribute read 0.05-0.2 ms (measured on torch 2.13, tiny functions under
     ``torch.compile(backend="eager")``); the region wrapper cost Dynamo ~20 ms per layer call,
     0.57 s over the benchmark model's two graphs. The per-class facts (the layer's own class, the
-    cache keyword) are class attributes set by :func:`_regional_class`, the layer index an
+    cache keyword, the names its arguments may come by position under and the cache's position
+    among them) are class attributes set by :func:`_regional_class`, the layer index an
     attribute set at install; what is left is what this call holds: the cache's kind, its layer at
     this index, and each argument's kind. The layout is built only from names and tuple lengths,
     constants Dynamo folds, and names a call's structure exactly, so a call of another structure is
@@ -281,10 +281,11 @@ def _regional_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
             leaves.extend(value)
         else:
             return cls._autotp_own_class.forward(self, *args, **kwargs)
+    layout = head + ",".join(names) + "|" + tuples
     if target is None:
-        result = _plain_region(self, head + ",".join(names) + "|" + tuples, *leaves)
+        result = _plain_region(self, layout, *leaves)
         return result[0] if len(result) == 1 else _output(result, 0)
-    result = _layer_region(self, keyword, head + ",".join(names) + "|" + tuples, *leaves)
+    result = _layer_region(self, keyword, layout, *leaves)
     keys, values = result[0], result[1]
     if sliding:
         _hold_window(target, keys, values)

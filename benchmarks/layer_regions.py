@@ -1,7 +1,7 @@
 """Layer regions off and on: a cold launch at tp=2 of real-width models whose layers meet their
 region in other ways than the startup benchmark's Llama (``autotp/regions.py``).
 
-    python benchmarks/layer_regions.py --rounds 2 --out benchmarks/results/layer_regions_tp2_fp32.json
+    python benchmarks/layer_regions.py --rounds 3 --out benchmarks/results/layer_regions_tp2_fp32.json
 
 Each launch is ``benchmarks/startup.py``'s ``autotp_cold`` worker (import, ``parallelize_model`` with
 an empty plan cache, a greedy 16-token ``generate`` from 16 tokens, exit) under torch's elastic
