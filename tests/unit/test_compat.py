@@ -4,6 +4,7 @@ missing one is named, with the installed versions, in an ``AutoTPError``."""
 from __future__ import annotations
 
 import ast
+import contextlib
 import itertools
 from pathlib import Path
 from typing import Any
@@ -353,3 +354,48 @@ def test_a_package_s_frame_keeps_the_guards_torch_s_two_builds_keep_building_the
     else:
         assert builds_once == len(once)
     assert torch.equal(logits, expected)
+
+
+def test_a_config_read_without_inlining_its_getattribute_traces_and_guards_as_the_inlined_read() -> None:
+    """GPT-2's config maps ``hidden_size`` to ``n_embd`` (``attribute_map``). Compiled inside and
+    outside the block, a function reading both names and a plain field gives the same results, the
+    same graph, and recompiles when the same field changes; inside, Dynamo never inlines
+    ``PretrainedConfig.__getattribute__``."""
+    import transformers
+    from torch._dynamo import symbolic_convert
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    def read(x: torch.Tensor, config: Any) -> torch.Tensor:
+        return x * config.hidden_size + config.n_embd + config.layer_norm_epsilon
+
+    inlined: list[str] = []
+    inline_call = symbolic_convert.InliningInstructionTranslator.inline_call_
+
+    def counting(self: Any, *args: Any, **kwargs: Any) -> Any:
+        inlined.append(self.f_code.co_name)
+        return inline_call(self, *args, **kwargs)
+
+    def compile_twice(block: Any) -> tuple[list[torch.Tensor], int, list[str], str]:
+        torch.compiler.reset()
+        inlined.clear()
+        counter = CompileCounterWithBackend("eager")
+        config = transformers.GPT2Config(n_embd=8, layer_norm_epsilon=0.5)
+        fn = torch.compile(read, backend=counter, fullgraph=True)
+        x = torch.ones(2)
+        symbolic_convert.InliningInstructionTranslator.inline_call_ = counting
+        try:
+            with block():
+                first = fn(x, config)
+                config.n_embd = 3  # the field behind both names: guarded, so compiled again
+                second = fn(x, config)
+        finally:
+            symbolic_convert.InliningInstructionTranslator.inline_call_ = inline_call
+        return [first, second], counter.frame_count, list(inlined), str(counter.graphs[0].graph)
+
+    plain, uninlined = compile_twice(contextlib.nullcontext), compile_twice(compat.config_reads_uninlined)
+
+    assert [t.tolist() for t in plain[0]] == [[16.5, 16.5], [6.5, 6.5]]  # x * 8 + 8 + 0.5, then with 3
+    assert [t.tolist() for t in uninlined[0]] == [t.tolist() for t in plain[0]]
+    assert plain[1] == uninlined[1] == 2  # the change recompiled in both
+    assert "__getattribute__" in plain[2] and "__getattribute__" not in uninlined[2]
+    assert uninlined[3] == plain[3]
