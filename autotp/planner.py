@@ -72,7 +72,7 @@ from autotp.backend import (
     grapharg_source,
 )
 from autotp.collectives import Comm, kind_of
-from autotp.compat import BackendCompilerFailed, config_reads_uninlined, encoder_outputs, fake_tensor_tls
+from autotp.compat import BackendCompilerFailed, encoder_outputs, fake_tensor_tls, trace_settings
 from autotp.config import AutoTPConfig, parse_dtype
 from autotp.context import CompiledGraph, TPContext, attach_meta, meta_of, output_path_of, standin
 from autotp.errors import AutoTPError, SolverError
@@ -600,7 +600,7 @@ def _run_graph(name: str, forward: Any, kwargs: dict[str, Any], comm: Comm, seen
     received = _cache_entries(*kwargs.values())  # held while the call may replace them
     t, cpu = time.perf_counter(), time.process_time()
     try:
-        with torch.no_grad(), _meta_constants_allowed(), config_reads_uninlined():
+        with torch.no_grad(), _meta_constants_allowed(), trace_settings():
             out = forward(**kwargs)
             out = gather_user_values(out, comm)  # what parallelize_model does on return (logits)
     except BackendCompilerFailed as e:  # Dynamo wraps what the backend raised
