@@ -1311,9 +1311,10 @@ def config_reads_uninlined() -> Iterator[None]:
     models read their config often in ``forward``: 174 reads in the two graphs (prefill, decode)
     of a plan of the suite's tiny 2-layer Llama, 258 in Gemma-2's. Measured with ``plan_model``
     at tp=2 in one process, six alternating plans each way, median CPU-s of Dynamo's trace: Llama
-    1.58 -> 1.47, Gemma-2 1.99 -> 1.84. Part of :func:`trace_settings`. A config whose class overrides ``__getattribute__`` again, or whose
-    ``attribute_map`` is not a plain dict, is left to Dynamo, and so is every other object;
-    on a torch or transformers without the names nothing is swapped."""
+    1.58 -> 1.47, Gemma-2 1.99 -> 1.84. Part of :func:`trace_settings`. A config whose class
+    overrides ``__getattribute__`` again, or whose ``attribute_map`` is not a plain dict, is left
+    to Dynamo, and so is every other object; on a torch or transformers without the names nothing
+    is swapped."""
     user_defined = sys.modules.get("torch._dynamo.variables.user_defined")
     variables = sys.modules.get("torch._dynamo.variables")
     configs = sys.modules.get("transformers.configuration_utils")
