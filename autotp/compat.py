@@ -1191,14 +1191,13 @@ class _CompileSettings:
     the backend, the guards) run with the cyclic collector walking only the objects the compile
     makes (:func:`autotp.memory.collecting_new_objects_only`) and making no automatic full
     collection (:func:`autotp.memory.full_collections_deferred`; the young generations are
-    collected as before), with Dynamo's function names for its trace logs looked up only
-    where those logs are on (:func:`_source_names_only_when_logged`), a region's source clones
+    collected as before), under :func:`trace_settings` (Dynamo's function names for its trace logs
+    looked up only where those logs are on, a transformers config's attributes read without
+    inlining its ``__getattribute__``), a region's source clones
     memoized (:func:`_source_clones_memoized`), side effects replayed without a report nobody reads
     (:func:`_side_effects_unreported`), a frame's guards built once, not twice, for the package
     filter (:func:`_guards_built_once`), and a compile past the recompile limit an error instead of
-    an uncompiled run on the shards (:func:`_no_uncompiled_runs_past_the_recompile_limit`), and a
-    transformers config's attributes read without inlining its ``__getattribute__``
-    (:func:`config_reads_uninlined`).
+    an uncompiled run on the shards (:func:`_no_uncompiled_runs_past_the_recompile_limit`).
 
     Why: a full collection walks every live object, the loaded model, transformers and Dynamo's
     own state (~400,000 objects on the startup benchmark's 150m model): the automatic ones inside

@@ -168,7 +168,7 @@ def _flat(out: Any, device: torch.device | None) -> tuple[Any, ...]:
     return (out,)
 
 
-def _mark(dims: int, device: torch.device) -> torch.Tensor:
+def _mark(dims: int, device: torch.device | None) -> torch.Tensor:
     """An empty bool tensor of ``dims`` dims: what a region returns to say "a tuple follows" (2) or
     "None" (1), where only tensors may leave it (:func:`_layer_region`); no layer returns one. Read
     for its metadata only: after the backend inlines the region, nothing uses it."""
