@@ -1203,10 +1203,12 @@ class _CompileSettings:
     own state (~400,000 objects on the startup benchmark's 150m model): the automatic ones inside
     the warm-up's trace cost ~0.3 CPU s each, and the backend's deliberate one before the shard
     reads (``memory.release_free_memory``) ~0.4; frozen, that one frees the same garbage, the
-    trace's and the planning's, walking only it. Nothing else changes: what is collected is the
-    same, garbage older than the compile waits for the first full collection after it (which,
-    after the deliberate one, comes soon: the collector then counts only the compile's objects as
-    long-lived). Dynamo finds its backend through ``_torchdynamo_orig_backend`` as before."""
+    trace's and the planning's, walking only it (a young collection: inside the block nothing is
+    promoted to the oldest generation, so the collector's count of long-lived objects stays the
+    one the last full collection left, and the next full one comes when it would have). Nothing
+    else changes: what is collected is the same, garbage older than the compile waits for the
+    first full collection after it. Dynamo finds its backend through
+    ``_torchdynamo_orig_backend`` as before."""
 
     def __init__(self, callback: Callable[..., Any]) -> None:
         self._torchdynamo_orig_backend = callback

@@ -1,7 +1,8 @@
 """``autotp/memory.py``: freed heap pages go back to the OS; Dynamo's guard-latency profiling (a
 ~32 MB cache-eviction buffer per compiled graph) is skipped inside the block and only there;
 planning's and each Dynamo compile's collections walk only their own objects, unless the process
-froze its own, and a compile makes no automatic full collection; a call on a fresh stack is a plain call
+froze its own, and a compile makes no automatic full collection (nor one of its own that would bring
+the next one forward); a call on a fresh stack is a plain call
 run in another thread.
 
 Exact checks only (which function Dynamo calls, what is restored); no RSS or timing asserts.
@@ -10,6 +11,7 @@ Exact checks only (which function Dynamo calls, what is restored); no RSS or tim
 from __future__ import annotations
 
 import gc
+import weakref
 from typing import Any
 
 import pytest
@@ -113,6 +115,46 @@ def test_a_process_that_froze_objects_itself_is_left_as_it_was(monkeypatch) -> N
         assert frozen // 2 < gc.get_freeze_count() <= frozen  # nor unfrozen
     finally:
         gc.unfreeze()
+
+
+def test_a_collection_inside_a_planning_block_frees_its_garbage_and_the_next_full_collection_is_not_brought_forward(
+        monkeypatch) -> None:
+    """CPython (3.11) makes an automatic full collection once the objects promoted since the last
+    one exceed a quarter of the objects that one left. A full collection inside the frozen block
+    counted only the block's survivors, so the next one came after a few thousand promotions and
+    walked the whole heap (0.3 s per rank in the startup benchmark's first decode step)."""
+    monkeypatch.setattr(memory, "_frozen_before", None)
+    monkeypatch.setattr(memory, "trim_heap", lambda: False)
+    threshold = gc.get_threshold()
+    full: list[dict[str, int]] = []
+
+    def count_full_collections(phase: str, info: dict[str, int]) -> None:
+        if phase == "stop" and info["generation"] == 2:
+            full.append(info)
+
+    gc.set_threshold(100, 10, 10)  # a middle collection every 1,000 allocations, full ones due after 10 of them
+    gc.collect()  # the count of long-lived objects: this whole process (torch, Dynamo, pytest)
+    assert len(gc.get_objects()) > 8 * 20_000  # a quarter of it is more than the 20,000 kept below
+    try:
+        with memory.collecting_new_objects_only():
+            assert gc.get_threshold()[0] == 100 and min(gc.get_threshold()[1:]) > 10**9  # young ones only
+            cycle = _Node()
+            cycle.other = cycle
+            freed = weakref.ref(cycle)
+            del cycle
+            kept_inside = [[] for _ in range(1_000)]
+            release_free_memory(collect=True)
+            assert freed() is None  # the block's garbage cycle was collected
+        assert gc.get_threshold() == (100, 10, 10)
+        gc.callbacks.append(count_full_collections)
+        kept_after = [[] for _ in range(20_000)]  # 20 middle collections, ~20,000 objects promoted
+        gc.callbacks.remove(count_full_collections)
+        assert len(kept_inside) + len(kept_after) == 21_000
+        assert full == []
+    finally:
+        if count_full_collections in gc.callbacks:
+            gc.callbacks.remove(count_full_collections)
+        gc.set_threshold(*threshold)
 
 
 def test_full_collections_are_deferred_for_the_outermost_block_and_restored_after_an_error() -> None:
