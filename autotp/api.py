@@ -31,7 +31,7 @@ import torch.distributed as dist
 from autotp.backend import check_override_styles, check_overrides, make_backend, plan_options
 from autotp.checkpoint_match import match_parameters
 from autotp.collectives import Comm, attach_health, ensure_process_group, peer_failures, redistribute
-from autotp.compat import BackendCompilerFailed, maybe_mark_dynamic, no_guard_latency_profile
+from autotp.compat import BackendCompilerFailed, DynamoCompiled, maybe_mark_dynamic, no_guard_latency_profile
 from autotp.config import AutoTPConfig, parse_dtype, switch
 from autotp.context import TPContext, attach_meta, meta_of, shard_of, standin
 from autotp.errors import AutoTPError
@@ -301,7 +301,7 @@ def _compile_encoder(module: torch.nn.Module, slots: list[tuple[torch.nn.Module,
     encoder = original()
     if encoder is module or not isinstance(encoder, torch.nn.Module):
         return
-    compiled = torch.compile(type(encoder).forward.__get__(encoder), backend=make_backend(ctx), dynamic=None)
+    compiled = DynamoCompiled(type(encoder).forward.__get__(encoder), make_backend(ctx))
     guard = InputGuard(TokenIdCheck.for_model(module, encoder.forward))
     entry = _EncoderEntry(encoder, _SwappingForward(compiled, slots, ctx.comm, guard))
 
@@ -522,12 +522,14 @@ def parallelize_model(
 def _compiled_forward(module: torch.nn.Module, ctx: TPContext, device: torch.device,
                       fsdp: bool = False) -> Callable[..., Any]:
     """The model's compiled forward: with the cache on, one whose graphs are stored for the next
-    launch and installed from the last one (``autotp/stored_graphs.py``), else ``torch.compile``;
-    its frames shared within the group where the gate says so and the model is not under FSDP2
-    (``autotp/shared_frames.py``, Gate)."""
+    launch and installed from the last one (``autotp/stored_graphs.py``), else what a rank that
+    stores no entry runs (``compat.DynamoCompiled``: the same compile settings, among them the
+    error past Dynamo's recompile limit; with a bare ``torch.compile`` a call past it ran the
+    forward uncompiled on the shards); its frames shared within the group where the gate says so
+    and the model is not under FSDP2 (``autotp/shared_frames.py``, Gate)."""
     fn = type(module).forward.__get__(module)
     if not ctx.plan_cache.enabled:
-        return torch.compile(fn, backend=make_backend(ctx), dynamic=None)
+        return DynamoCompiled(fn, make_backend(ctx))
     for p in module.parameters():  # a stored graph lowers for the session that placed its parameters
         meta = meta_of(p)
         if meta is not None and meta.session is None:
