@@ -10,6 +10,11 @@ plain transformers:
 * encoders: ``last_hidden_state`` (BERT) or the masked-LM logits (RoBERTa);
 * encoder-decoder (T5): logits with decoder inputs, and the tokens and step logits of a greedy ``generate``
   (which runs the encoder through ``model.get_encoder()``, outside ``forward``);
+* the load cases run with ``layer_regions=True``: each decoder layer goes through its layer region
+  (``autotp/regions.py``: traced once, reused for the next layer, inlined before planning), the
+  path every model of ``regions.MIN_LAYERS`` (4) layers or more takes; at 2 layers only where asked.
+  The ``-compile`` cases (the ``backend="autotp"`` entry installs no regions) and the other
+  multi-rank files plan the layers as Dynamo inlines them;
 * ``torch.compile(model.forward, backend="autotp")`` (the ``-compile`` cases) also: the logits of
   every step of that ``generate``, the collectives it issued (one all-gather per call, the
   logits', at the call's return: none inside any graph, the KV cache staying sharded across
@@ -41,6 +46,7 @@ import torch
 
 from autotp import session_of
 from autotp.plan_report import STATISTIC
+from autotp.regions import regional_layers
 from tests._dist import run_ranks
 from tests._tiny import ARCHS, save_tiny, tiny_config, tiny_plan
 
@@ -151,7 +157,7 @@ def _rank(rank: int, world: int, case_id: str, folder: str) -> dict[str, Any]:
     if case.path == "load":
         from autotp import parallelize_model
 
-        model = parallelize_model(folder, tp_size=world)
+        model = parallelize_model(folder, tp_size=world, layer_regions=True)
     else:
         model = _model_class(case.arch).from_pretrained(folder).eval()
         model.forward = torch.compile(model.forward, backend="autotp")
@@ -164,7 +170,9 @@ def _rank(rank: int, world: int, case_id: str, folder: str) -> dict[str, Any]:
             decoding = {"tokens": generated.sequences[0].tolist(), "step_logits": list(generated.logits)}
         else:
             decoding = {"tokens": None}
-    return {"output": out, "plan": session_of(model).plans[0], **decoding}  # the model's first graph
+    regional = [type(layer).__name__.startswith("Regional") for layer in regional_layers(model)]
+    return {"output": out, "plan": session_of(model).plans[0], "regional": regional,  # the model's first graph
+            **decoding}
 
 
 def _compiled_decoding(model: Any) -> dict[str, Any]:
@@ -206,6 +214,8 @@ def run_case(case: Case, world: int, folder: Path) -> dict[str, Any]:
     results = run_ranks(_rank, world, case.id, str(folder))
     seconds = time.perf_counter() - start
     for r in results:
+        if case.path == "load" and case.kind == "decoder":  # every layer went through its region
+            assert r["regional"] and all(r["regional"]), r["regional"]
         assert r["output"].shape == ref_out.shape
         torch.testing.assert_close(r["output"], ref_out, atol=ATOL, rtol=RTOL)
         assert r["tokens"] == ref_tokens, f"greedy tokens differ: {r['tokens']} != {ref_tokens}"
