@@ -11,6 +11,9 @@ transformers architectures (nobody here wrote their modeling code), just small:
 * ``save_tiny(arch, folder, seed=0, shards=1, dtype=..., **overrides)`` - ``save_pretrained`` output
   (config.json, generation_config.json, model.safetensors), or ``shards`` files
   ``model-0000i-of-0000N.safetensors`` plus ``model.safetensors.index.json``.
+* ``through_regions(model)`` - whether each layer of a parallelized model's layer stack runs through
+  its layer region (``autotp/regions.py``): multi-rank tests that pass ``layer_regions=True`` at 2
+  layers (the path of every model of 4 layers or more) assert it.
 * ``make_hf_cache(cache_dir, repo_id, source_folder, revision="main")`` - a Hugging Face cache entry
   (``models--org--name/{blobs,snapshots/<commit>,refs/<revision>}``) that
   ``snapshot_download(repo_id, cache_dir=..., local_files_only=True)`` resolves offline.
@@ -33,7 +36,8 @@ from typing import Any
 import pytest
 import torch
 
-__all__ = ["ARCHS", "make_hf_cache", "offline_hub", "save_tiny", "tiny_config", "tiny_model", "tiny_plan"]
+__all__ = ["ARCHS", "make_hf_cache", "offline_hub", "save_tiny", "through_regions", "tiny_config", "tiny_model",
+           "tiny_plan"]
 
 #: Common sizes: small, but with kv heads != heads and head_dim > 1 so GQA and rotary are exercised.
 _COMMON: dict[str, Any] = dict(
@@ -121,6 +125,15 @@ def one_process_reference(folder: Path, prompt: list[list[int]], new_tokens: int
         logits = model(input_ids=ids).logits
         tokens = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=pad_token_id)
     return logits, tokens[0].tolist()
+
+
+def through_regions(model: torch.nn.Module) -> list[bool]:
+    """For each layer of ``model``'s layer stack that takes a KV cache (``regions.regional_layers``):
+    is it swapped to its region class (``Regional<Name>_<digest>``)? Empty where there is no such
+    stack (encoder-decoders)."""
+    from autotp.regions import regional_layers
+
+    return [type(layer).__name__.startswith("Regional") for layer in regional_layers(model)]
 
 
 def save_tiny(

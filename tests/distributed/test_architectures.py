@@ -46,9 +46,8 @@ import torch
 
 from autotp import session_of
 from autotp.plan_report import STATISTIC
-from autotp.regions import regional_layers
 from tests._dist import run_ranks
-from tests._tiny import ARCHS, save_tiny, tiny_config, tiny_plan
+from tests._tiny import ARCHS, save_tiny, through_regions, tiny_config, tiny_plan
 
 pytestmark = pytest.mark.dist
 
@@ -170,9 +169,8 @@ def _rank(rank: int, world: int, case_id: str, folder: str) -> dict[str, Any]:
             decoding = {"tokens": generated.sequences[0].tolist(), "step_logits": list(generated.logits)}
         else:
             decoding = {"tokens": None}
-    regional = [type(layer).__name__.startswith("Regional") for layer in regional_layers(model)]
-    return {"output": out, "plan": session_of(model).plans[0], "regional": regional,  # the model's first graph
-            **decoding}
+    return {"output": out, "plan": session_of(model).plans[0], "regional": through_regions(model),
+            **decoding}  # the model's first graph
 
 
 def _compiled_decoding(model: Any) -> dict[str, Any]:

@@ -13,6 +13,9 @@ heads) draw from per-rank streams derived from the seed and the rank (``autotp/r
   and the spreads agree within a factor 3;
 * with dropout 0 the loss equals one process's within 1e-5 relative (the row-parallel all-reduces
   reorder fp32 sums).
+
+The layers run through their layer regions (``layer_regions=True``: the path of every model of 4
+layers or more, here at 2).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import pytest
 import torch
 
 from tests._dist import run_ranks
-from tests._tiny import save_tiny
+from tests._tiny import save_tiny, through_regions
 
 pytestmark = pytest.mark.dist
 
@@ -63,7 +66,7 @@ def _losses(model: torch.nn.Module) -> tuple[list[float], list[torch.Tensor]]:
 def _rank_losses(rank: int, world: int, folder: str, trace: str) -> dict:
     from autotp import parallelize_model
 
-    model = parallelize_model(folder, tp_size=world, trace_dir=trace, logits_with_loss=True)
+    model = parallelize_model(folder, tp_size=world, trace_dir=trace, logits_with_loss=True, layer_regions=True)
     warmup = len(model.autotp.plans)
     losses, logits = _losses(model)
     model(input_ids=IDS, labels=IDS).loss.backward()  # the training graph compiled above, backward
@@ -72,7 +75,7 @@ def _rank_losses(rank: int, world: int, folder: str, trace: str) -> dict:
     for summary in sorted(Path(trace, f"rank{rank}").glob("graph*/summary.json")):
         for tag, count in json.loads(summary.read_text()).get("local_rewrites", {}).items():
             rewrites[tag] = rewrites.get(tag, 0) + count
-    return {"losses": losses, "logits": logits, "rewrites": rewrites, "finite": finite,
+    return {"losses": losses, "logits": logits, "rewrites": rewrites, "finite": finite, "regional": through_regions(model),
             "training_collectives": [plan["collectives"] for plan in model.autotp.plans[warmup:]]}
 
 
@@ -121,6 +124,7 @@ def test_training_with_dropout_zero_equals_one_process(trained, build) -> None:
     folder, ranks = trained(build, 0.0)
     reference = _one_process(folder)
     for r in ranks:
+        assert r["regional"] and all(r["regional"])  # each layer through its region (layer_regions=True)
         assert r["losses"] == pytest.approx(reference, rel=1e-5)
 
 

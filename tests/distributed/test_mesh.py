@@ -10,6 +10,9 @@ trains a model with one kv head (k/v replicated beside split q heads, their part
 reduced over the tp group); gradient subgroups of grouped kv heads under a mesh are checked in
 tests/distributed/test_chunk_groups_on_mesh.py.
 
+The layers run through their layer regions (``layer_regions=True``: the path of every model of 4
+layers or more, here at 2), under DDP and FSDP2 alike.
+
 Each engine's mesh is launched once (:func:`trained`): the same run saves a checkpoint after its first
 step, and after its checks loads it and takes the second step again (then, under DDP, exports the
 model): the checkpoint tests read that run. (A launch of its own compiled the same training graphs
@@ -26,7 +29,7 @@ import pytest
 import torch
 
 from tests._dist import run_ranks
-from tests._tiny import save_tiny
+from tests._tiny import save_tiny, through_regions
 
 pytestmark = pytest.mark.dist
 
@@ -70,7 +73,7 @@ def _rank_train(rank: int, world: int, folder: str, kind: str, ckpt: str, export
     import autotp
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    model = autotp.parallelize_model(folder, mesh=mesh, data_parallel=kind)
+    model = autotp.parallelize_model(folder, mesh=mesh, data_parallel=kind, layer_regions=True)
     model.train()
     dp_rank = mesh.get_local_rank("dp")
     ids = IDS[2 * dp_rank: 2 * dp_rank + 2]
@@ -106,7 +109,7 @@ def _rank_train(rank: int, world: int, folder: str, kind: str, ckpt: str, export
     saved_at = json.loads((Path(ckpt) / "autotp_checkpoint.json").read_text())["saved_at"]
     return {"curve": curve, "norms": norms, "bytes": held, "logits": logits, "tokens": tokens,
             "tp_rank": mesh.get_local_rank("tp"), "dp_rank": dp_rank, "plan": model.autotp.plan,
-            "second": losses[1], "again": again, "saved_at": saved_at}
+            "second": losses[1], "again": again, "saved_at": saved_at, "regional": through_regions(model)}
 
 
 def _reference(folder: Path) -> dict:
@@ -189,6 +192,7 @@ def test_a_2x2_mesh_trains_like_one_process_on_the_whole_batch(trained, kind: st
     ref, results = run.ref, run.results
     assert sorted((r["dp_rank"], r["tp_rank"]) for r in results) == [(0, 0), (0, 1), (1, 0), (1, 1)]
     for r in results:
+        assert r["regional"] and all(r["regional"])  # each layer through its region (layer_regions=True)
         assert r["curve"] == pytest.approx(ref["curve"], rel=1e-4)
         assert r["norms"] == pytest.approx(ref["norms"], rel=1e-4)  # global over dp and tp
         assert r["norms"][0] > MAX_NORM  # the clipping really scaled the gradients

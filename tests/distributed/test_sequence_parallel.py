@@ -4,7 +4,8 @@ Each all-reduce of a block becomes a reduce-scatter (into sequence shards) and a
 (before the next column-parallel matmul), the loss and every gradient equal one process, and the
 activations autograd saves for backward take fewer bytes per rank than without it: each
 column-parallel matmul saves its input's sequence shard and gathers it again in backward, as
-Megatron-LM does (``autotp/passes/save_shards.py``).
+Megatron-LM does (``autotp/passes/save_shards.py``). The layers run through their layer regions
+(``layer_regions=True``: the path of every model of 4 layers or more, here at 2).
 
 Tolerance: as ``test_training.py`` (gradients atol 1e-5 / rtol 1e-4, loss 1e-5 relative: the
 reductions reorder fp32 sums).
@@ -18,7 +19,7 @@ import pytest
 import torch
 
 from tests._dist import run_ranks
-from tests._tiny import save_tiny
+from tests._tiny import save_tiny, through_regions
 from tests.distributed.test_training import IDS, LABELS, _gathered_grads
 
 pytestmark = pytest.mark.dist
@@ -30,7 +31,7 @@ def _rank(rank: int, world: int, folder: str, sequence_parallel: bool) -> dict:
     from autotp import parallelize_model
     from autotp.training import saved_activation_bytes
 
-    model = parallelize_model(folder, tp_size=world, sequence_parallel=sequence_parallel)
+    model = parallelize_model(folder, tp_size=world, sequence_parallel=sequence_parallel, layer_regions=True)
     model.train()
     model(input_ids=IDS, labels=LABELS).loss.backward()  # compiles the training graphs
     model.zero_grad()
@@ -39,7 +40,7 @@ def _rank(rank: int, world: int, folder: str, sequence_parallel: bool) -> dict:
     loss, saved = saved_activation_bytes(lambda: model(input_ids=IDS, labels=LABELS).loss)
     loss.backward()
     return {"loss": float(loss.detach()), "saved_bytes": saved, "grads": _gathered_grads(model),
-            "forward": dict(comm.counts), "backward": dict(comm.backward_counts)}
+            "forward": dict(comm.counts), "backward": dict(comm.backward_counts), "regional": through_regions(model)}
 
 
 def test_sequence_parallel_trades_each_all_reduce_for_a_reduce_scatter_and_an_all_gather(tmp_path: Path) -> None:
@@ -55,6 +56,8 @@ def test_sequence_parallel_trades_each_all_reduce_for_a_reduce_scatter_and_an_al
     ref_loss = float(ref_loss.detach())
     plain = run_ranks(_rank, 2, str(folder), False)
     sequence = run_ranks(_rank, 2, str(folder), True)
+    for r in plain + sequence:
+        assert r["regional"] and all(r["regional"])  # each layer through its region (layer_regions=True)
     for r in sequence:
         assert r["loss"] == pytest.approx(ref_loss, rel=1e-5)
         for name, p in ref.named_parameters():
