@@ -158,6 +158,7 @@ __all__ = [
     "no_ddp_graph_split",
     "pytree",
     "no_guard_latency_profile",
+    "recompile_limit",
     "pickle_graph",
     "require",
     "require_module",
@@ -1558,6 +1559,12 @@ def _guard_values_read_lazily() -> Iterator[None]:
         yield
 
 
+def recompile_limit() -> int | None:
+    """Dynamo's ``config.recompile_limit`` now: how many compiled versions of a frame it keeps
+    before running the frame's own code (None on a torch without the setting)."""
+    return getattr(require_module("torch._dynamo.config"), "recompile_limit", None)
+
+
 @contextlib.contextmanager
 def _no_uncompiled_runs_past_the_recompile_limit() -> Iterator[None]:
     """Within the block (a compile, :class:`_CompileSettings`), a compile of the forward past Dynamo's recompile limit raises
@@ -1582,7 +1589,7 @@ def _no_uncompiled_runs_past_the_recompile_limit() -> Iterator[None]:
     except failure as error:
         raise AutoTPError(
             f"the model's forward needs more compiled versions than torch._dynamo.config.recompile_limit "
-            f"({config.recompile_limit}) allows: each call whose arguments Dynamo's guards cannot share "
+            f"({recompile_limit()}) allows: each call whose arguments Dynamo's guards cannot share "
             f"with an earlier call's (other keyword arguments, dtypes, a specialized size) compiles one, "
             f"and past the limit Dynamo would run the forward uncompiled, on this rank's shards without "
             f"the collectives, which gives wrong results. Raise torch._dynamo.config.recompile_limit "

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from autotp.compat import recompile_limit
 from autotp.context import meta_of
 from autotp.errors import AutoTPError
 
@@ -61,11 +62,6 @@ def _module_name(params: dict[str, Any], names: list[str]) -> str:
     return "a module"
 
 
-def _recompile_limit() -> Any:
-    """Dynamo's ``recompile_limit`` now (None where this torch has no such setting)."""
-    return getattr(torch._dynamo.config, "recompile_limit", None)
-
-
 def refuse_eager_calls(released: Sequence[torch.Tensor]) -> int:
     """Make every module owning one of the ``released`` parameters refuse an eager call; returns
     how many modules got the hook."""
@@ -84,7 +80,7 @@ def refuse_eager_calls(released: Sequence[torch.Tensor]) -> int:
                 "uncompiled module cannot run. Call the module torch.compile returned instead; to keep an "
                 "unsharded copy as well, compile copy.deepcopy(model). If the compiled module was called, "
                 "Dynamo ran its code uncompiled: past torch._dynamo.config.recompile_limit "
-                f"({_recompile_limit()}) compiled versions of a frame it does (TORCH_LOGS=recompiles lists "
+                f"({recompile_limit()}) compiled versions of a frame it does (TORCH_LOGS=recompiles lists "
                 "why each was compiled); raise the limit or call the model with fewer kinds of arguments."
             )
 
